@@ -1,0 +1,386 @@
+package shmipc
+
+import (
+	"encoding/binary"
+	"fmt"
+	"sort"
+	"sync/atomic"
+	"unsafe"
+)
+
+// Buffer region layout (PROTOCOL.md §4). All integers are little-endian.
+const (
+	managerHeaderSize = 8 // u16 list count, u16 reserved, u32 used
+	listHeaderSize    = 36
+	sliceHeaderSize   = 20
+
+	// list header fields
+	listFreeOff    = 0  // i32, atomic
+	listCountOff   = 4  // u32
+	listHeadOff    = 8  // u32 relative offset, atomic
+	listTailOff    = 12 // u32 relative offset, atomic
+	listCapOff     = 16 // u32
+	creatorCounter = 20 // i32 the creator adds to on pop, subtracts on push
+	mapperCounter  = 24 // i32 the same for the mapper
+
+	// slice header fields
+	sliceCapOff   = 0
+	sliceSizeOff  = 4
+	sliceStartOff = 8
+	sliceNextOff  = 12
+	sliceFlagsOff = 16
+
+	flagHasNext = 0x01
+	flagInUse   = 0x02
+
+	// popAttempts bounds the retries of one pop (PROTOCOL.md §4.8).
+	popAttempts = 200
+	// pushAttempts bounds the retries of one push. The protocol sets no
+	// limit; a peer that keeps the tail moving this long is broken.
+	pushAttempts = 1 << 20
+)
+
+// sliceList is the local, validated description of one list of the region.
+// Fields read from shared memory at mapping time are never read again.
+type sliceList struct {
+	header   uint32 // offset of the list header
+	area     uint32 // offset of the first slice header
+	stride   uint32 // sliceCap + sliceHeaderSize
+	sliceCap uint32
+	count    uint32
+}
+
+func (l *sliceList) end() uint32 { return l.area + l.count*l.stride }
+
+// validRelative reports whether rel is the relative offset of a slice of l.
+func (l *sliceList) validRelative(rel uint32) bool {
+	return rel%l.stride == 0 && rel/l.stride < l.count
+}
+
+// bufferManager allocates and frees slices of one buffer region. It is safe
+// for concurrent use, within and across processes: the free lists are
+// lock-free, as the protocol requires.
+type bufferManager struct {
+	region  *region
+	mem     []byte
+	lists   []sliceList // in region order, which is ascending offset
+	bySize  []int       // indexes into lists, ascending sliceCap
+	slices  uint32      // total slices in all lists: the longest possible chain
+	counter uint32      // offset of our counter word in a list header
+}
+
+// initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.
+// mem must be zero-filled.
+func initBufferRegion(mem []byte, plans []listPlan) {
+	binary.LittleEndian.PutUint16(mem[0:], uint16(len(plans)))
+	binary.LittleEndian.PutUint16(mem[2:], 0)
+	cur := uint32(managerHeaderSize)
+	for _, p := range plans {
+		stride := p.sliceCap + sliceHeaderSize
+		h := mem[cur:]
+		binary.LittleEndian.PutUint32(h[listFreeOff:], p.count)
+		binary.LittleEndian.PutUint32(h[listCountOff:], p.count)
+		binary.LittleEndian.PutUint32(h[listHeadOff:], 0)
+		binary.LittleEndian.PutUint32(h[listTailOff:], (p.count-1)*stride)
+		binary.LittleEndian.PutUint32(h[listCapOff:], p.sliceCap)
+		clear(h[creatorCounter:listHeaderSize])
+		area := cur + listHeaderSize
+		for k := uint32(0); k < p.count; k++ {
+			s := mem[area+k*stride:]
+			binary.LittleEndian.PutUint32(s[sliceCapOff:], p.sliceCap)
+			binary.LittleEndian.PutUint32(s[sliceSizeOff:], 0)
+			binary.LittleEndian.PutUint32(s[sliceStartOff:], 0)
+			if k < p.count-1 {
+				binary.LittleEndian.PutUint32(s[sliceNextOff:], (k+1)*stride)
+				s[sliceFlagsOff] = flagHasNext
+			} else {
+				binary.LittleEndian.PutUint32(s[sliceNextOff:], 0)
+				s[sliceFlagsOff] = 0
+			}
+		}
+		cur = area + p.count*stride
+	}
+	binary.LittleEndian.PutUint32(mem[4:], cur-managerHeaderSize)
+}
+
+// bufferRegionSize is the space a region of plans occupies.
+func bufferRegionSize(plans []listPlan) uint64 {
+	n := uint64(managerHeaderSize)
+	for _, p := range plans {
+		n += listHeaderSize + uint64(p.count)*(uint64(p.sliceCap)+sliceHeaderSize)
+	}
+	return n
+}
+
+// newBufferManager reads and checks the layout of a mapped buffer region
+// (PROTOCOL.md §4.6). Every list must lie inside the mapping, slice sizes must
+// be distinct non-zero multiples of 4, and every list must hold a slice. The
+// values are copied; the manager never trusts those header fields again.
+func newBufferManager(r *region, creator bool) (*bufferManager, error) {
+	mem := r.mem
+	size := uint64(len(mem))
+	if size < managerHeaderSize {
+		return nil, fmt.Errorf("buffer region of %d bytes has no header", size)
+	}
+	n := int(binary.LittleEndian.Uint16(mem[0:]))
+	used := uint64(binary.LittleEndian.Uint32(mem[4:]))
+	if n == 0 {
+		return nil, fmt.Errorf("buffer region has no lists")
+	}
+	if managerHeaderSize+used > size {
+		return nil, fmt.Errorf("buffer region claims %d bytes of lists but is %d bytes long", used, size)
+	}
+	limit := managerHeaderSize + used
+	m := &bufferManager{region: r, mem: mem, lists: make([]sliceList, n), counter: mapperCounter}
+	if creator {
+		m.counter = creatorCounter
+	}
+	cur := uint64(managerHeaderSize)
+	var total uint64
+	for i := range m.lists {
+		if cur+listHeaderSize > limit {
+			return nil, fmt.Errorf("list %d header at %d lies outside the %d bytes in use", i, cur, limit)
+		}
+		count := uint64(binary.LittleEndian.Uint32(mem[cur+listCountOff:]))
+		sliceCap := uint64(binary.LittleEndian.Uint32(mem[cur+listCapOff:]))
+		if count == 0 {
+			return nil, fmt.Errorf("list %d at %d has no slices", i, cur)
+		}
+		if sliceCap == 0 || sliceCap%4 != 0 {
+			return nil, fmt.Errorf("list %d at %d has slice size %d, which is not a positive multiple of 4", i, cur, sliceCap)
+		}
+		stride := sliceCap + sliceHeaderSize
+		end := cur + listHeaderSize + count*stride
+		if end > limit {
+			return nil, fmt.Errorf("list %d at %d (%d slices of %d bytes) ends at %d, past the %d bytes in use", i, cur, count, sliceCap, end, limit)
+		}
+		m.lists[i] = sliceList{
+			header:   uint32(cur),
+			area:     uint32(cur + listHeaderSize),
+			stride:   uint32(stride),
+			sliceCap: uint32(sliceCap),
+			count:    uint32(count),
+		}
+		total += count
+		cur = end
+	}
+	m.slices = uint32(total)
+	m.bySize = make([]int, n)
+	for i := range m.bySize {
+		m.bySize[i] = i
+	}
+	sort.Slice(m.bySize, func(a, b int) bool { return m.lists[m.bySize[a]].sliceCap < m.lists[m.bySize[b]].sliceCap })
+	for i := 1; i < n; i++ {
+		if m.lists[m.bySize[i-1]].sliceCap == m.lists[m.bySize[i]].sliceCap {
+			return nil, fmt.Errorf("two lists have slice size %d", m.lists[m.bySize[i]].sliceCap)
+		}
+	}
+	return m, nil
+}
+
+func (m *bufferManager) i32(off uint32) *int32 {
+	return (*int32)(unsafe.Pointer(&m.mem[off]))
+}
+
+func (m *bufferManager) u32(off uint32) *uint32 {
+	return (*uint32)(unsafe.Pointer(&m.mem[off]))
+}
+
+// maxSliceCap is the data capacity of the largest slice.
+func (m *bufferManager) maxSliceCap() uint32 {
+	return m.lists[m.bySize[len(m.bySize)-1]].sliceCap
+}
+
+// corrupt builds the error for a value in the buffer region that cannot be.
+func corrupt(format string, args ...any) error {
+	return fmt.Errorf("%w: buffer region: %s", ErrProtocol, fmt.Sprintf(format, args...))
+}
+
+// pop takes one free slice from list li (PROTOCOL.md §4.8). It returns the
+// absolute offset of the slice header, or 0 when the list has no slice to
+// spare. An error means the list is corrupt.
+func (m *bufferManager) pop(li int) (uint32, error) {
+	l := &m.lists[li]
+	free, head := m.i32(l.header+listFreeOff), m.u32(l.header+listHeadOff)
+	h := atomic.LoadUint32(head)
+	if atomic.AddInt32(free, -1) <= 0 {
+		atomic.AddInt32(free, 1)
+		return 0, nil
+	}
+	for range popAttempts {
+		if !l.validRelative(h) {
+			atomic.AddInt32(free, 1)
+			return 0, corrupt("list of %d-byte slices: head %d is not a slice", l.sliceCap, h)
+		}
+		hdr := l.area + h
+		if m.mem[hdr+sliceFlagsOff]&flagHasNext != 0 {
+			next := atomic.LoadUint32(m.u32(hdr + sliceNextOff))
+			if !l.validRelative(next) {
+				if atomic.LoadUint32(head) == h {
+					atomic.AddInt32(free, 1)
+					return 0, corrupt("list of %d-byte slices: free slice %d links to %d, not a slice", l.sliceCap, h, next)
+				}
+			} else if atomic.CompareAndSwapUint32(head, h, next) {
+				m.mem[hdr+sliceFlagsOff] = flagInUse
+				atomic.AddInt32(m.i32(l.header+m.counter), 1)
+				return hdr, nil
+			}
+		} else if atomic.LoadInt32(free) <= 1 {
+			atomic.AddInt32(free, 1)
+			return 0, nil
+		}
+		h = atomic.LoadUint32(head)
+	}
+	atomic.AddInt32(free, 1)
+	return 0, nil
+}
+
+// push returns the slice at absolute offset off, which belongs to list li, to
+// its free list (PROTOCOL.md §4.9).
+func (m *bufferManager) push(li int, off uint32) error {
+	l := &m.lists[li]
+	binary.LittleEndian.PutUint32(m.mem[off+sliceSizeOff:], 0)
+	binary.LittleEndian.PutUint32(m.mem[off+sliceStartOff:], 0)
+	m.mem[off+sliceFlagsOff] = 0
+	rel := off - l.area
+	tail := m.u32(l.header + listTailOff)
+	for range pushAttempts {
+		t := atomic.LoadUint32(tail)
+		if !l.validRelative(t) {
+			return corrupt("list of %d-byte slices: tail %d is not a slice", l.sliceCap, t)
+		}
+		if atomic.CompareAndSwapUint32(tail, t, rel) {
+			prev := l.area + t
+			atomic.StoreUint32(m.u32(prev+sliceNextOff), rel)
+			m.mem[prev+sliceFlagsOff] |= flagHasNext
+			atomic.AddInt32(m.i32(l.header+listFreeOff), 1)
+			atomic.AddInt32(m.i32(l.header+m.counter), -1)
+			return nil
+		}
+	}
+	return corrupt("list of %d-byte slices: tail kept moving for %d attempts", l.sliceCap, pushAttempts)
+}
+
+// locate returns the list holding the slice whose header is at absolute
+// offset off, checking that off is exactly on a slice boundary.
+func (m *bufferManager) locate(off uint32) (int, error) {
+	i := sort.Search(len(m.lists), func(i int) bool { return m.lists[i].area > off }) - 1
+	if i < 0 {
+		return 0, corrupt("offset %d lies before the first slice", off)
+	}
+	l := &m.lists[i]
+	if off >= l.end() || (off-l.area)%l.stride != 0 {
+		return 0, corrupt("offset %d is not the start of a slice", off)
+	}
+	return i, nil
+}
+
+// alloc pops one slice able to hold n bytes: from the smallest list that
+// fits, falling back to larger lists when it is empty. When n exceeds every
+// slice, it pops from the largest list that has one to spare. It returns
+// li = -1 when no list can give a slice.
+func (m *bufferManager) alloc(n int) (li int, off uint32, err error) {
+	start := sort.Search(len(m.bySize), func(i int) bool { return int(m.lists[m.bySize[i]].sliceCap) >= n })
+	for _, i := range m.bySize[start:] {
+		if off, err = m.pop(i); off != 0 || err != nil {
+			return i, off, err
+		}
+	}
+	if start < len(m.bySize) {
+		return -1, 0, nil
+	}
+	for k := len(m.bySize) - 1; k >= 0; k-- {
+		i := m.bySize[k]
+		if off, err = m.pop(i); off != 0 || err != nil {
+			return i, off, err
+		}
+	}
+	return -1, 0, nil
+}
+
+// sliceData returns the whole data area of the slice at off in list li.
+func (m *bufferManager) sliceData(li int, off uint32) []byte {
+	d := off + sliceHeaderSize
+	return m.mem[d : d+m.lists[li].sliceCap : d+m.lists[li].sliceCap]
+}
+
+// linkSlice writes the header of a slice of an outgoing message: its size,
+// start 0, and a link to the next slice (next == 0 ends the message).
+func (m *bufferManager) linkSlice(off uint32, size int, next uint32) {
+	binary.LittleEndian.PutUint32(m.mem[off+sliceSizeOff:], uint32(size))
+	binary.LittleEndian.PutUint32(m.mem[off+sliceStartOff:], 0)
+	if next != 0 {
+		binary.LittleEndian.PutUint32(m.mem[off+sliceNextOff:], next)
+		m.mem[off+sliceFlagsOff] = flagInUse | flagHasNext
+	} else {
+		m.mem[off+sliceFlagsOff] = flagInUse
+	}
+}
+
+// shmSlice is one slice of a received or outgoing message: its list and
+// header offset, and a view of its data.
+type shmSlice struct {
+	list int32
+	off  uint32
+	data []byte
+}
+
+// readChain walks the message that starts at the slice header at root and
+// appends its slices to dst. Every header is read once and checked: the
+// offset must be a slice of a list, cap must match that list and
+// start+size must fit in cap. The walk stops after as many slices as the
+// region has, so a cycle cannot keep it going. Empty slices are freed at
+// once and not returned. On error, the slices appended so far are freed
+// and dst is returned unchanged.
+func (m *bufferManager) readChain(dst []shmSlice, root uint32) ([]shmSlice, error) {
+	first := len(dst)
+	fail := func(err error) ([]shmSlice, error) {
+		for _, s := range dst[first:] {
+			_ = m.push(int(s.list), s.off)
+		}
+		return dst[:first], err
+	}
+	off := root
+	for n := uint32(0); ; n++ {
+		if n == m.slices {
+			return fail(corrupt("message at %d links more slices than the region has (a cycle?)", root))
+		}
+		li, err := m.locate(off)
+		if err != nil {
+			return fail(fmt.Errorf("message at %d: %w", root, err))
+		}
+		sliceCap := binary.LittleEndian.Uint32(m.mem[off+sliceCapOff:])
+		size := binary.LittleEndian.Uint32(m.mem[off+sliceSizeOff:])
+		start := binary.LittleEndian.Uint32(m.mem[off+sliceStartOff:])
+		next := binary.LittleEndian.Uint32(m.mem[off+sliceNextOff:])
+		flags := m.mem[off+sliceFlagsOff]
+		want := m.lists[li].sliceCap
+		if sliceCap != want {
+			return fail(corrupt("slice at %d has cap %d, its list has %d", off, sliceCap, want))
+		}
+		if uint64(start)+uint64(size) > uint64(want) {
+			return fail(corrupt("slice at %d has start %d and size %d beyond its cap %d", off, start, size, want))
+		}
+		if size == 0 {
+			if err := m.push(li, off); err != nil {
+				return fail(err)
+			}
+		} else {
+			d := off + sliceHeaderSize + start
+			dst = append(dst, shmSlice{list: int32(li), off: off, data: m.mem[d : d+size : d+size]})
+		}
+		if flags&flagHasNext == 0 {
+			return dst, nil
+		}
+		off = next
+	}
+}
+
+// freeCount returns the free count of each list, for tests and statistics.
+func (m *bufferManager) freeCounts() []int32 {
+	out := make([]int32, len(m.lists))
+	for i := range m.lists {
+		out[i] = atomic.LoadInt32(m.i32(m.lists[i].header + listFreeOff))
+	}
+	return out
+}

@@ -1,0 +1,210 @@
+package shmipc
+
+import (
+	"fmt"
+	"sort"
+	"time"
+)
+
+// MemMapType says how the client shares its memory regions with the server.
+type MemMapType uint8
+
+const (
+	// MemMapTypeMemFd creates anonymous memfds and passes them over the Unix
+	// socket with SCM_RIGHTS (protocol version 3). It needs a Unix socket.
+	// Nothing is left in the file system, even if both processes die.
+	MemMapTypeMemFd MemMapType = iota
+	// MemMapTypeDevShmFile creates files under ShareMemoryPathPrefix
+	// (normally in /dev/shm) and sends their paths (protocol version 2). It
+	// works over TCP loopback too. The files are removed when the session ends.
+	MemMapTypeDevShmFile
+)
+
+func (t MemMapType) String() string {
+	switch t {
+	case MemMapTypeMemFd:
+		return "memfd"
+	case MemMapTypeDevShmFile:
+		return "file"
+	}
+	return fmt.Sprintf("MemMapType(%d)", uint8(t))
+}
+
+// SizePercentPair configures one size class of the buffer region: slices of
+// Size data bytes taking Percent of the region.
+type SizePercentPair struct {
+	Size    uint32
+	Percent uint32
+}
+
+// Config holds every tunable of a session. Start from DefaultConfig and
+// change fields; Client, Server, Dial and Listen call Verify.
+type Config struct {
+	// InitializeTimeout bounds the whole handshake on either side.
+	InitializeTimeout time.Duration
+
+	// ConnectionWriteTimeout bounds each write of an event frame to the
+	// socket (wake-ups, fallback data, closes). Dial uses it as its connect
+	// timeout too. A peer that stops reading for this long ends the session.
+	ConnectionWriteTimeout time.Duration
+
+	// QueueCap is the number of 12-byte elements in each direction's IO
+	// queue. It must be a positive multiple of 16 so that the queue header
+	// is laid out identically on x86-64 and arm64.
+	QueueCap uint32
+
+	// ShareMemoryBufferCap is the size in bytes of the buffer region a client
+	// creates for a session: at least 1 MiB.
+	ShareMemoryBufferCap uint32
+
+	// BufferSliceSizes are the size classes of the buffer region. Sizes must
+	// be distinct multiples of 4 and percentages must add up to 100.
+	BufferSliceSizes []SizePercentPair
+
+	// ShareMemoryPathPrefix names the regions a client creates:
+	// <prefix>_<pid>_<random>_buffer and ..._queue_0. In file mode these are
+	// real files; in memfd mode they are only names.
+	ShareMemoryPathPrefix string
+
+	// MemMapType selects memfd (default) or file-backed regions.
+	MemMapType MemMapType
+
+	// MaxFallbackFrameSize is the largest FallbackData frame accepted from
+	// the peer, header included. Larger frames end the session. Frames this
+	// implementation sends are at most min(this, 32 MiB), which other
+	// implementations accept.
+	MaxFallbackFrameSize uint32
+}
+
+// Defaults.
+const (
+	defaultInitializeTimeout      = time.Second
+	defaultConnectionWriteTimeout = 10 * time.Second
+	defaultQueueCap               = 8192
+	defaultBufferCap              = 32 << 20
+	defaultPathPrefix             = "/dev/shm/shmipc"
+	defaultMaxFallbackFrame       = 64 << 20
+
+	// maxFallbackFrameSent is the largest FallbackData frame we send: the
+	// Rust reference cannot receive larger ones.
+	maxFallbackFrameSent = 32 << 20
+
+	minBufferCap = 1 << 20
+	// maxPathBudget is the file-mode length guard: a prefix longer than
+	// 255-48-27 bytes cannot name its regions.
+	maxPathBudget = 255 - 48 - 27
+)
+
+// DefaultConfig returns the configuration the other Shmipc implementations
+// use by default: a 32 MiB buffer region in 8 KiB, 32 KiB and 128 KiB slices
+// (50/30/20 %), 8192-element queues, memfd regions.
+func DefaultConfig() *Config {
+	return &Config{
+		InitializeTimeout:      defaultInitializeTimeout,
+		ConnectionWriteTimeout: defaultConnectionWriteTimeout,
+		QueueCap:               defaultQueueCap,
+		ShareMemoryBufferCap:   defaultBufferCap,
+		BufferSliceSizes: []SizePercentPair{
+			{Size: 8192 - sliceHeaderSize, Percent: 50},
+			{Size: 32<<10 - sliceHeaderSize, Percent: 30},
+			{Size: 128<<10 - sliceHeaderSize, Percent: 20},
+		},
+		ShareMemoryPathPrefix: defaultPathPrefix,
+		MemMapType:            MemMapTypeMemFd,
+		MaxFallbackFrameSize:  defaultMaxFallbackFrame,
+	}
+}
+
+// Verify reports the first invalid field, wrapping ErrInvalidConfig.
+func (c *Config) Verify() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: %s", ErrInvalidConfig, fmt.Sprintf(format, args...))
+	}
+	if c == nil {
+		return bad("nil config")
+	}
+	if c.InitializeTimeout <= 0 {
+		return bad("InitializeTimeout %v must be positive", c.InitializeTimeout)
+	}
+	if c.ConnectionWriteTimeout <= 0 {
+		return bad("ConnectionWriteTimeout %v must be positive", c.ConnectionWriteTimeout)
+	}
+	if c.QueueCap == 0 || c.QueueCap%16 != 0 || c.QueueCap > maxQueueCap {
+		return bad("QueueCap %d must be a positive multiple of 16 no larger than %d", c.QueueCap, maxQueueCap)
+	}
+	if c.ShareMemoryBufferCap < minBufferCap {
+		return bad("ShareMemoryBufferCap %d is below the minimum of %d", c.ShareMemoryBufferCap, minBufferCap)
+	}
+	if _, err := planLists(c.ShareMemoryBufferCap, c.BufferSliceSizes); err != nil {
+		return bad("%v", err)
+	}
+	switch c.MemMapType {
+	case MemMapTypeMemFd, MemMapTypeDevShmFile:
+	default:
+		return bad("unknown MemMapType %d", c.MemMapType)
+	}
+	if c.ShareMemoryPathPrefix == "" {
+		return bad("empty ShareMemoryPathPrefix")
+	}
+	if c.MemMapType == MemMapTypeDevShmFile && len(c.ShareMemoryPathPrefix)+len(pathUniquePart) > maxPathBudget {
+		return bad("ShareMemoryPathPrefix %q is too long for file mode (at most %d bytes)", c.ShareMemoryPathPrefix, maxPathBudget-len(pathUniquePart))
+	}
+	if c.MaxFallbackFrameSize < minFallbackFrame {
+		return bad("MaxFallbackFrameSize %d is below %d", c.MaxFallbackFrameSize, minFallbackFrame)
+	}
+	return nil
+}
+
+// minFallbackFrame is the smallest MaxFallbackFrameSize allowed: the largest
+// slice of the default configuration must fit in one frame.
+const minFallbackFrame = 1 << 20
+
+// pathUniquePart stands for what a client appends to the prefix: "_<pid>_<random>".
+const pathUniquePart = "_4294967295_ffffffffffffffff"
+
+// listPlan is one size class of a region to be created.
+type listPlan struct {
+	sliceCap uint32
+	count    uint32
+}
+
+// planLists computes the lists of a new region exactly as PROTOCOL.md §4.5
+// does: sorted by size, each taking its percentage of the space left after
+// the headers.
+func planLists(size uint32, pairs []SizePercentPair) ([]listPlan, error) {
+	if len(pairs) == 0 {
+		return nil, fmt.Errorf("BufferSliceSizes is empty")
+	}
+	if len(pairs) > 0xFFFF {
+		return nil, fmt.Errorf("too many BufferSliceSizes")
+	}
+	sorted := append([]SizePercentPair(nil), pairs...)
+	sort.Slice(sorted, func(i, j int) bool { return sorted[i].Size < sorted[j].Size })
+	var total uint64
+	for i, p := range sorted {
+		if p.Size == 0 || p.Size%4 != 0 {
+			return nil, fmt.Errorf("slice size %d must be a positive multiple of 4", p.Size)
+		}
+		if i > 0 && sorted[i-1].Size == p.Size {
+			return nil, fmt.Errorf("slice size %d appears twice", p.Size)
+		}
+		total += uint64(p.Percent)
+	}
+	if total != 100 {
+		return nil, fmt.Errorf("slice size percentages add up to %d, not 100", total)
+	}
+	headers := uint64(len(sorted))*listHeaderSize + managerHeaderSize
+	if uint64(size) <= headers {
+		return nil, fmt.Errorf("buffer size %d cannot hold %d lists", size, len(sorted))
+	}
+	rest := uint64(size) - headers
+	plans := make([]listPlan, len(sorted))
+	for i, p := range sorted {
+		count := rest * uint64(p.Percent) / 100 / (uint64(p.Size) + sliceHeaderSize)
+		if count == 0 {
+			return nil, fmt.Errorf("slice size %d at %d%% of %d bytes gives no slices", p.Size, p.Percent, size)
+		}
+		plans[i] = listPlan{sliceCap: p.Size, count: uint32(count)}
+	}
+	return plans, nil
+}

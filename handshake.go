@@ -1,0 +1,348 @@
+package shmipc
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/goshm/shmipc/internal/wire"
+)
+
+// Client runs the client side of the handshake on conn (a *net.UnixConn, or
+// a *net.TCPConn in file mode): it creates the session's buffer and queue
+// regions, hands them to the server, and returns the running session. A nil
+// conf means DefaultConfig(). On error conn is closed and everything created
+// is released.
+func Client(conn net.Conn, conf *Config) (*Session, error) {
+	return handshake(conn, conf, true, nil)
+}
+
+// Server runs the server side of the handshake on conn: it maps the regions
+// the client created and returns the running session. Streams the client
+// opens arrive through AcceptStream. On error conn is closed.
+func Server(conn net.Conn, conf *Config) (*Session, error) {
+	return handshake(conn, conf, false, nil)
+}
+
+// handshakeServer is Server with a hook that configures the session before
+// its receive loop starts.
+func handshakeServer(conn net.Conn, conf *Config, setup func(*Session)) (*Session, error) {
+	return handshake(conn, conf, false, setup)
+}
+
+func handshake(conn net.Conn, conf *Config, client bool, setup func(*Session)) (*Session, error) {
+	if conf == nil {
+		conf = DefaultConfig()
+	}
+	if err := conf.Verify(); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	s := newSession(conn, conf, client)
+	if err := conn.SetDeadline(time.Now().Add(conf.InitializeTimeout)); err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("%w: %w", ErrHandshake, err)
+	}
+	var err error
+	if client {
+		err = s.clientHandshake()
+	} else {
+		err = s.serverHandshake()
+	}
+	if err == nil {
+		err = conn.SetDeadline(time.Time{})
+	}
+	if err != nil {
+		conn.Close()
+		s.releaseRegions()
+		if isTimeout(err) {
+			err = fmt.Errorf("%w after %v: %w", ErrTimeout, conf.InitializeTimeout, err)
+		}
+		role := "server"
+		if client {
+			role = "client"
+		}
+		return nil, fmt.Errorf("%w (%s): %w", ErrHandshake, role, err)
+	}
+	if setup != nil {
+		setup(s)
+	}
+	s.start()
+	return s, nil
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// clientHandshake creates the regions and runs PROTOCOL.md §1.4 (file mode,
+// version 2) or §1.5 (memfd, version 3).
+func (s *Session) clientHandshake() error {
+	conf := s.conf
+	memfd := conf.MemMapType == MemMapTypeMemFd
+	if memfd && s.ec.unix == nil {
+		return fmt.Errorf("memfd regions need a Unix socket, not %T; use MemMapTypeDevShmFile over TCP", s.ec.conn)
+	}
+	prefix := fmt.Sprintf("%s_%d_%016x", conf.ShareMemoryPathPrefix, pid, rand.Uint64())
+	bufPath, queuePath := prefix+"_buffer", prefix+"_queue_0"
+	plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
+	if err != nil {
+		return err
+	}
+	queueSize := queueRegionSize(conf.QueueCap)
+	if !memfd {
+		need := uint64(conf.ShareMemoryBufferCap) + uint64(queueSize)
+		if err := checkFreeSpace(filepath.Dir(prefix), need); err != nil {
+			return err
+		}
+	}
+
+	bufRegion, bufFd, err := createRegion(conf.MemMapType, bufPath, int(conf.ShareMemoryBufferCap))
+	if err != nil {
+		return err
+	}
+	defer closeFds(bufFd)
+	initBufferRegion(bufRegion.mem, plans)
+	if s.buf, err = newBufferManager(bufRegion, true); err != nil {
+		bufRegion.release()
+		return err
+	}
+	queueRegion, queueFd, err := createRegion(conf.MemMapType, queuePath, queueSize)
+	if err != nil {
+		return err
+	}
+	defer closeFds(queueFd)
+	s.queueRegion = queueRegion
+	initQueueRegion(queueRegion.mem, conf.QueueCap)
+	if s.sendQ, s.recvQ, err = mapQueues(queueRegion.mem); err != nil {
+		return err
+	}
+
+	if !memfd {
+		s.version = wire.VersionFilePath
+		frame, err := wire.AppendPaths(nil, s.version, wire.TypeShareMemoryByFilePath, queuePath, bufPath)
+		if err != nil {
+			return err
+		}
+		return s.ec.write(frame)
+	}
+	if err := s.ec.writeEvent(wire.MaxVersion, wire.TypeExchangeProtoVersion); err != nil {
+		return err
+	}
+	h, err := s.expect(wire.TypeExchangeProtoVersion)
+	if err != nil {
+		return err
+	}
+	if v := min(wire.MaxVersion, h.Version()); v != wire.VersionMemfd {
+		return fmt.Errorf("server speaks protocol version %d; memfd regions need version %d", h.Version(), wire.VersionMemfd)
+	}
+	s.version = wire.VersionMemfd
+	frame, err := wire.AppendPaths(nil, s.version, wire.TypeShareMemoryByMemfd, queuePath, bufPath)
+	if err != nil {
+		return err
+	}
+	if err := s.ec.write(frame); err != nil {
+		return err
+	}
+	if _, err := s.expect(wire.TypeAckReadyRecvFD); err != nil {
+		return err
+	}
+	if err := s.ec.sendFds(bufFd, queueFd); err != nil {
+		return fmt.Errorf("send region fds: %w", err)
+	}
+	_, err = s.expect(wire.TypeAckShareMemory)
+	return err
+}
+
+// expect reads the next handshake frame, which must be an 8-byte frame of
+// type t.
+func (s *Session) expect(t wire.Type) (wire.Header, error) {
+	h, err := s.ec.readHeader()
+	if err != nil {
+		return nil, fmt.Errorf("waiting for %v: %w", t, err)
+	}
+	if h.Type() != t {
+		return nil, fmt.Errorf("got %v, want %v", h.Type(), t)
+	}
+	if _, err := frameLength(h, 0); err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+// serverHandshake answers the client's handshake and maps its regions. The
+// version byte of the first header decides the version (PROTOCOL.md §1.3).
+func (s *Session) serverHandshake() error {
+	h, err := s.ec.readHeader()
+	if err != nil {
+		return err
+	}
+	switch h.Version() {
+	case wire.VersionFilePath:
+		if h.Type() != wire.TypeShareMemoryByFilePath {
+			return fmt.Errorf("version 2 handshake starts with %v, want %v", h.Type(), wire.TypeShareMemoryByFilePath)
+		}
+		s.version = wire.VersionFilePath
+		return s.mapFromPaths(h)
+	case wire.VersionMemfd:
+		if h.Type() != wire.TypeExchangeProtoVersion {
+			return fmt.Errorf("version 3 handshake starts with %v, want %v", h.Type(), wire.TypeExchangeProtoVersion)
+		}
+		if _, err := frameLength(h, 0); err != nil {
+			return err
+		}
+		s.version = wire.VersionMemfd
+		if err := s.ec.writeEvent(wire.MaxVersion, wire.TypeExchangeProtoVersion); err != nil {
+			return err
+		}
+		h, err := s.ec.readHeader()
+		if err != nil {
+			return err
+		}
+		switch h.Type() {
+		case wire.TypeShareMemoryByMemfd:
+			if err := s.mapFromFds(h); err != nil {
+				return err
+			}
+		case wire.TypeShareMemoryByFilePath:
+			if err := s.mapFromPaths(h); err != nil {
+				return err
+			}
+		default:
+			return fmt.Errorf("got %v after the version exchange, want %v or %v", h.Type(), wire.TypeShareMemoryByMemfd, wire.TypeShareMemoryByFilePath)
+		}
+		return s.ec.writeEvent(s.version, wire.TypeAckShareMemory)
+	default:
+		return fmt.Errorf("%w %d in the first header (type %v)", wire.ErrBadVersion, h.Version(), h.Type())
+	}
+}
+
+// readPaths reads the payload of a path message.
+func (s *Session) readPaths(h wire.Header) (queuePath, bufPath string, err error) {
+	payload, err := s.ec.readPayload(h)
+	if err != nil {
+		return "", "", err
+	}
+	return wire.DecodePaths(payload)
+}
+
+// mapFromPaths opens and maps the region files a client named.
+func (s *Session) mapFromPaths(h wire.Header) error {
+	queuePath, bufPath, err := s.readPaths(h)
+	if err != nil {
+		return err
+	}
+	dir := filepath.Dir(s.conf.ShareMemoryPathPrefix)
+	bufFd, err := openRegionFile(bufPath, dir)
+	if err != nil {
+		return err
+	}
+	defer closeFds(bufFd)
+	queueFd, err := openRegionFile(queuePath, dir)
+	if err != nil {
+		return err
+	}
+	defer closeFds(queueFd)
+	return s.mapRegions(queuePath, bufPath, queueFd, bufFd, true)
+}
+
+// mapFromFds receives the memfds after AckReadyRecvFD and maps them.
+func (s *Session) mapFromFds(h wire.Header) error {
+	queuePath, bufPath, err := s.readPaths(h)
+	if err != nil {
+		return err
+	}
+	if err := s.ec.writeEvent(s.version, wire.TypeAckReadyRecvFD); err != nil {
+		return err
+	}
+	fds, err := s.ec.recvFds(2)
+	if err != nil {
+		return fmt.Errorf("receive region fds: %w", err)
+	}
+	defer closeFds(fds...)
+	return s.mapRegions(queuePath, bufPath, fds[1], fds[0], false)
+}
+
+// Size bounds for regions a client hands to a server.
+const (
+	minPeerBufferSize = managerHeaderSize + listHeaderSize + sliceHeaderSize + 4
+	maxPeerBufferSize = 1<<32 - 1
+)
+
+// mapRegions maps the client's regions. In file mode the server removes the
+// files when it is done with them, as the other implementations' servers do.
+func (s *Session) mapRegions(queuePath, bufPath string, queueFd, bufFd int, files bool) error {
+	var err error
+	if s.buf, err = mapServerBuffer(bufPath, bufFd, files); err != nil {
+		return err
+	}
+	q, err := mapRegion(queueFd, queuePath, int64(queueRegionSize(16)), int64(queueRegionSize(maxQueueCap)))
+	if err != nil {
+		return err
+	}
+	if files {
+		q.file = queuePath
+	}
+	s.queueRegion = q
+	if s.recvQ, s.sendQ, err = mapQueues(q.mem); err != nil {
+		return fmt.Errorf("queue region %s: %w", queuePath, err)
+	}
+	return nil
+}
+
+// serverBuffers caches the buffer regions servers in this process have
+// mapped, by path, as the other implementations do: every session of one
+// client names the same buffer region. A cached mapping is reused only if
+// the new descriptor is the same file.
+var serverBuffers = struct {
+	sync.Mutex
+	m map[string]*bufferManager
+}{m: make(map[string]*bufferManager)}
+
+func mapServerBuffer(path string, fd int, file bool) (*bufferManager, error) {
+	_, dev, ino, err := fdInfo(fd)
+	if err != nil {
+		return nil, fmt.Errorf("buffer region %s: %w", path, err)
+	}
+	serverBuffers.Lock()
+	defer serverBuffers.Unlock()
+	if m := serverBuffers.m[path]; m != nil && m.region.dev == dev && m.region.ino == ino && m.region.acquire() {
+		return m, nil
+	}
+	r, err := mapRegion(fd, path, minPeerBufferSize, maxPeerBufferSize)
+	if err != nil {
+		return nil, err
+	}
+	m, err := newBufferManager(r, false)
+	if err != nil {
+		r.release()
+		return nil, fmt.Errorf("buffer region %s: %w", path, err)
+	}
+	if file {
+		r.file = path
+	}
+	r.onLastRelease = func() {
+		serverBuffers.Lock()
+		if serverBuffers.m[path] == m {
+			delete(serverBuffers.m, path)
+		}
+		serverBuffers.Unlock()
+	}
+	serverBuffers.m[path] = m
+	return m, nil
+}
+
+// releaseRegions drops the session's references on its regions.
+func (s *Session) releaseRegions() {
+	if s.buf != nil {
+		s.buf.region.release()
+	}
+	if s.queueRegion != nil {
+		s.queueRegion.release()
+	}
+}

@@ -1,0 +1,199 @@
+package shmipc
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Dial connects to a server at address ("unix" or "tcp" network) and runs
+// the client handshake. Over TCP, conf.MemMapType must be
+// MemMapTypeDevShmFile. A nil conf means DefaultConfig().
+func Dial(network, address string, conf *Config) (*Session, error) {
+	if conf == nil {
+		conf = DefaultConfig()
+	}
+	if err := conf.Verify(); err != nil {
+		return nil, err
+	}
+	if conf.MemMapType == MemMapTypeMemFd && !strings.HasPrefix(network, "unix") {
+		return nil, fmt.Errorf("%w: memfd regions need a Unix socket, not %q; use MemMapTypeDevShmFile", ErrInvalidConfig, network)
+	}
+	conn, err := net.DialTimeout(network, address, conf.ConnectionWriteTimeout)
+	if err != nil {
+		return nil, fmt.Errorf("shmipc: dial %s %s: %w", network, address, err)
+	}
+	return Client(conn, conf)
+}
+
+// Listener accepts sessions on a socket and delivers the streams their
+// clients open. It implements net.Listener: Accept returns each new stream
+// as a net.Conn (a *Stream).
+type Listener struct {
+	ln   net.Listener
+	conf *Config
+
+	streams streamQueue
+	closed  chan struct{}
+	once    sync.Once
+	done    chan struct{} // the accept loop has stopped
+
+	mu       sync.Mutex
+	sessions map[*Session]struct{}
+	pending  map[net.Conn]struct{} // connections still in their handshake
+}
+
+var _ net.Listener = (*Listener)(nil)
+
+// Listen listens on address ("unix" or "tcp" network) for shmipc clients.
+// A nil conf means DefaultConfig(); the server side uses its
+// ShareMemoryPathPrefix directory as the only place file-mode regions may
+// come from, and its timeouts.
+func Listen(network, address string, conf *Config) (*Listener, error) {
+	if conf == nil {
+		conf = DefaultConfig()
+	}
+	if err := conf.Verify(); err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen(network, address)
+	if err != nil {
+		return nil, fmt.Errorf("shmipc: listen %s %s: %w", network, address, err)
+	}
+	return NewListener(ln, conf), nil
+}
+
+// NewListener serves shmipc on an existing listener, which it takes over.
+func NewListener(ln net.Listener, conf *Config) *Listener {
+	if conf == nil {
+		conf = DefaultConfig()
+	}
+	l := &Listener{
+		ln:       ln,
+		conf:     conf,
+		closed:   make(chan struct{}),
+		done:     make(chan struct{}),
+		sessions: make(map[*Session]struct{}),
+		pending:  make(map[net.Conn]struct{}),
+	}
+	l.streams.init()
+	go l.acceptLoop()
+	return l
+}
+
+func (l *Listener) acceptLoop() {
+	defer close(l.done)
+	var backoff time.Duration
+	for {
+		conn, err := l.ln.Accept()
+		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, errTooManyFiles) {
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				select {
+				case <-time.After(backoff):
+					continue
+				case <-l.closed:
+					return
+				}
+			}
+			return
+		}
+		backoff = 0
+		l.mu.Lock()
+		if l.isClosed() {
+			l.mu.Unlock()
+			conn.Close()
+			return
+		}
+		l.pending[conn] = struct{}{}
+		l.mu.Unlock()
+		go l.serve(conn)
+	}
+}
+
+// serve runs the handshake of one connection and registers its session.
+// A failed handshake closes the connection and nothing else.
+func (l *Listener) serve(conn net.Conn) {
+	s, err := handshakeServer(conn, l.conf, func(s *Session) {
+		s.onAccept = l.streams.push
+		s.onTeardown = l.forget
+	})
+	l.mu.Lock()
+	delete(l.pending, conn)
+	if err == nil {
+		if l.isClosed() {
+			err = ErrListenerClosed
+		} else {
+			l.sessions[s] = struct{}{}
+		}
+	}
+	l.mu.Unlock()
+	if err != nil && s != nil {
+		s.Close()
+	}
+}
+
+func (l *Listener) forget(s *Session) {
+	l.mu.Lock()
+	delete(l.sessions, s)
+	l.mu.Unlock()
+}
+
+func (l *Listener) isClosed() bool {
+	select {
+	case <-l.closed:
+		return true
+	default:
+		return false
+	}
+}
+
+// Accept waits for the next stream opened by any client and returns it as a
+// net.Conn (a *Stream).
+func (l *Listener) Accept() (net.Conn, error) {
+	st, err := l.AcceptStream()
+	if err != nil {
+		return nil, err
+	}
+	return st, nil
+}
+
+// AcceptStream waits for the next stream opened by any client.
+func (l *Listener) AcceptStream() (*Stream, error) {
+	return l.streams.pop(l.closed, func() error { return ErrListenerClosed })
+}
+
+// Close stops listening, closes every session and waits for the accept loop.
+// A Unix socket file created by Listen is removed.
+func (l *Listener) Close() error {
+	var err error
+	l.once.Do(func() {
+		l.mu.Lock()
+		close(l.closed)
+		sessions := make([]*Session, 0, len(l.sessions))
+		for s := range l.sessions {
+			sessions = append(sessions, s)
+		}
+		for c := range l.pending {
+			c.Close()
+		}
+		l.mu.Unlock()
+		err = l.ln.Close()
+		<-l.done
+		for _, s := range sessions {
+			s.Close()
+		}
+		l.streams.close()
+	})
+	return err
+}
+
+var errTooManyFiles = syscall.EMFILE
+
+// Addr returns the listening address.
+func (l *Listener) Addr() net.Addr { return l.ln.Addr() }

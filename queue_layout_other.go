@@ -1,0 +1,12 @@
+//go:build !arm64
+
+package shmipc
+
+// Queue header field offsets on x86-64 (PROTOCOL.md §5.2). The 64-bit
+// counters are only 4-byte aligned, which LOCK-prefixed instructions allow.
+const (
+	queueCapOff  = 0
+	queueHeadOff = 4
+	queueTailOff = 12
+	queueFlagOff = 20
+)

@@ -1,0 +1,571 @@
+package shmipc
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/goshm/shmipc/internal/wire"
+)
+
+// Queue-full handling for data (PROTOCOL.md §5.6).
+const (
+	queueFullRetries       = 10
+	queueFullRetryInterval = 10 * time.Millisecond
+)
+
+// Session is one connection between a client and a server process, with its
+// shared regions. It carries any number of streams. Only the client opens
+// streams; the server accepts them. A Session is safe for concurrent use.
+type Session struct {
+	conf     *Config
+	isClient bool
+	version  uint8
+	ec       *eventConn
+
+	buf         *bufferManager
+	queueRegion *region
+	sendQ       *ioQueue
+	recvQ       *ioQueue
+
+	mu       sync.Mutex
+	streams  map[uint32]*Stream
+	nextID   uint32
+	accepted streamQueue
+	onAccept func(*Stream) // where new streams go; set before start
+
+	closeOnce   sync.Once
+	closed      chan struct{}
+	err         error // why the session ended; written before closed is closed
+	localClose  bool
+	loopDone    chan struct{}
+	onTeardown  func(*Session)
+	scratch     []shmSlice // receive loop only
+	fallbackBuf []byte     // receive loop only
+}
+
+func newSession(conn net.Conn, conf *Config, client bool) *Session {
+	s := &Session{
+		conf:     conf,
+		isClient: client,
+		ec:       newEventConn(conn, conf.ConnectionWriteTimeout),
+		streams:  make(map[uint32]*Stream),
+		nextID:   1,
+		closed:   make(chan struct{}),
+		loopDone: make(chan struct{}),
+	}
+	s.accepted.init()
+	return s
+}
+
+// start runs the receive loop of a session whose handshake is done.
+func (s *Session) start() {
+	go s.recvLoop()
+}
+
+// IsClient reports whether this is the client side of the session.
+func (s *Session) IsClient() bool { return s.isClient }
+
+// LocalAddr returns the local address of the session's connection.
+func (s *Session) LocalAddr() net.Addr { return s.ec.conn.LocalAddr() }
+
+// RemoteAddr returns the remote address of the session's connection.
+func (s *Session) RemoteAddr() net.Addr { return s.ec.conn.RemoteAddr() }
+
+// OpenStream opens a new stream. Only a client can open streams; the server
+// learns of it with the first message sent on it (PROTOCOL.md §6.2).
+func (s *Session) OpenStream() (*Stream, error) {
+	if !s.isClient {
+		return nil, fmt.Errorf("%w: a server cannot open streams", ErrNotSupported)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.aliveErr(); err != nil {
+		return nil, err
+	}
+	for {
+		s.nextID++
+		if s.nextID == 0 {
+			continue
+		}
+		if _, used := s.streams[s.nextID]; !used {
+			break
+		}
+	}
+	return s.addStreamLocked(s.nextID)
+}
+
+func (s *Session) addStreamLocked(id uint32) (*Stream, error) {
+	if !s.buf.region.acquire() {
+		return nil, ErrSessionClosed
+	}
+	st := newStream(s, id)
+	s.streams[id] = st
+	return st, nil
+}
+
+// AcceptStream waits for the next stream the client opens. Only a server
+// accepts streams. It fails once the session is closed.
+func (s *Session) AcceptStream() (*Stream, error) {
+	if s.isClient {
+		return nil, fmt.Errorf("%w: a client cannot accept streams", ErrNotSupported)
+	}
+	return s.accepted.pop(s.closed, s.Err)
+}
+
+// Close closes the session and all its streams without telling the peer
+// about each stream (PROTOCOL.md §6.4), closes the connection, and releases
+// the shared memory once no stream holds slices of it. It returns after the
+// receive loop has stopped. Close is idempotent.
+func (s *Session) Close() error {
+	s.closeWithError(nil)
+	<-s.loopDone
+	return nil
+}
+
+// IsClosed reports whether the session has ended.
+func (s *Session) IsClosed() bool {
+	select {
+	case <-s.closed:
+		return true
+	default:
+		return false
+	}
+}
+
+// Err returns why the session ended: nil while it is open, ErrSessionClosed
+// after Close, and an error wrapping ErrSessionClosed and the cause (such as
+// ErrProtocol or io.EOF) otherwise.
+func (s *Session) Err() error {
+	select {
+	case <-s.closed:
+		return s.err
+	default:
+		return nil
+	}
+}
+
+// aliveErr is Err for callers about to use the session.
+func (s *Session) aliveErr() error { return s.Err() }
+
+// closeWithError ends the session; cause nil means a local Close. The
+// receive loop notices the closed connection and tears the session down.
+func (s *Session) closeWithError(cause error) {
+	s.closeOnce.Do(func() {
+		if cause == nil {
+			s.err = ErrSessionClosed
+			s.localClose = true
+		} else {
+			s.err = fmt.Errorf("%w: %w", ErrSessionClosed, cause)
+		}
+		close(s.closed)
+		s.ec.conn.Close()
+	})
+}
+
+// wait blocks until ch is signalled, the session ends or deadline passes.
+func (s *Session) wait(ch <-chan struct{}, deadline time.Time) {
+	if deadline.IsZero() {
+		select {
+		case <-ch:
+		case <-s.closed:
+		}
+		return
+	}
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	select {
+	case <-ch:
+	case <-s.closed:
+	case <-t.C:
+	}
+}
+
+// recvLoop reads event frames until the connection fails, then tears the
+// session down.
+func (s *Session) recvLoop() {
+	defer close(s.loopDone)
+	var err error
+	for err == nil {
+		var h wire.Header
+		var payload []byte
+		if h, payload, err = s.ec.readFrame(s.conf.MaxFallbackFrameSize); err != nil {
+			break
+		}
+		err = s.handleFrame(h, payload)
+		s.ec.shrink()
+	}
+	if !s.IsClosed() {
+		switch {
+		case errors.Is(err, io.EOF):
+			err = fmt.Errorf("peer closed the connection: %w", err)
+		case errors.Is(err, wire.ErrBadMagic), errors.Is(err, wire.ErrBadVersion),
+			errors.Is(err, wire.ErrBadType), errors.Is(err, wire.ErrBadLength):
+			err = fmt.Errorf("%w: %w", ErrProtocol, err)
+		}
+	}
+	s.closeWithError(err)
+	s.teardown()
+}
+
+// handleFrame acts on one running-phase frame (PROTOCOL.md §2.2).
+func (s *Session) handleFrame(h wire.Header, payload []byte) error {
+	switch h.Type() {
+	case wire.TypePolling:
+		return s.drain()
+	case wire.TypeStreamClose:
+		id := binary.BigEndian.Uint32(payload)
+		if st := s.lookup(id); st != nil {
+			st.peerClose()
+		}
+		return nil
+	case wire.TypeFallbackData:
+		return s.handleFallback(payload)
+	case wire.TypeHotRestart:
+		if s.isClient {
+			return nil // hot restart is not supported: keep using this session
+		}
+	case wire.TypeHotRestartAck:
+		if !s.isClient {
+			return nil // no hot restart was started
+		}
+	}
+	return fmt.Errorf("%w: unexpected %v frame in the running phase (%s side)", ErrProtocol, h.Type(), s.role())
+}
+
+func (s *Session) role() string {
+	if s.isClient {
+		return "client"
+	}
+	return "server"
+}
+
+// drain takes every element off the receive queue, then clears the working
+// flag, and starts over if an element arrived meanwhile (PROTOCOL.md §5.5).
+func (s *Session) drain() error {
+	for {
+		for {
+			e, ok, err := s.recvQ.pop()
+			if err != nil {
+				return err
+			}
+			if !ok {
+				break
+			}
+			if err := s.handleElem(e); err != nil {
+				return err
+			}
+		}
+		s.recvQ.setWorking(false)
+		if s.recvQ.isEmpty() {
+			return nil
+		}
+		s.recvQ.setWorking(true)
+	}
+}
+
+// handleElem acts on one queue element: a message or a close.
+func (s *Session) handleElem(e queueElem) error {
+	if e.id == 0 {
+		return fmt.Errorf("%w: IO queue element for stream id 0", ErrProtocol)
+	}
+	switch e.status & statusMask {
+	case statusOpened:
+		slices, err := s.buf.readChain(s.scratch[:0], e.offset)
+		if err != nil {
+			return fmt.Errorf("stream %d: %w", e.id, err)
+		}
+		s.scratch = slices
+		st := s.streamFor(e.id)
+		if st == nil || !st.deliver(slices, nil) {
+			return s.freeSlices(slices)
+		}
+		return nil
+	case statusClosed:
+		if e.offset != 0 {
+			return fmt.Errorf("%w: close element for stream %d has offset %d, want 0", ErrProtocol, e.id, e.offset)
+		}
+		if st := s.lookup(e.id); st != nil {
+			st.peerClose()
+		}
+		return nil
+	default:
+		return fmt.Errorf("%w: IO queue element for stream %d has status %#x", ErrProtocol, e.id, e.status)
+	}
+}
+
+// handleFallback delivers a FallbackData frame. The stream then sends its
+// own data as fallback too (PROTOCOL.md §6.5).
+func (s *Session) handleFallback(payload []byte) error {
+	id, status, data, err := wire.DecodeFallbackHead(payload)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrProtocol, err)
+	}
+	if id == 0 {
+		return fmt.Errorf("%w: FallbackData for stream id 0", ErrProtocol)
+	}
+	if status&statusMask != statusOpened {
+		return fmt.Errorf("%w: FallbackData for stream %d has status %#x", ErrProtocol, id, status)
+	}
+	st := s.streamFor(id)
+	if st == nil {
+		return nil
+	}
+	st.fallback.Store(true)
+	if len(data) > 0 {
+		st.deliver(nil, append([]byte(nil), data...))
+	}
+	return nil
+}
+
+// lookup returns the open stream with id, or nil.
+func (s *Session) lookup(id uint32) *Stream {
+	s.mu.Lock()
+	st := s.streams[id]
+	s.mu.Unlock()
+	return st
+}
+
+// streamFor returns the stream data for id goes to. On a server an unknown
+// id opens a stream (PROTOCOL.md §6.2); on a client it returns nil.
+func (s *Session) streamFor(id uint32) *Stream {
+	s.mu.Lock()
+	st := s.streams[id]
+	if st != nil || s.isClient || s.IsClosed() {
+		s.mu.Unlock()
+		return st
+	}
+	st, err := s.addStreamLocked(id)
+	s.mu.Unlock()
+	if err != nil {
+		return nil
+	}
+	if s.onAccept != nil {
+		s.onAccept(st)
+	} else {
+		s.accepted.push(st)
+	}
+	return st
+}
+
+// forgetStream removes a closed stream from the table.
+func (s *Session) forgetStream(st *Stream) {
+	s.mu.Lock()
+	if s.streams[st.id] == st {
+		delete(s.streams, st.id)
+	}
+	s.mu.Unlock()
+}
+
+// putElem publishes e on the send queue and wakes the peer if it is not
+// already draining. While the queue is full it retries, unless giveUp
+// returns an error. It reports whether e was published.
+func (s *Session) putElem(e queueElem, giveUp func() error) (bool, error) {
+	if !s.queueRegion.acquire() {
+		return false, s.closedErr()
+	}
+	defer s.queueRegion.release()
+	for attempt := 0; ; attempt++ {
+		if err := s.aliveErr(); err != nil {
+			return false, err
+		}
+		ok, err := s.sendQ.put(e)
+		if err != nil {
+			s.closeWithError(err)
+			return false, s.closedErr()
+		}
+		if ok {
+			if s.sendQ.markWorking() {
+				if err := s.ec.writeEvent(s.version, wire.TypePolling); err != nil {
+					s.closeWithError(fmt.Errorf("send wake-up: %w", err))
+					return true, s.closedErr()
+				}
+			}
+			return true, nil
+		}
+		if attempt == queueFullRetries {
+			return false, ErrQueueFull
+		}
+		if giveUp != nil {
+			if err := giveUp(); err != nil {
+				return false, err
+			}
+		}
+		t := time.NewTimer(queueFullRetryInterval)
+		select {
+		case <-t.C:
+		case <-s.closed:
+			t.Stop()
+		}
+	}
+}
+
+// closedErr is Err for a session known to have ended.
+func (s *Session) closedErr() error {
+	<-s.closed
+	return s.err
+}
+
+// sendFallbackFrame sends one FallbackData frame; a failed write ends the
+// session.
+func (s *Session) sendFallbackFrame(id uint32, data [][]byte) error {
+	if err := s.aliveErr(); err != nil {
+		return err
+	}
+	if err := s.ec.writeFallback(s.version, id, data...); err != nil {
+		s.closeWithError(fmt.Errorf("send fallback data: %w", err))
+		return s.closedErr()
+	}
+	return nil
+}
+
+// sendStreamClose tells the peer a stream is closed: with a close element,
+// or a StreamClose frame when the queue is full or the stream sends
+// fallback data (so the close cannot overtake data on the socket).
+func (s *Session) sendStreamClose(id uint32, byFrame bool) {
+	if s.IsClosed() {
+		return
+	}
+	if !byFrame {
+		if !s.queueRegion.acquire() {
+			return
+		}
+		ok, err := s.sendQ.put(queueElem{id: id, status: statusClosed})
+		if ok && s.sendQ.markWorking() {
+			err = s.ec.writeEvent(s.version, wire.TypePolling)
+		}
+		s.queueRegion.release()
+		if err != nil {
+			s.closeWithError(fmt.Errorf("send close of stream %d: %w", id, err))
+		}
+		if ok || err != nil {
+			return
+		}
+	}
+	if err := s.ec.writeStreamClose(s.version, id); err != nil {
+		s.closeWithError(fmt.Errorf("send close of stream %d: %w", id, err))
+	}
+}
+
+// freeSlices returns received slices to the buffer region.
+func (s *Session) freeSlices(slices []shmSlice) error {
+	for _, sl := range slices {
+		if err := s.buf.push(int(sl.list), sl.off); err != nil {
+			s.closeWithError(err)
+			return err
+		}
+	}
+	return nil
+}
+
+// freeSegments returns the shared-memory segments among segs to the buffer
+// region. An error means the peer corrupted the region; the session is
+// closed.
+func (s *Session) freeSegments(segs []segment) error {
+	for _, seg := range segs {
+		if seg.list == heapSegment {
+			continue
+		}
+		if err := s.buf.push(int(seg.list), seg.off); err != nil {
+			s.closeWithError(err)
+			return err
+		}
+	}
+	return nil
+}
+
+// teardown runs once the receive loop has stopped: it ends every stream and
+// drops the session's references on its regions.
+func (s *Session) teardown() {
+	s.mu.Lock()
+	streams := make([]*Stream, 0, len(s.streams))
+	for _, st := range s.streams {
+		streams = append(streams, st)
+	}
+	s.mu.Unlock()
+	for _, st := range streams {
+		st.sessionEnded(s.localClose)
+	}
+	s.accepted.close()
+	s.releaseRegions()
+	if s.onTeardown != nil {
+		s.onTeardown(s)
+	}
+}
+
+// streamQueue is a queue of accepted streams.
+type streamQueue struct {
+	mu     sync.Mutex
+	items  []*Stream
+	notify chan struct{}
+	done   bool
+}
+
+func (q *streamQueue) init() { q.notify = make(chan struct{}, 1) }
+
+func (q *streamQueue) push(st *Stream) {
+	q.mu.Lock()
+	q.items = append(q.items, st)
+	q.mu.Unlock()
+	select {
+	case q.notify <- struct{}{}:
+	default:
+	}
+}
+
+// close makes pop fail once the queue is empty; streams still queued are
+// closed.
+func (q *streamQueue) close() {
+	q.mu.Lock()
+	q.done = true
+	items := q.items
+	q.items = nil
+	q.mu.Unlock()
+	for _, st := range items {
+		st.Close()
+	}
+	select {
+	case q.notify <- struct{}{}:
+	default:
+	}
+}
+
+// pop waits for a stream until closed is closed; errFn gives the error then.
+func (q *streamQueue) pop(closed <-chan struct{}, errFn func() error) (*Stream, error) {
+	for {
+		q.mu.Lock()
+		if len(q.items) > 0 {
+			st := q.items[0]
+			q.items[0] = nil
+			q.items = q.items[1:]
+			more := len(q.items) > 0
+			q.mu.Unlock()
+			if more {
+				select {
+				case q.notify <- struct{}{}:
+				default:
+				}
+			}
+			return st, nil
+		}
+		done := q.done
+		q.mu.Unlock()
+		if done {
+			return nil, errFn()
+		}
+		select {
+		case <-q.notify:
+		case <-closed:
+			q.mu.Lock()
+			empty := len(q.items) == 0
+			q.mu.Unlock()
+			if empty {
+				return nil, errFn()
+			}
+		}
+	}
+}

@@ -1,0 +1,195 @@
+package shmipc
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+)
+
+// memfdNamePrefix is put before the region path to name a memfd, as the
+// other implementations do; the name only shows in /proc/<pid>/fd.
+const memfdNamePrefix = "shmipc"
+
+// maxMemfdName is Linux's limit on a memfd name.
+const maxMemfdName = 249
+
+// region is one mapped shared-memory region: a buffer region or a queue
+// region. It is reference counted; the last release unmaps it and, for a
+// file this process is responsible for, removes the file.
+type region struct {
+	mem      []byte
+	path     string // the name on the wire
+	file     string // file to remove on the last release, or ""
+	dev, ino uint64 // identity of the backing file, for the mapping cache
+	refs     atomic.Int32
+	// onLastRelease runs under no lock before unmapping (cache removal).
+	onLastRelease func()
+}
+
+// acquire takes a reference; it fails once the region has been released.
+func (r *region) acquire() bool {
+	for {
+		n := r.refs.Load()
+		if n <= 0 {
+			return false
+		}
+		if r.refs.CompareAndSwap(n, n+1) {
+			return true
+		}
+	}
+}
+
+// release drops a reference and unmaps the region when it was the last.
+func (r *region) release() {
+	if r.refs.Add(-1) != 0 {
+		return
+	}
+	if r.onLastRelease != nil {
+		r.onLastRelease()
+	}
+	if r.file != "" && sameFile(r.file, r.dev, r.ino) {
+		_ = unix.Unlink(r.file)
+	}
+	_ = unix.Munmap(r.mem)
+	r.mem = nil
+}
+
+// createRegion creates a zero-filled shared region of size bytes: a memfd, or
+// a new file at path. It returns the region (one reference) and the open fd,
+// which the caller closes once it has been passed to the peer.
+func createRegion(mode MemMapType, path string, size int) (*region, int, error) {
+	var fd int
+	var err error
+	if mode == MemMapTypeMemFd {
+		name := memfdNamePrefix + path
+		if len(name) > maxMemfdName {
+			name = name[len(name)-maxMemfdName:]
+		}
+		fd, err = unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+		if err != nil {
+			return nil, -1, fmt.Errorf("memfd_create %q: %w", name, err)
+		}
+	} else {
+		fd, err = unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0o600)
+		if err != nil {
+			return nil, -1, fmt.Errorf("create %s: %w", path, err)
+		}
+	}
+	fail := func(err error) (*region, int, error) {
+		unix.Close(fd)
+		if mode == MemMapTypeDevShmFile {
+			_ = unix.Unlink(path)
+		}
+		return nil, -1, err
+	}
+	if err := unix.Ftruncate(fd, int64(size)); err != nil {
+		return fail(fmt.Errorf("size %s to %d bytes: %w", path, size, err))
+	}
+	// Reserve the pages now, so that a full tmpfs fails here with a clear
+	// error rather than with SIGBUS on first touch.
+	if err := unix.Fallocate(fd, 0, 0, int64(size)); err != nil && !errors.Is(err, unix.EOPNOTSUPP) {
+		return fail(fmt.Errorf("reserve %d bytes for %s: %w", size, path, err))
+	}
+	if mode == MemMapTypeMemFd {
+		seals := unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
+		if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, seals); err != nil {
+			return fail(fmt.Errorf("seal memfd %s: %w", path, err))
+		}
+	}
+	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return fail(fmt.Errorf("map %s (%d bytes): %w", path, size, err))
+	}
+	r := &region{mem: mem, path: path}
+	if mode == MemMapTypeDevShmFile {
+		r.file = path
+		_, r.dev, r.ino, _ = fdInfo(fd)
+	}
+	r.refs.Store(1)
+	return r, fd, nil
+}
+
+// openRegionFile opens a region file named by a client in file mode. Only a
+// regular file directly inside allowedDir is accepted, and symbolic links are
+// not followed, so a client cannot make the server map (and later remove)
+// some other file.
+func openRegionFile(path, allowedDir string) (int, error) {
+	clean := filepath.Clean(path)
+	if clean != path || !filepath.IsAbs(path) || filepath.Dir(path) != filepath.Clean(allowedDir) {
+		return -1, fmt.Errorf("region path %q is not a file directly inside %s", path, allowedDir)
+	}
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open %s: %w", path, err)
+	}
+	return fd, nil
+}
+
+// fdInfo returns the size and identity of a region file descriptor, which must
+// be a regular file (memfds are).
+func fdInfo(fd int) (size int64, dev, ino uint64, err error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return 0, 0, 0, fmt.Errorf("fstat: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return 0, 0, 0, fmt.Errorf("region is not a regular file (mode %#o)", st.Mode)
+	}
+	return st.Size, st.Dev, st.Ino, nil
+}
+
+// mapRegion maps all of fd, which must hold between minSize and maxSize
+// bytes. It does not close fd.
+func mapRegion(fd int, path string, minSize, maxSize int64) (*region, error) {
+	size, dev, ino, err := fdInfo(fd)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if size < minSize || size > maxSize {
+		return nil, fmt.Errorf("%s: size %d is outside [%d, %d]", path, size, minSize, maxSize)
+	}
+	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("map %s (%d bytes): %w", path, size, err)
+	}
+	r := &region{mem: mem, path: path, dev: dev, ino: ino}
+	r.refs.Store(1)
+	return r, nil
+}
+
+// sameFile reports whether path still names the file (dev, ino), so that a
+// region never removes a file that has replaced its own.
+func sameFile(path string, dev, ino uint64) bool {
+	var st unix.Stat_t
+	return unix.Lstat(path, &st) == nil && st.Dev == dev && st.Ino == ino
+}
+
+// closeFds closes every fd in fds that is not negative.
+func closeFds(fds ...int) {
+	for _, fd := range fds {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+	}
+}
+
+var errNoSpace = errors.New("no space for the region")
+
+// checkFreeSpace fails early when the file system holding dir cannot take
+// size more bytes.
+func checkFreeSpace(dir string, size uint64) error {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return fmt.Errorf("statfs %s: %w", dir, err)
+	}
+	if free := st.Bavail * uint64(st.Bsize); free < size {
+		return fmt.Errorf("%w: %s has %d bytes free, %d needed", errNoSpace, dir, free, size)
+	}
+	return nil
+}
+
+var pid = os.Getpid()

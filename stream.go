@@ -1,0 +1,413 @@
+package shmipc
+
+import (
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Stream is one bidirectional byte stream of a session. It implements
+// net.Conn and adds zero-copy access to shared memory through BufferReader
+// and BufferWriter.
+//
+// A stream is a byte stream: the boundaries of writes are not preserved.
+// Data written is sent by Flush (Write flushes by itself).
+//
+// Closing a stream closes both directions. When the peer closes its side,
+// data already received stays readable, then reads return io.EOF, and
+// writes return ErrStreamClosed.
+//
+// Every stream obtained from OpenStream, AcceptStream or a Listener must be
+// closed: until then it may keep slices of shared memory, and with them the
+// mapping, alive.
+type Stream struct {
+	s  *Session
+	id uint32
+
+	mu         sync.Mutex // guards reader and the fields below it
+	reader     streamReader
+	readNotify chan struct{} // signalled on new data, close and deadline changes
+	rDeadline  time.Time
+	closed     bool // Close was called
+	peerClosed bool // the peer closed its side
+
+	wmu       sync.Mutex // serialises writers, Flush and Close
+	writer    streamWriter
+	wDeadline atomic.Pointer[time.Time]
+
+	writeClosed atomic.Bool // writes fail: closed here or by the peer
+	fallback    atomic.Bool // once set, every message goes as FallbackData
+	refDropped  atomic.Bool // the stream's reference on the buffer region is gone
+}
+
+var _ net.Conn = (*Stream)(nil)
+
+func newStream(s *Session, id uint32) *Stream {
+	st := &Stream{s: s, id: id, readNotify: make(chan struct{}, 1)}
+	st.reader.st = st
+	st.writer.st = st
+	return st
+}
+
+// ID is the stream's id on the wire.
+func (st *Stream) ID() uint32 { return st.id }
+
+// Session is the session the stream belongs to.
+func (st *Stream) Session() *Session { return st.s }
+
+// BufferReader gives zero-copy access to the received bytes.
+func (st *Stream) BufferReader() BufferReader { return (*bufferReader)(st) }
+
+// BufferWriter builds the next message directly in shared memory.
+func (st *Stream) BufferWriter() BufferWriter { return (*bufferWriter)(st) }
+
+func (st *Stream) notify() {
+	select {
+	case st.readNotify <- struct{}{}:
+	default:
+	}
+}
+
+// Read reads up to len(p) bytes into p. It first releases what earlier
+// reads returned (see BufferReader), so slices from ReadBytes or Peek are
+// invalid afterwards.
+func (st *Stream) Read(p []byte) (int, error) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	r := &st.reader
+	if err := r.release(); err != nil {
+		st.s.closeWithError(err)
+	}
+	if len(p) == 0 {
+		return 0, nil
+	}
+	if err := st.waitReadable(1); err != nil {
+		return 0, err
+	}
+	n := min(len(p), r.unread)
+	r.copyOut(p[:n])
+	r.advance(n)
+	if r.unread > 0 {
+		st.notify() // another reader may be waiting
+	}
+	return n, nil
+}
+
+// waitReadable blocks until n bytes are unread. It is called and returns
+// with st.mu held.
+func (st *Stream) waitReadable(n int) error {
+	r := &st.reader
+	for r.unread < n {
+		if st.closed {
+			return ErrStreamClosed
+		}
+		ended := st.peerClosed
+		var err error = io.EOF
+		if !ended && st.s.IsClosed() {
+			ended, err = true, st.s.Err()
+		}
+		if ended {
+			if r.unread > 0 && err == io.EOF {
+				return io.ErrUnexpectedEOF
+			}
+			return err
+		}
+		deadline := st.rDeadline
+		if !deadline.IsZero() && !time.Now().Before(deadline) {
+			return ErrTimeout
+		}
+		st.mu.Unlock()
+		st.s.wait(st.readNotify, deadline)
+		st.mu.Lock()
+	}
+	return nil
+}
+
+// deliver hands a received message to the stream. It reports false when
+// the stream no longer takes data; the caller then frees the slices.
+func (st *Stream) deliver(slices []shmSlice, heap []byte) bool {
+	st.mu.Lock()
+	if st.closed || st.peerClosed {
+		st.mu.Unlock()
+		return false
+	}
+	if heap != nil {
+		st.reader.appendHeap(heap)
+	} else {
+		st.reader.append(slices)
+	}
+	st.mu.Unlock()
+	st.notify()
+	return true
+}
+
+// peerClose records that the peer closed the stream.
+func (st *Stream) peerClose() {
+	st.mu.Lock()
+	st.peerClosed = true
+	st.mu.Unlock()
+	st.writeClosed.Store(true)
+	st.notify()
+}
+
+// Write writes p as one message and flushes it.
+func (st *Stream) Write(p []byte) (int, error) {
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	if err := st.writeDeadlineErr(); err != nil {
+		return 0, err
+	}
+	n, err := writeTo(&st.writer, p)
+	if err == nil {
+		err = st.flushLocked()
+	}
+	if err != nil {
+		_ = st.writer.discard()
+		return 0, err
+	}
+	return n, nil
+}
+
+// Flush sends the message built with BufferWriter (and anything Write left).
+// endStream has no effect on the wire; it is accepted for compatibility.
+// On error the message is discarded.
+func (st *Stream) Flush(endStream bool) error {
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return st.flushLocked()
+}
+
+func (st *Stream) writeDeadlineErr() error {
+	if d := st.wDeadline.Load(); d != nil && !d.IsZero() && !time.Now().Before(*d) {
+		return ErrTimeout
+	}
+	return nil
+}
+
+// flushLocked sends the pending message; st.wmu is held.
+func (st *Stream) flushLocked() error {
+	w := &st.writer
+	if w.size == 0 {
+		return w.discard()
+	}
+	if err := w.usable(); err != nil {
+		_ = w.discard()
+		return err
+	}
+	if err := st.writeDeadlineErr(); err != nil {
+		_ = w.discard()
+		return err
+	}
+	if w.heap || st.fallback.Load() {
+		return st.sendFallback()
+	}
+	return st.sendShm()
+}
+
+// sendShm links the message's slices into a chain and publishes it on the
+// queue, retrying while the queue is full (PROTOCOL.md §5.6).
+func (st *Stream) sendShm() error {
+	s, w := st.s, &st.writer
+	var root uint32
+	for i := len(w.segs) - 1; i >= 0; i-- {
+		seg := &w.segs[i]
+		if seg.n == 0 {
+			if err := s.freeSegments(w.segs[i : i+1]); err != nil {
+				w.reset()
+				return err
+			}
+			continue
+		}
+		s.buf.linkSlice(seg.off, seg.n, root)
+		root = seg.off
+	}
+	sent, err := s.putElem(queueElem{id: st.id, offset: root, status: statusOpened}, st.queueFullGiveUp)
+	if !sent {
+		_ = w.discard()
+		return err
+	}
+	w.reset()
+	return err
+}
+
+// queueFullGiveUp tells putElem to stop waiting for queue space.
+func (st *Stream) queueFullGiveUp() error {
+	if st.writeClosed.Load() {
+		return ErrStreamClosed
+	}
+	return st.writeDeadlineErr()
+}
+
+// sendFallback copies the message into FallbackData frames and frees its
+// slices. From then on the stream always sends fallback data, so its bytes
+// cannot be overtaken by shared-memory messages (PROTOCOL.md §6.5).
+func (st *Stream) sendFallback() error {
+	s, w := st.s, &st.writer
+	st.fallback.Store(true)
+	limit := int(min(s.conf.MaxFallbackFrameSize, maxFallbackFrameSent)) - 16
+	var frame [][]byte
+	size := 0
+	var err error
+	for i := 0; i < len(w.segs) && err == nil; i++ {
+		data := w.segs[i].data[:w.segs[i].n]
+		for len(data) > 0 && err == nil {
+			c := min(len(data), limit-size)
+			frame = append(frame, data[:c])
+			size += c
+			data = data[c:]
+			if size == limit {
+				err = s.sendFallbackFrame(st.id, frame)
+				frame, size = frame[:0], 0
+			}
+		}
+	}
+	if err == nil && size > 0 {
+		err = s.sendFallbackFrame(st.id, frame)
+	}
+	if derr := w.discard(); err == nil {
+		err = derr
+	}
+	return err
+}
+
+// Close closes the stream in both directions. If the peer had not closed
+// it, the peer is told (PROTOCOL.md §6.4). Slices returned by reads and
+// Reserve become invalid. Close is idempotent.
+func (st *Stream) Close() error {
+	st.mu.Lock()
+	if st.closed {
+		st.mu.Unlock()
+		return nil
+	}
+	st.closed = true
+	tellPeer := !st.peerClosed
+	err := st.reader.releaseAll()
+	st.mu.Unlock()
+	st.writeClosed.Store(true)
+	st.notify()
+
+	st.wmu.Lock()
+	if werr := st.writer.discard(); err == nil {
+		err = werr
+	}
+	st.wmu.Unlock()
+
+	st.s.forgetStream(st)
+	if tellPeer {
+		st.s.sendStreamClose(st.id, st.fallback.Load())
+	}
+	st.dropRef()
+	if err != nil {
+		return err
+	}
+	return nil
+}
+
+// sessionEnded is called for each stream when its session ends. Unread data
+// stays readable unless the session was closed locally. The stream lets go
+// of the mapping at once if nothing it handed out can still be in use;
+// otherwise Close does it.
+func (st *Stream) sessionEnded(local bool) {
+	st.mu.Lock()
+	if local && !st.reader.exposed() {
+		_ = st.reader.releaseAll()
+	}
+	idle := !st.reader.exposed() && st.reader.unread == 0
+	st.mu.Unlock()
+	st.writeClosed.Store(true)
+	st.notify()
+	if idle && st.wmu.TryLock() {
+		if len(st.writer.segs) == 0 {
+			st.dropRef()
+		}
+		st.wmu.Unlock()
+	}
+}
+
+func (st *Stream) dropRef() {
+	if st.refDropped.CompareAndSwap(false, true) {
+		st.s.buf.region.release()
+	}
+}
+
+// ReleaseReadAndReuse releases everything read so far, so that a pooled
+// stream can carry its next request. Slices returned by earlier reads become
+// invalid.
+func (st *Stream) ReleaseReadAndReuse() {
+	st.BufferReader().ReleasePreviousRead()
+}
+
+// LocalAddr returns the local address of the session's connection.
+func (st *Stream) LocalAddr() net.Addr { return st.s.LocalAddr() }
+
+// RemoteAddr returns the remote address of the session's connection.
+func (st *Stream) RemoteAddr() net.Addr { return st.s.RemoteAddr() }
+
+// SetDeadline sets both the read and the write deadline.
+func (st *Stream) SetDeadline(t time.Time) error {
+	st.SetReadDeadline(t)
+	return st.SetWriteDeadline(t)
+}
+
+// SetReadDeadline sets the time after which blocked and future reads fail
+// with an error that satisfies net.Error with Timeout() == true. A zero time
+// means no deadline.
+func (st *Stream) SetReadDeadline(t time.Time) error {
+	st.mu.Lock()
+	st.rDeadline = t
+	st.mu.Unlock()
+	st.notify()
+	return nil
+}
+
+// SetWriteDeadline sets the time after which writes and flushes fail with a
+// timeout error, including one waiting for space in the IO queue.
+func (st *Stream) SetWriteDeadline(t time.Time) error {
+	st.wDeadline.Store(&t)
+	return nil
+}
+
+// bufferWriter is the BufferWriter of a stream.
+type bufferWriter Stream
+
+func (b *bufferWriter) Reserve(n int) ([]byte, error) {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return st.writer.reserve(n)
+}
+
+func (b *bufferWriter) WriteBytes(p []byte) (int, error) {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return writeTo(&st.writer, p)
+}
+
+func (b *bufferWriter) WriteString(s string) (int, error) {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return writeTo(&st.writer, s)
+}
+
+func (b *bufferWriter) WriteByte(c byte) error {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	p, err := st.writer.reserve(1)
+	if err != nil {
+		return err
+	}
+	p[0] = c
+	return nil
+}
+
+func (b *bufferWriter) Len() int {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return st.writer.size
+}

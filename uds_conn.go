@@ -1,0 +1,268 @@
+package shmipc
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/goshm/shmipc/internal/wire"
+	"golang.org/x/sys/unix"
+)
+
+// eventConn carries event frames on the session's socket. Reads come from
+// one goroutine at a time (the handshake, then the receive loop); writes may
+// come from any goroutine and are serialised so frames never interleave.
+type eventConn struct {
+	conn net.Conn
+	unix *net.UnixConn // nil over TCP
+
+	rbuf []byte // receive buffer; rbuf[r:w] is unread
+	r, w int
+
+	wmu          sync.Mutex
+	writeTimeout time.Duration
+	wbuf         []byte // scratch for small frames; guarded by wmu
+}
+
+// readBufSize is the initial receive buffer: many wake-up frames per read.
+const readBufSize = 64 << 10
+
+func newEventConn(conn net.Conn, writeTimeout time.Duration) *eventConn {
+	c := &eventConn{conn: conn, writeTimeout: writeTimeout}
+	c.unix, _ = conn.(*net.UnixConn)
+	return c
+}
+
+// readExact reads exactly n bytes straight from the socket, without reading
+// ahead: the handshake must not consume what follows it.
+func (c *eventConn) readExact(n int) ([]byte, error) {
+	b := make([]byte, n)
+	if _, err := io.ReadFull(c.conn, b); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// readHeader reads and checks one frame header during the handshake.
+func (c *eventConn) readHeader() (wire.Header, error) {
+	b, err := c.readExact(wire.HeaderSize)
+	if err != nil {
+		return nil, err
+	}
+	h := wire.Header(b)
+	if err := h.Check(); err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+// frameLength returns the length a receiver consumes for a frame with header
+// h. Fixed-size frames must say exactly their size; FallbackData and path
+// messages may be up to limit bytes long.
+func frameLength(h wire.Header, limit uint32) (int, error) {
+	var want uint32
+	switch h.Type() {
+	case wire.TypePolling, wire.TypeExchangeProtoVersion, wire.TypeAckShareMemory, wire.TypeAckReadyRecvFD:
+		want = wire.EmptyEventSize
+	case wire.TypeStreamClose:
+		want = wire.StreamCloseSize
+	case wire.TypeHotRestart, wire.TypeHotRestartAck:
+		want = wire.HotRestartSize
+	case wire.TypeFallbackData:
+		if l := h.Length(); l < wire.FallbackHeadSize || l > limit {
+			return 0, fmt.Errorf("%w: %v frame of %d bytes is outside [%d, %d]", wire.ErrBadLength, h.Type(), l, wire.FallbackHeadSize, limit)
+		}
+		return int(h.Length()), nil
+	default: // path messages
+		if l := h.Length(); l < wire.HeaderSize+4 || l > wire.HeaderSize+wire.MaxPathPayloadLen {
+			return 0, fmt.Errorf("%w: %v frame of %d bytes", wire.ErrBadLength, h.Type(), l)
+		}
+		return int(h.Length()), nil
+	}
+	if h.Length() != want {
+		return 0, fmt.Errorf("%w: %v frame says %d bytes, must be %d", wire.ErrBadLength, h.Type(), h.Length(), want)
+	}
+	return int(want), nil
+}
+
+// readPayload reads the rest of a handshake frame whose header is h.
+func (c *eventConn) readPayload(h wire.Header) ([]byte, error) {
+	n, err := frameLength(h, 0)
+	if err != nil {
+		return nil, err
+	}
+	return c.readExact(n - wire.HeaderSize)
+}
+
+// readFrame returns the next frame, header checked and length validated
+// against limit. The returned slice is valid until the next call.
+func (c *eventConn) readFrame(limit uint32) (wire.Header, []byte, error) {
+	if err := c.fill(wire.HeaderSize); err != nil {
+		return nil, nil, err
+	}
+	h := wire.Header(c.rbuf[c.r : c.r+wire.HeaderSize])
+	if err := h.Check(); err != nil {
+		return nil, nil, err
+	}
+	n, err := frameLength(h, limit)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := c.fill(n); err != nil {
+		if errors.Is(err, io.EOF) {
+			err = fmt.Errorf("%w: connection closed inside a %d-byte %v frame", io.ErrUnexpectedEOF, n, h.Type())
+		}
+		return nil, nil, err
+	}
+	f := c.rbuf[c.r : c.r+n]
+	c.r += n
+	return wire.Header(f[:wire.HeaderSize]), f[wire.HeaderSize:], nil
+}
+
+// fill makes at least n unread bytes available in rbuf.
+func (c *eventConn) fill(n int) error {
+	if c.w-c.r >= n {
+		return nil
+	}
+	if len(c.rbuf)-c.r < n {
+		size := max(len(c.rbuf), readBufSize)
+		for size < n {
+			size *= 2
+		}
+		if size == len(c.rbuf) { // big enough: slide the unread bytes down
+			copy(c.rbuf, c.rbuf[c.r:c.w])
+		} else {
+			nb := make([]byte, size)
+			copy(nb, c.rbuf[c.r:c.w])
+			c.rbuf = nb
+		}
+		c.w -= c.r
+		c.r = 0
+	}
+	for c.w-c.r < n {
+		m, err := c.conn.Read(c.rbuf[c.w:])
+		c.w += m
+		if err != nil {
+			if c.w-c.r >= n {
+				return nil
+			}
+			if errors.Is(err, io.EOF) && c.w > c.r {
+				return fmt.Errorf("%w: connection closed inside a frame", io.ErrUnexpectedEOF)
+			}
+			return err
+		}
+	}
+	return nil
+}
+
+// shrink drops a receive buffer grown for a large frame once it is drained.
+func (c *eventConn) shrink() {
+	if len(c.rbuf) > readBufSize && c.r == c.w {
+		c.rbuf, c.r, c.w = nil, 0, 0
+	}
+}
+
+// write sends one or more whole frames with a single write.
+func (c *eventConn) write(b []byte) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	return c.writeLocked(b)
+}
+
+func (c *eventConn) writeLocked(bufs ...[]byte) error {
+	if err := c.conn.SetWriteDeadline(time.Now().Add(c.writeTimeout)); err != nil {
+		return err
+	}
+	var err error
+	if len(bufs) == 1 {
+		_, err = c.conn.Write(bufs[0])
+	} else {
+		nb := net.Buffers(bufs)
+		_, err = nb.WriteTo(c.conn)
+	}
+	return err
+}
+
+// writeEvent sends a frame without payload.
+func (c *eventConn) writeEvent(version uint8, t wire.Type) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.wbuf = wire.AppendEvent(c.wbuf[:0], version, t)
+	return c.writeLocked(c.wbuf)
+}
+
+// writeStreamClose sends a StreamClose frame.
+func (c *eventConn) writeStreamClose(version uint8, id uint32) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.wbuf = wire.AppendStreamClose(c.wbuf[:0], version, id)
+	return c.writeLocked(c.wbuf)
+}
+
+// writeFallback sends data as one FallbackData frame; the caller keeps each
+// frame within the size limit.
+func (c *eventConn) writeFallback(version uint8, id uint32, data ...[]byte) error {
+	n := 0
+	for _, d := range data {
+		n += len(d)
+	}
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.wbuf = wire.AppendFallbackHead(c.wbuf[:0], version, id, statusOpened, n)
+	return c.writeLocked(append([][]byte{c.wbuf}, data...)...)
+}
+
+// sendFds sends the single 0x00 byte carrying fds in one SCM_RIGHTS message
+// (PROTOCOL.md §1.5).
+func (c *eventConn) sendFds(fds ...int) error {
+	if c.unix == nil {
+		return errors.New("file descriptors need a Unix socket")
+	}
+	_, _, err := c.unix.WriteMsgUnix([]byte{0}, unix.UnixRights(fds...), nil)
+	return err
+}
+
+// recvFds receives the fd message: exactly one data byte and one SCM_RIGHTS
+// message with exactly n fds. Every fd received is closed on error.
+func (c *eventConn) recvFds(n int) ([]int, error) {
+	if c.unix == nil {
+		return nil, errors.New("file descriptors need a Unix socket")
+	}
+	var data [1]byte
+	oob := make([]byte, unix.CmsgSpace(4*(n+8)))
+	dn, oobn, flags, _, err := c.unix.ReadMsgUnix(data[:], oob)
+	var fds []int
+	if oobn > 0 {
+		msgs, perr := unix.ParseSocketControlMessage(oob[:oobn])
+		if perr != nil && err == nil {
+			err = fmt.Errorf("parse control message: %w", perr)
+		}
+		for i := range msgs {
+			got, rerr := unix.ParseUnixRights(&msgs[i])
+			if rerr != nil && err == nil {
+				err = fmt.Errorf("control message %d: %w", i, rerr)
+			}
+			fds = append(fds, got...)
+		}
+		if err == nil && len(msgs) != 1 {
+			err = fmt.Errorf("%d control messages, want 1", len(msgs))
+		}
+	}
+	switch {
+	case err != nil:
+	case dn != 1:
+		err = fmt.Errorf("fd message carries %d data bytes, want 1", dn)
+	case flags&unix.MSG_CTRUNC != 0:
+		err = errors.New("fd message control data truncated")
+	case len(fds) != n:
+		err = fmt.Errorf("fd message carries %d fds, want %d", len(fds), n)
+	}
+	if err != nil {
+		closeFds(fds...)
+		return nil, err
+	}
+	return fds, nil
+}
