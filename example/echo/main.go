@@ -6,6 +6,7 @@
 //	echo -server -addr unix:/tmp/echo.sock          # serve until killed
 //	echo -client -addr unix:/tmp/echo.sock -mode memfd
 //	echo -client -addr tcp:127.0.0.1:9000 -mode file
+//	echo -demo                                      # both, as two processes
 //
 // The client runs the kit's client sequence (echo sizes, 200 sequential
 // frames, 8 concurrent streams, a zero-length frame, client closes), prints
@@ -21,7 +22,9 @@ import (
 	"io"
 	"log"
 	"os"
+	"os/exec"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
@@ -35,7 +38,15 @@ func main() {
 	addr := flag.String("addr", "", "unix:/path.sock or tcp:host:port")
 	mode := flag.String("mode", "memfd", "client mapping mode: memfd or file")
 	prefix := flag.String("prefix", "", "shared-memory path prefix (default /dev/shm/shmipc)")
+	demo := flag.Bool("demo", false, "start a server process and run the client against it in both modes")
 	flag.Parse()
+
+	if *demo {
+		if !runDemo() {
+			os.Exit(1)
+		}
+		return
+	}
 
 	network, address, err := parseAddr(*addr)
 	if err != nil || *server == *client {
@@ -299,4 +310,46 @@ func zeroLength(sess *shmipc.Session) error {
 		return fmt.Errorf("after the zero-length frame: got %v, want end of stream", err)
 	}
 	return st.Close()
+}
+
+// runDemo starts this program as a server in a child process, then runs the
+// client sequence against it in memfd and in file mode.
+func runDemo() bool {
+	dir, err := os.MkdirTemp("", "shmipc-echo")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	sock := filepath.Join(dir, "echo.sock")
+	self, err := os.Executable()
+	if err != nil {
+		log.Fatal(err)
+	}
+	srv := exec.Command(self, "-server", "-addr", "unix:"+sock)
+	srv.Stderr = os.Stderr
+	if err := srv.Start(); err != nil {
+		log.Fatal(err)
+	}
+	defer func() {
+		srv.Process.Signal(syscall.SIGTERM)
+		srv.Wait()
+	}()
+	for i := 0; ; i++ {
+		if _, err := os.Stat(sock); err == nil {
+			break
+		}
+		if i == 100 {
+			fmt.Println("FAIL the server did not start")
+			return false
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	ok := true
+	for _, mode := range []shmipc.MemMapType{shmipc.MemMapTypeMemFd, shmipc.MemMapTypeDevShmFile} {
+		conf := shmipc.DefaultConfig()
+		conf.MemMapType = mode
+		fmt.Printf("client (pid %d) -> server (pid %d), %v mode:\n", os.Getpid(), srv.Process.Pid, mode)
+		ok = runClient("unix", sock, conf) && ok
+	}
+	return ok
 }
