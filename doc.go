@@ -37,5 +37,7 @@
 // use. A peer that breaks the protocol ends its session with an error
 // wrapping ErrProtocol that says what was wrong; other sessions go on.
 //
-// The wire protocol is described in docs/protocol.md.
+// The wire protocol is that of the other Shmipc implementations, so a
+// shmipc client can talk to their servers and the other way round; the
+// README lists what has been checked.
 package shmipc
