@@ -301,10 +301,13 @@ func (w *streamWriter) appendHeap(want int) {
 // usable reports whether the writer may build a message now.
 func (w *streamWriter) usable() error {
 	st := w.st
+	if err := st.s.aliveErr(); err != nil {
+		return err
+	}
 	if st.writeClosed.Load() {
 		return ErrStreamClosed
 	}
-	return st.s.aliveErr()
+	return nil
 }
 
 // reserve returns n contiguous bytes at the end of the message.

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/goshm/shmipc/internal/wire"
@@ -201,7 +202,7 @@ func (s *Session) recvLoop() {
 	}
 	if !s.IsClosed() {
 		switch {
-		case errors.Is(err, io.EOF):
+		case errors.Is(err, io.EOF), errors.Is(err, syscall.ECONNRESET):
 			err = fmt.Errorf("peer closed the connection: %w", err)
 		case errors.Is(err, wire.ErrBadMagic), errors.Is(err, wire.ErrBadVersion),
 			errors.Is(err, wire.ErrBadType), errors.Is(err, wire.ErrBadLength):
