@@ -275,21 +275,22 @@ func (m *bufferManager) locate(off uint32) (int, error) {
 	return i, nil
 }
 
-// alloc pops one slice able to hold n bytes: from the smallest list that
-// fits, falling back to larger lists when it is empty. When n exceeds every
-// slice, it pops from the largest list that has one to spare. It returns
-// li = -1 when no list can give a slice.
-func (m *bufferManager) alloc(n int) (li int, off uint32, err error) {
+// alloc pops one slice for n more bytes: from the smallest list whose
+// slices hold n, falling back to larger lists when it is empty. When split
+// is set the bytes need not be contiguous, so after those it takes the
+// largest smaller slice that is left. It returns li = -1 when no list can
+// give a slice.
+func (m *bufferManager) alloc(n int, split bool) (li int, off uint32, err error) {
 	start := sort.Search(len(m.bySize), func(i int) bool { return int(m.lists[m.bySize[i]].sliceCap) >= n })
 	for _, i := range m.bySize[start:] {
 		if off, err = m.pop(i); off != 0 || err != nil {
 			return i, off, err
 		}
 	}
-	if start < len(m.bySize) {
+	if !split {
 		return -1, 0, nil
 	}
-	for k := len(m.bySize) - 1; k >= 0; k-- {
+	for k := start - 1; k >= 0; k-- {
 		i := m.bySize[k]
 		if off, err = m.pop(i); off != 0 || err != nil {
 			return i, off, err

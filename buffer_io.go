@@ -280,7 +280,7 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		w.appendHeap(want)
 		return nil
 	}
-	li, off, err := st.s.buf.alloc(want)
+	li, off, err := st.s.buf.alloc(want, !contiguous)
 	if err != nil {
 		st.s.closeWithError(err)
 		return fmt.Errorf("%w: %w", ErrSessionClosed, err)

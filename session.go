@@ -219,12 +219,22 @@ func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 	case wire.TypePolling:
 		return s.drain()
 	case wire.TypeStreamClose:
+		// Drain first: data queued before this frame was sent must not be
+		// overtaken by it, even if that data's wake-up is still on its way
+		// (another producer won the working flag and has not written its
+		// Polling frame yet).
+		if err := s.drain(); err != nil {
+			return err
+		}
 		id := binary.BigEndian.Uint32(payload)
 		if st := s.lookup(id); st != nil {
 			st.peerClose()
 		}
 		return nil
 	case wire.TypeFallbackData:
+		if err := s.drain(); err != nil { // as for StreamClose
+			return err
+		}
 		return s.handleFallback(payload)
 	case wire.TypeHotRestart:
 		if s.isClient {
