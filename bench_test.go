@@ -52,21 +52,7 @@ func benchmarkShmipc(b *testing.B, size int) {
 		b.Fatal(err)
 	}
 	defer ln.Close()
-	var servers sync.WaitGroup
-	defer servers.Wait()
-	go func() {
-		for {
-			st, err := ln.AcceptStream()
-			if err != nil {
-				return
-			}
-			servers.Add(1)
-			go func() {
-				defer servers.Done()
-				shmEchoServer(st, size)
-			}()
-		}
-	}()
+	defer serveEach(ln, func(c net.Conn) { shmEchoServer(c.(*Stream), size) })()
 	sess, err := Dial("unix", sock, conf)
 	if err != nil {
 		b.Fatal(err)
@@ -110,6 +96,26 @@ func benchmarkShmipc(b *testing.B, size int) {
 	b.StopTimer()
 }
 
+// serveEach runs serve on every connection ln accepts until ln is closed.
+// The returned function waits for the servers to finish.
+func serveEach(ln net.Listener, serve func(net.Conn)) (wait func()) {
+	var servers sync.WaitGroup
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			servers.Add(1)
+			go func() {
+				defer servers.Done()
+				serve(c)
+			}()
+		}
+	}()
+	return servers.Wait
+}
+
 // shmEchoServer echoes size-byte messages, zero-copy in and out.
 func shmEchoServer(st *Stream, size int) {
 	defer st.Close()
@@ -138,30 +144,18 @@ func benchmarkUds(b *testing.B, size int) {
 		b.Fatal(err)
 	}
 	defer ln.Close()
-	var servers sync.WaitGroup
-	defer servers.Wait()
-	go func() {
+	defer serveEach(ln, func(c net.Conn) {
+		defer c.Close()
+		buf := make([]byte, size)
 		for {
-			c, err := ln.Accept()
-			if err != nil {
+			if _, err := io.ReadFull(c, buf); err != nil {
 				return
 			}
-			servers.Add(1)
-			go func() {
-				defer servers.Done()
-				defer c.Close()
-				buf := make([]byte, size)
-				for {
-					if _, err := io.ReadFull(c, buf); err != nil {
-						return
-					}
-					if _, err := c.Write(buf); err != nil {
-						return
-					}
-				}
-			}()
+			if _, err := c.Write(buf); err != nil {
+				return
+			}
 		}
-	}()
+	})()
 
 	b.SetBytes(2 * int64(size))
 	b.ReportAllocs()

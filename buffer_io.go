@@ -163,31 +163,13 @@ func (r *streamReader) releaseAll() error {
 // bufferReader is the BufferReader of a stream.
 type bufferReader Stream
 
-func (b *bufferReader) ReadBytes(n int) ([]byte, error) {
-	st := (*Stream)(b)
-	if n < 0 {
-		return nil, errNegative
-	}
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	r := &st.reader
-	if err := st.waitReadable(n); err != nil {
-		return nil, err
-	}
-	if n == 0 {
-		return []byte{}, nil
-	}
-	p, ok := r.contiguous(n)
-	if !ok {
-		p = make([]byte, n)
-		r.copyOut(p)
-	}
-	r.advance(n)
-	return p, nil
-}
+func (b *bufferReader) ReadBytes(n int) ([]byte, error) { return (*Stream)(b).next(n, true) }
 
-func (b *bufferReader) Peek(n int) ([]byte, error) {
-	st := (*Stream)(b)
+func (b *bufferReader) Peek(n int) ([]byte, error) { return (*Stream)(b).next(n, false) }
+
+// next returns the next n bytes, zero-copy when they lie in one segment,
+// and consumes them if consume is set.
+func (st *Stream) next(n int, consume bool) ([]byte, error) {
 	if n < 0 {
 		return nil, errNegative
 	}
@@ -204,6 +186,9 @@ func (b *bufferReader) Peek(n int) ([]byte, error) {
 	if !ok {
 		p = make([]byte, n)
 		r.copyOut(p)
+	}
+	if consume {
+		r.advance(n)
 	}
 	return p, nil
 }
