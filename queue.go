@@ -166,8 +166,12 @@ func (q *ioQueue) isEmpty() bool {
 
 // markWorking sets the working flag if it was clear. The producer sends a
 // wake-up only when this succeeds (PROTOCOL.md §5.5).
+//
+// The plain load first keeps the common case, a consumer that is already
+// awake, free of a write to the shared cache line. It is still ordered after
+// the producer's tail store: both are sequentially consistent.
 func (q *ioQueue) markWorking() bool {
-	return atomic.CompareAndSwapUint32(q.flag, 0, 1)
+	return atomic.LoadUint32(q.flag) == 0 && atomic.CompareAndSwapUint32(q.flag, 0, 1)
 }
 
 // setWorking stores the consumer's working flag.

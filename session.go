@@ -46,6 +46,7 @@ type Session struct {
 	loopDone    chan struct{}
 	onTeardown  func(*Session)
 	scratch     []shmSlice // receive loop only
+	spin        spinner    // receive loop only
 	fallbackBuf []byte     // receive loop only
 }
 
@@ -58,6 +59,7 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 		nextID:   1,
 		closed:   make(chan struct{}),
 		loopDone: make(chan struct{}),
+		spin:     spinner{max: conf.ConsumerSpinTime},
 	}
 	s.accepted.init()
 	return s
@@ -217,6 +219,7 @@ func (s *Session) recvLoop() {
 func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 	switch h.Type() {
 	case wire.TypePolling:
+		s.spin.woken()
 		return s.drain()
 	case wire.TypeStreamClose:
 		// Drain first: data queued before this frame was sent must not be
@@ -255,8 +258,11 @@ func (s *Session) role() string {
 	return "server"
 }
 
-// drain takes every element off the receive queue, then clears the working
-// flag, and starts over if an element arrived meanwhile (PROTOCOL.md §5.5).
+// drain takes every element off the receive queue. Then it keeps looking
+// for more for up to the spin budget, and finally clears the working flag
+// and starts over if an element arrived meanwhile (PROTOCOL.md §5.5). While
+// the flag is set the peer sends no wake-ups, so a busy session runs without
+// socket traffic at all.
 func (s *Session) drain() error {
 	for {
 		for {
@@ -271,8 +277,12 @@ func (s *Session) drain() error {
 				return err
 			}
 		}
+		if s.spin.wait(s.recvQ, s.closed) {
+			continue
+		}
 		s.recvQ.setWorking(false)
 		if s.recvQ.isEmpty() {
+			s.spin.sleeping()
 			return nil
 		}
 		s.recvQ.setWorking(true)
@@ -373,9 +383,10 @@ func (s *Session) forgetStream(st *Stream) {
 }
 
 // putElem publishes e on the send queue and wakes the peer if it is not
-// already draining. While the queue is full it retries, unless giveUp
-// returns an error. It reports whether e was published.
-func (s *Session) putElem(e queueElem, giveUp func() error) (bool, error) {
+// already draining. While the queue is full it retries, unless the stream
+// st (if any) is closed or past its write deadline. It reports whether e was
+// published.
+func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 	if !s.queueRegion.acquire() {
 		return false, s.closedErr()
 	}
@@ -401,8 +412,8 @@ func (s *Session) putElem(e queueElem, giveUp func() error) (bool, error) {
 		if attempt == queueFullRetries {
 			return false, ErrQueueFull
 		}
-		if giveUp != nil {
-			if err := giveUp(); err != nil {
+		if st != nil {
+			if err := st.queueFullGiveUp(); err != nil {
 				return false, err
 			}
 		}
@@ -427,7 +438,7 @@ func (s *Session) sendFallbackFrame(id uint32, data [][]byte) error {
 	if err := s.aliveErr(); err != nil {
 		return err
 	}
-	if err := s.ec.writeFallback(s.version, id, data...); err != nil {
+	if err := s.ec.writeFallback(s.version, id, data); err != nil {
 		s.closeWithError(fmt.Errorf("send fallback data: %w", err))
 		return s.closedErr()
 	}

@@ -223,7 +223,7 @@ func (st *Stream) sendShm() error {
 		s.buf.linkSlice(seg.off, seg.n, root)
 		root = seg.off
 	}
-	sent, err := s.putElem(queueElem{id: st.id, offset: root, status: statusOpened}, st.queueFullGiveUp)
+	sent, err := s.putElem(queueElem{id: st.id, offset: root, status: statusOpened}, st)
 	if !sent {
 		_ = w.discard()
 		return err

@@ -24,7 +24,9 @@ type eventConn struct {
 
 	wmu          sync.Mutex
 	writeTimeout time.Duration
-	wbuf         []byte // scratch for small frames; guarded by wmu
+	wbuf         []byte      // scratch for small frames; guarded by wmu
+	wvec         net.Buffers // scratch for fallback writes; guarded by wmu
+	deadline     time.Time   // the write deadline set on conn; guarded by wmu
 }
 
 // readBufSize is the initial receive buffer: many wake-up frames per read.
@@ -172,17 +174,22 @@ func (c *eventConn) write(b []byte) error {
 	return c.writeLocked(b)
 }
 
-func (c *eventConn) writeLocked(bufs ...[]byte) error {
-	if err := c.conn.SetWriteDeadline(time.Now().Add(c.writeTimeout)); err != nil {
+// refreshDeadline keeps the socket's write deadline between half of and the
+// whole ConnectionWriteTimeout ahead, without touching it on every write.
+func (c *eventConn) refreshDeadline() error {
+	now := time.Now()
+	if c.deadline.Sub(now) > c.writeTimeout/2 {
+		return nil
+	}
+	c.deadline = now.Add(c.writeTimeout)
+	return c.conn.SetWriteDeadline(c.deadline)
+}
+
+func (c *eventConn) writeLocked(b []byte) error {
+	if err := c.refreshDeadline(); err != nil {
 		return err
 	}
-	var err error
-	if len(bufs) == 1 {
-		_, err = c.conn.Write(bufs[0])
-	} else {
-		nb := net.Buffers(bufs)
-		_, err = nb.WriteTo(c.conn)
-	}
+	_, err := c.conn.Write(b)
 	return err
 }
 
@@ -202,17 +209,24 @@ func (c *eventConn) writeStreamClose(version uint8, id uint32) error {
 	return c.writeLocked(c.wbuf)
 }
 
-// writeFallback sends data as one FallbackData frame; the caller keeps each
-// frame within the size limit.
-func (c *eventConn) writeFallback(version uint8, id uint32, data ...[]byte) error {
+// writeFallback sends data as one FallbackData frame with one writev; the
+// caller keeps each frame within the size limit.
+func (c *eventConn) writeFallback(version uint8, id uint32, data [][]byte) error {
 	n := 0
 	for _, d := range data {
 		n += len(d)
 	}
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	if err := c.refreshDeadline(); err != nil {
+		return err
+	}
 	c.wbuf = wire.AppendFallbackHead(c.wbuf[:0], version, id, statusOpened, n)
-	return c.writeLocked(append([][]byte{c.wbuf}, data...)...)
+	c.wvec = append(append(c.wvec[:0], c.wbuf), data...)
+	bufs := c.wvec
+	_, err := bufs.WriteTo(c.conn)
+	clear(c.wvec)
+	return err
 }
 
 // sendFds sends the single 0x00 byte carrying fds in one SCM_RIGHTS message
