@@ -88,6 +88,21 @@ type streamReader struct {
 	done   int
 	pos    int
 	unread int
+	// arena holds copies of reads that span segments. Its bytes stay valid
+	// until the next release, so it is only reset then; a read that does not
+	// fit gets a new, larger arena and leaves the old one to its users.
+	arena []byte
+}
+
+// copyNext returns a copy of the next n unread bytes, from the arena.
+func (r *streamReader) copyNext(n int) []byte {
+	if cap(r.arena)-len(r.arena) < n {
+		r.arena = make([]byte, 0, max(2*cap(r.arena), n, 4096))
+	}
+	p := r.arena[len(r.arena) : len(r.arena)+n : len(r.arena)+n]
+	r.arena = r.arena[:len(r.arena)+n]
+	r.copyOut(p)
+	return p
 }
 
 func (r *streamReader) append(segs []shmSlice) {
@@ -141,6 +156,7 @@ func (r *streamReader) advance(n int) {
 // release frees the segments read completely. It returns the first error from
 // the buffer region, which means the peer corrupted it.
 func (r *streamReader) release() error {
+	r.arena = r.arena[:0]
 	if r.done == 0 {
 		return nil
 	}
@@ -154,6 +170,7 @@ func (r *streamReader) release() error {
 
 // releaseAll frees every segment, read or not.
 func (r *streamReader) releaseAll() error {
+	r.arena = r.arena[:0]
 	err := r.st.s.freeSegments(r.segs)
 	clear(r.segs)
 	r.segs, r.done, r.pos, r.unread = r.segs[:0], 0, 0, 0
@@ -184,8 +201,7 @@ func (st *Stream) next(n int, consume bool) ([]byte, error) {
 	}
 	p, ok := r.contiguous(n)
 	if !ok {
-		p = make([]byte, n)
-		r.copyOut(p)
+		p = r.copyNext(n)
 	}
 	if consume {
 		r.advance(n)

@@ -55,6 +55,7 @@ func clConfig(mode MemMapType, prefix string) *Config {
 	conf.MemMapType = mode
 	conf.ShareMemoryPathPrefix = prefix
 	conf.ShareMemoryBufferCap = 4 << 20 // many sessions at once: keep them small
+	conf.BufferSliceSizes = ReferenceSliceSizes()
 	return conf
 }
 
@@ -844,7 +845,7 @@ func clWriteBufferFile(path string) error {
 }
 
 func clInitBuffer(fd, size int) error {
-	plans, err := planLists(uint32(size), DefaultConfig().BufferSliceSizes)
+	plans, err := planLists(uint32(size), ReferenceSliceSizes())
 	if err != nil {
 		return err
 	}

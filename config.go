@@ -89,7 +89,7 @@ const (
 	defaultInitializeTimeout      = time.Second
 	defaultConnectionWriteTimeout = 10 * time.Second
 	defaultQueueCap               = 8192
-	defaultBufferCap              = 32 << 20
+	defaultBufferCap              = 64 << 20
 	defaultPathPrefix             = "/dev/shm/shmipc"
 	defaultMaxFallbackFrame       = 64 << 20
 	defaultConsumerSpinTime       = 50 * time.Microsecond
@@ -104,9 +104,17 @@ const (
 	maxPathBudget = 255 - 48 - 27
 )
 
-// DefaultConfig returns the configuration the other Shmipc implementations
-// use by default: a 32 MiB buffer region in 8 KiB, 32 KiB and 128 KiB slices
-// (50/30/20 %), 8192-element queues, memfd regions.
+// DefaultConfig returns the default configuration: a 64 MiB buffer region
+// per session with slices of 8 KiB, 32 KiB and 128 KiB (each less the 20-byte
+// slice header) and of 1 MiB and 4 MiB (each plus 4 KiB, room for a frame
+// header), at 30/12/13/13/32 % of the region (2457, 245, 66, 8 and 5
+// slices), 8192-element queues and memfd regions.
+//
+// The other Shmipc implementations default to 32 MiB of 8, 32 and 128 KiB
+// slices (ReferenceSliceSizes); their peers accept any layout. The larger
+// classes let a message of up to 4 MiB sit in one slice, so Reserve and
+// ReadBytes stay zero-copy for it, at the cost of 64 MiB of shared memory per
+// client session, reserved when the session starts.
 func DefaultConfig() *Config {
 	return &Config{
 		InitializeTimeout:      defaultInitializeTimeout,
@@ -114,9 +122,11 @@ func DefaultConfig() *Config {
 		QueueCap:               defaultQueueCap,
 		ShareMemoryBufferCap:   defaultBufferCap,
 		BufferSliceSizes: []SizePercentPair{
-			{Size: 8192 - sliceHeaderSize, Percent: 50},
-			{Size: 32<<10 - sliceHeaderSize, Percent: 30},
-			{Size: 128<<10 - sliceHeaderSize, Percent: 20},
+			{Size: 8<<10 - sliceHeaderSize, Percent: 30},
+			{Size: 32<<10 - sliceHeaderSize, Percent: 12},
+			{Size: 128<<10 - sliceHeaderSize, Percent: 13},
+			{Size: 1<<20 + 4<<10, Percent: 13},
+			{Size: 4<<20 + 4<<10, Percent: 32},
 		},
 		ShareMemoryPathPrefix: defaultPathPrefix,
 		MemMapType:            MemMapTypeMemFd,
@@ -168,6 +178,20 @@ func (c *Config) Verify() error {
 	return nil
 }
 
+// ReferenceSliceSizes are the slice sizes the other Shmipc implementations
+// use by default, with a 32 MiB region (ReferenceBufferCap).
+func ReferenceSliceSizes() []SizePercentPair {
+	return []SizePercentPair{
+		{Size: 8<<10 - sliceHeaderSize, Percent: 50},
+		{Size: 32<<10 - sliceHeaderSize, Percent: 30},
+		{Size: 128<<10 - sliceHeaderSize, Percent: 20},
+	}
+}
+
+// ReferenceBufferCap is the buffer region size the other Shmipc
+// implementations use by default.
+const ReferenceBufferCap = 32 << 20
+
 // minFallbackFrame is the smallest MaxFallbackFrameSize allowed: the largest
 // slice of the default configuration must fit in one frame.
 const minFallbackFrame = 1 << 20
@@ -215,7 +239,7 @@ func planLists(size uint32, pairs []SizePercentPair) ([]listPlan, error) {
 	for i, p := range sorted {
 		count := rest * uint64(p.Percent) / 100 / (uint64(p.Size) + sliceHeaderSize)
 		if count == 0 {
-			return nil, fmt.Errorf("slice size %d at %d%% of %d bytes gives no slices", p.Size, p.Percent, size)
+			return nil, fmt.Errorf("slice size %d at %d%% of %d bytes gives no slices (a smaller region needs smaller BufferSliceSizes, e.g. ReferenceSliceSizes())", p.Size, p.Percent, size)
 		}
 		plans[i] = listPlan{sliceCap: p.Size, count: uint32(count)}
 	}

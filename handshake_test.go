@@ -76,6 +76,7 @@ func hsConfig(t *testing.T, mode MemMapType) *Config {
 	c := DefaultConfig()
 	c.MemMapType = mode
 	c.ShareMemoryBufferCap = 2 << 20
+	c.BufferSliceSizes = ReferenceSliceSizes()
 	c.QueueCap = 1024
 	c.InitializeTimeout = 5 * time.Second
 	c.ShareMemoryPathPrefix = hsPrefix(t)
