@@ -51,9 +51,9 @@ type ioQueue struct {
 	tail *int64
 	flag *uint32
 
-	mu    sync.Mutex // serialises producers in this process
-	ptail int64      // producer: next tail; guarded by mu
-	chead int64      // consumer: next head; used by the receive loop only
+	mu    sync.Mutex   // serialises producers in this process
+	ptail int64        // producer: next tail; guarded by mu
+	chead atomic.Int64 // consumer: next head; written by the consumer token holder
 }
 
 // initQueueRegion writes both queue headers of a new, zero-filled region.
@@ -98,9 +98,10 @@ func newQueue(mem []byte, want uint32) (*ioQueue, error) {
 	// A new session starts from whatever counters the region holds (zero
 	// when the client has just created it); they only need to be sane.
 	q.ptail = atomic.LoadInt64(q.tail)
-	q.chead = atomic.LoadInt64(q.head)
-	if n := q.ptail - q.chead; n < 0 || n > int64(q.cap) {
-		return nil, fmt.Errorf("head %d and tail %d are %d apart, capacity %d", q.chead, q.ptail, n, q.cap)
+	head := atomic.LoadInt64(q.head)
+	q.chead.Store(head)
+	if n := q.ptail - head; n < 0 || n > int64(q.cap) {
+		return nil, fmt.Errorf("head %d and tail %d are %d apart, capacity %d", head, q.ptail, n, q.cap)
 	}
 	return q, nil
 }
@@ -139,9 +140,9 @@ func (q *ioQueue) put(e queueElem) (bool, error) {
 }
 
 // pop removes the oldest element. It reports false when the queue is empty.
-// Only one goroutine may consume.
+// Only one goroutine at a time may consume.
 func (q *ioQueue) pop() (queueElem, bool, error) {
-	h := q.chead
+	h := q.chead.Load()
 	t := atomic.LoadInt64(q.tail)
 	if n := t - h; n < 0 || n > int64(q.cap) {
 		return queueElem{}, false, q.corrupt(h, t)
@@ -154,14 +155,14 @@ func (q *ioQueue) pop() (queueElem, bool, error) {
 		offset: binary.LittleEndian.Uint32(s[elemOffsetOff:]),
 		status: binary.LittleEndian.Uint32(s[elemStatusOff:]),
 	}
-	q.chead = h + 1
+	q.chead.Store(h + 1)
 	atomic.StoreInt64(q.head, h+1)
 	return e, true, nil
 }
 
 // isEmpty reports whether the consumer has taken every element published.
 func (q *ioQueue) isEmpty() bool {
-	return atomic.LoadInt64(q.tail) == q.chead
+	return atomic.LoadInt64(q.tail) == q.chead.Load()
 }
 
 // markWorking sets the working flag if it was clear. The producer sends a

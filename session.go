@@ -45,8 +45,8 @@ type Session struct {
 	localClose  bool
 	loopDone    chan struct{}
 	onTeardown  func(*Session)
-	scratch     []shmSlice // receive loop only
-	spin        spinner    // receive loop only
+	cons        consumer
+	scratch     []shmSlice // used under the consumer token
 	fallbackBuf []byte     // receive loop only
 }
 
@@ -59,8 +59,8 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 		nextID:   1,
 		closed:   make(chan struct{}),
 		loopDone: make(chan struct{}),
-		spin:     spinner{max: conf.ConsumerSpinTime},
 	}
+	s.cons.init(conf.ConsumerSpinTime)
 	s.accepted.init()
 	return s
 }
@@ -219,14 +219,13 @@ func (s *Session) recvLoop() {
 func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 	switch h.Type() {
 	case wire.TypePolling:
-		s.spin.woken()
-		return s.drain()
+		return s.poll()
 	case wire.TypeStreamClose:
 		// Drain first: data queued before this frame was sent must not be
 		// overtaken by it, even if that data's wake-up is still on its way
 		// (another producer won the working flag and has not written its
 		// Polling frame yet).
-		if err := s.drain(); err != nil {
+		if err := s.drainNow(); err != nil {
 			return err
 		}
 		id := binary.BigEndian.Uint32(payload)
@@ -235,7 +234,7 @@ func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 		}
 		return nil
 	case wire.TypeFallbackData:
-		if err := s.drain(); err != nil { // as for StreamClose
+		if err := s.drainNow(); err != nil { // as for StreamClose
 			return err
 		}
 		return s.handleFallback(payload)
@@ -256,37 +255,6 @@ func (s *Session) role() string {
 		return "client"
 	}
 	return "server"
-}
-
-// drain takes every element off the receive queue. Then it keeps looking
-// for more for up to the spin budget, and finally clears the working flag
-// and starts over if an element arrived meanwhile (PROTOCOL.md §5.5). While
-// the flag is set the peer sends no wake-ups, so a busy session runs without
-// socket traffic at all.
-func (s *Session) drain() error {
-	for {
-		for {
-			e, ok, err := s.recvQ.pop()
-			if err != nil {
-				return err
-			}
-			if !ok {
-				break
-			}
-			if err := s.handleElem(e); err != nil {
-				return err
-			}
-		}
-		if s.spin.wait(s.recvQ, s.closed) {
-			continue
-		}
-		s.recvQ.setWorking(false)
-		if s.recvQ.isEmpty() {
-			s.spin.sleeping()
-			return nil
-		}
-		s.recvQ.setWorking(true)
-	}
 }
 
 // handleElem acts on one queue element: a message or a close.

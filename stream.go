@@ -119,7 +119,9 @@ func (st *Stream) waitReadable(n int) error {
 			return ErrTimeout
 		}
 		st.mu.Unlock()
-		st.s.wait(st.readNotify, deadline)
+		if !st.s.pollFor(st.readNotify) {
+			st.s.wait(st.readNotify, deadline)
+		}
 		st.mu.Lock()
 	}
 	return nil

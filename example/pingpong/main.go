@@ -1,0 +1,814 @@
+// Command pingpong measures the round-trip latency between two processes
+// over shmipc shared memory, a plain Unix socket and TCP loopback, at
+// several message sizes, in one run:
+//
+//	go run ./example/pingpong                      # all sizes and transports, about 30 s
+//	go run ./example/pingpong -quick               # a few seconds, for CI
+//	go run ./example/pingpong -sizes 64,4k,1m -transports shm,uds -n 50000 -json out.json
+//
+// It starts itself again as an echo server in a child process (the hidden
+// first argument -serve), then, in this process, sends a message of each
+// size, waits for the echo, and times every round trip. For each transport
+// and size it prints p50, p99, p99.9 and mean round-trip time, throughput
+// and the CPU time that each process spent per round trip; then how much
+// CPU an idle open shmipc session costs; and it draws p50 and p99 against
+// message size in an SVG chart (-svg).
+//
+// The transports:
+//
+//	shm  shmipc over a Unix socket, memfd regions, DefaultConfig. The client
+//	     copies its payload into shared memory and reads the echo in place;
+//	     the server echoes from shared memory into shared memory.
+//	uds  a net.UnixConn; each process copies the bytes into and out of the
+//	     kernel.
+//	tcp  a TCP connection on 127.0.0.1, otherwise like uds.
+//
+// Every connection (or stream) starts with a 4-byte big-endian message size;
+// after that both sides know where messages end, and the server echoes
+// messages of that size until the client closes.
+//
+// The server exits, removing its sockets, when its standard input reaches
+// end of file, which happens when this process exits or dies; it also gets
+// SIGTERM if this process dies (Pdeathsig).
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"math"
+	"net"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/goshm/shmipc"
+)
+
+// serveArg, as the first argument, makes the program the echo server.
+const serveArg = "-serve"
+
+var allTransports = []string{"shm", "uds", "tcp"}
+
+var transportInfo = map[string]string{
+	"shm": "shmipc (memfd, Unix socket)",
+	"uds": "Unix socket",
+	"tcp": "TCP loopback",
+}
+
+// options is one run's configuration.
+type options struct {
+	sizes      []int
+	n          int           // round trips for sizes up to 4 KiB; fewer for larger ones
+	transports []string      // from allTransports
+	svg        string        // chart path; "" for none
+	idle       time.Duration // how long the idle shm session is watched; 0 to skip
+	jsonPath   string        // "" for none, "-" for stdout
+	minRun     time.Duration // short round trips are repeated for at least this long
+	maxRun     time.Duration // cap on the timed part of one measurement
+}
+
+func main() {
+	if len(os.Args) > 1 && os.Args[1] == serveArg {
+		serveMain(os.Args[2:])
+		return
+	}
+	def := defaultOptions()
+	sizes := flag.String("sizes", "64,1k,4k,16k,64k,256k,1m", "message sizes, comma-separated (k and m are 1024 and 1024²)")
+	flag.IntVar(&def.n, "n", def.n, "round trips per measurement for sizes up to 4 KiB; larger sizes get n·√(4 KiB/size), at least 200 (more if -minrun is not reached)")
+	transports := flag.String("transports", strings.Join(allTransports, ","), "transports to measure: shm, uds, tcp")
+	flag.StringVar(&def.svg, "svg", def.svg, "write the latency chart to this SVG file (\"\" for none)")
+	flag.DurationVar(&def.idle, "idle", def.idle, "how long to watch an idle open shm session's CPU use (0 to skip)")
+	flag.StringVar(&def.jsonPath, "json", def.jsonPath, "also write the results as JSON to this file (\"-\" for stdout; the table then goes to stderr)")
+	flag.DurationVar(&def.minRun, "minrun", def.minRun, "repeat short round trips beyond n until a measurement has taken this long (for accurate CPU times)")
+	flag.DurationVar(&def.maxRun, "maxrun", def.maxRun, "stop a measurement's timed round trips after this long")
+	quick := flag.Bool("quick", false, "a small run for CI: 2 sizes, 300 round trips, 0.2 s idle (other flags still apply)")
+	flag.Usage = func() {
+		fmt.Fprintf(flag.CommandLine.Output(), "usage: pingpong [flags]\n\nMeasures round-trip latency between this process and an echo server child\nover shmipc, a Unix socket and TCP loopback.\n\n")
+		flag.PrintDefaults()
+	}
+	flag.Parse()
+	if flag.NArg() > 0 {
+		flag.Usage()
+		os.Exit(2)
+	}
+
+	opts := def
+	var err error
+	if opts.sizes, err = parseSizes(*sizes); err != nil {
+		fail(err)
+	}
+	if opts.transports, err = parseTransports(*transports); err != nil {
+		fail(err)
+	}
+	if *quick {
+		set := map[string]bool{}
+		flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
+		opts = quickOptions(opts, set)
+	}
+	if opts.n < 1 {
+		fail(fmt.Errorf("-n %d: want at least 1", opts.n))
+	}
+
+	// Ctrl-C: stop the server and remove its sockets before going.
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	go func() {
+		<-sig
+		stopAllServers()
+		os.Exit(130)
+	}()
+
+	table := io.Writer(os.Stdout)
+	if opts.jsonPath == "-" {
+		table = os.Stderr
+	}
+	if _, err := run(opts, table); err != nil {
+		fail(err)
+	}
+}
+
+func defaultOptions() options {
+	return options{
+		sizes:      []int{64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20},
+		n:          20000,
+		transports: allTransports,
+		svg:        "pingpong.svg",
+		idle:       2 * time.Second,
+		minRun:     time.Second,
+		maxRun:     4 * time.Second,
+	}
+}
+
+// quickOptions turns o into the -quick run, except for what the flags in
+// set chose explicitly.
+func quickOptions(o options, set map[string]bool) options {
+	if !set["sizes"] {
+		o.sizes = []int{64, 256 << 10} // one small, one large
+	}
+	if !set["n"] {
+		o.n = 300
+	}
+	if !set["idle"] {
+		o.idle = 200 * time.Millisecond
+	}
+	if !set["minrun"] {
+		o.minRun = 20 * time.Millisecond
+	}
+	if !set["maxrun"] {
+		o.maxRun = time.Second
+	}
+	return o
+}
+
+func fail(err error) {
+	fmt.Fprintln(os.Stderr, "pingpong:", err)
+	os.Exit(1)
+}
+
+func parseTransports(s string) ([]string, error) {
+	var out []string
+	for _, t := range strings.Split(s, ",") {
+		t = strings.ToLower(strings.TrimSpace(t))
+		if t == "" || slices.Contains(out, t) {
+			continue
+		}
+		if !slices.Contains(allTransports, t) {
+			return nil, fmt.Errorf("unknown transport %q: want shm, uds or tcp", t)
+		}
+		out = append(out, t)
+	}
+	if len(out) == 0 {
+		return nil, errors.New("no transports")
+	}
+	return out, nil
+}
+
+// report is everything a run measured.
+type report struct {
+	Machine   string      `json:"machine"`
+	Go        string      `json:"go"`
+	Time      time.Time   `json:"time"`
+	ClientPID int         `json:"client_pid"`
+	ServerPID int         `json:"server_pid"`
+	Results   []summary   `json:"results"`
+	Idle      *idleResult `json:"idle_shm_session,omitempty"`
+
+	dir string // the server's socket directory, removed by now
+}
+
+// idleResult is the CPU an open, unused shm session costs each process.
+type idleResult struct {
+	Seconds   float64 `json:"seconds"`
+	ClientPct float64 `json:"client_cpu_percent_of_a_core"`
+	ServerPct float64 `json:"server_cpu_percent_of_a_core"`
+}
+
+// run starts the echo server, measures every transport and size, prints the
+// table to out as rows complete, and writes the chart and the JSON file.
+func run(opts options, out io.Writer) (*report, error) {
+	srv, err := startServer(opts.transports)
+	if err != nil {
+		return nil, err
+	}
+	defer srv.stop()
+	rep := &report{
+		Machine:   machine(),
+		Go:        fmt.Sprintf("%s %s/%s", runtime.Version(), runtime.GOOS, runtime.GOARCH),
+		Time:      time.Now().UTC().Truncate(time.Second),
+		ClientPID: os.Getpid(),
+		ServerPID: srv.pid(),
+		dir:       srv.dir,
+	}
+	fmt.Fprintf(out, "pingpong: round trips between two processes (client pid %d, echo server pid %d)\n", rep.ClientPID, rep.ServerPID)
+	fmt.Fprintf(out, "%s · %s · GOMAXPROCS %d\n\n", rep.Machine, rep.Go, runtime.GOMAXPROCS(0))
+	fmt.Fprintf(out, rowFormat, "transport", "size", "n", "p50", "p99", "p99.9", "mean", "MB/s", "client CPU/op", "server CPU/op")
+	emit := func(s summary) {
+		rep.Results = append(rep.Results, s)
+		p999 := "-"
+		if s.hasP999() {
+			p999 = fmtUs(s.P999)
+		}
+		fmt.Fprintf(out, rowFormat, s.Transport, fmtSize(s.Size), fmt.Sprint(s.N), fmtUs(s.P50), fmtUs(s.P99), p999,
+			fmtUs(s.Mean), fmt.Sprintf("%.1f", s.MBps), fmtUs(s.ClientCPU), fmtUs(s.ServerCPU))
+	}
+	for i, tr := range opts.transports {
+		if i > 0 {
+			fmt.Fprintln(out)
+		}
+		switch tr {
+		case "shm":
+			rep.Idle, err = runShm(opts, srv, emit)
+		case "uds":
+			err = runConn(opts, srv, "unix", srv.udsSock, tr, emit)
+		case "tcp":
+			err = runConn(opts, srv, "tcp", srv.tcpAddr, tr, emit)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", tr, err)
+		}
+	}
+	fmt.Fprintln(out)
+	fmt.Fprintln(out, "Round-trip times from the client; p99.9 only with n ≥ 1000. MB/s counts both directions (10⁶ B/s).")
+	fmt.Fprintln(out, "CPU/op: process CPU time (user+system, all threads) during the timed round trips, divided by n.")
+	if rep.Idle != nil {
+		fmt.Fprintf(out, "idle: one open shm session, unused for %.1f s: client %.2f %%, server %.2f %% of a core\n",
+			rep.Idle.Seconds, rep.Idle.ClientPct, rep.Idle.ServerPct)
+	}
+	srv.stop() // before writing files, so that a crash there leaves nothing behind
+
+	if opts.svg != "" {
+		if err := writeSVG(opts.svg, rep, opts.transports); err != nil {
+			return nil, err
+		}
+		fmt.Fprintf(out, "chart: %s\n", opts.svg)
+	}
+	if opts.jsonPath != "" {
+		b, err := json.MarshalIndent(rep, "", "  ")
+		if err != nil {
+			return nil, err
+		}
+		b = append(b, '\n')
+		if opts.jsonPath == "-" {
+			_, err = os.Stdout.Write(b)
+		} else {
+			err = os.WriteFile(opts.jsonPath, b, 0o644)
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	return rep, nil
+}
+
+const rowFormat = "%-9s %8s %6s %9s %9s %9s %9s %9s  %13s  %13s\n"
+
+// iterations is the number of timed round trips at a message size: n up to
+// 4 KiB, then n·√(4 KiB/size) so that large sizes do not take minutes, but
+// never fewer than 200 (or n, if smaller).
+func iterations(n, size int) int {
+	if size <= 4<<10 {
+		return n
+	}
+	k := int(float64(n) * math.Sqrt(float64(4<<10)/float64(size)))
+	return max(k, min(n, 200))
+}
+
+// pinger does one round trip on an open connection. With verify set it
+// changes the payload first and checks that the echo matches.
+type pinger interface {
+	roundTrip(verify bool) error
+}
+
+// measure warms up, then times round trips and the CPU both processes use.
+//
+// It does n round trips (see iterations), and more if they take less than
+// opts.minRun: the kernel brings the CPU time of a thread that keeps
+// running on another core up to date only at scheduler ticks (4 ms at
+// HZ=250), so reading another process's CPU clock, or one of our threads
+// that spins, can be that much behind. Over a second that is under 1 %.
+func measure(transport string, size int, p pinger, opts options, serverPID int) (summary, error) {
+	n := iterations(opts.n, size)
+	warm := min(max(n/10, 20), 2000)
+	warmStart := time.Now()
+	done := 0
+	for ; done < warm && (done < 5 || time.Since(warmStart) < opts.maxRun/4); done++ {
+		if err := p.roundTrip(done < 3); err != nil {
+			return summary{}, fmt.Errorf("%s warm-up: %w", fmtSize(size), err)
+		}
+	}
+	// Room for n round trips, or for as many as fit in 1.5·minRun at the
+	// warm-up's pace, up to 4 million (32 MB of samples).
+	perOp := time.Since(warmStart) / time.Duration(done)
+	room := n
+	if perOp > 0 && opts.minRun > 0 {
+		room = max(n, min(int(opts.minRun*3/2/perOp), 4<<20))
+	}
+	lat := make([]time.Duration, room)
+	runtime.GC() // not during the timed loop, which allocates nothing
+	c0, s0 := selfCPU(), procCPU(serverPID)
+	start := time.Now()
+	i := 0
+	for i < room {
+		t := time.Now()
+		if err := p.roundTrip(false); err != nil {
+			return summary{}, fmt.Errorf("%s round trip %d: %w", fmtSize(size), i, err)
+		}
+		lat[i] = time.Since(t)
+		i++
+		if elapsed := t.Sub(start); elapsed > opts.maxRun || i >= n && elapsed >= opts.minRun {
+			break
+		}
+	}
+	c1, s1 := selfCPU(), procCPU(serverPID)
+	if err := p.roundTrip(true); err != nil {
+		return summary{}, fmt.Errorf("%s after timing: %w", fmtSize(size), err)
+	}
+	return summarize(transport, size, lat[:i], c1-c0, s1-s0), nil
+}
+
+// newPayload returns size bytes of a pattern that differs per size.
+func newPayload(size int) []byte {
+	p := make([]byte, size)
+	for i := range p {
+		p[i] = byte(i*131 + size)
+	}
+	return p
+}
+
+// bump changes the payload's first and last byte, so that a verified round
+// trip cannot pass on a stale echo.
+func bump(p []byte) {
+	p[0]++
+	p[len(p)-1]--
+}
+
+var errMismatch = errors.New("the echo differs from what was sent")
+
+// sizeHeader is the 4-byte big-endian message size that starts a connection.
+func sizeHeader(size int) []byte {
+	return binary.BigEndian.AppendUint32(nil, uint32(size))
+}
+
+// ---- shm -------------------------------------------------------------------
+
+// sliceChunk is the data capacity of the largest slice of a configuration.
+// A message that fits in one slice is written into one slice and arrives as
+// one contiguous piece. A larger one is written slice by slice, largest
+// slices first (WriteBytes does that), so a reader that reads it in chunks
+// of this size gets every chunk in place from ReadBytes, without a copy.
+func sliceChunk(conf *shmipc.Config) int {
+	m := uint32(0)
+	for _, p := range conf.BufferSliceSizes {
+		m = max(m, p.Size)
+	}
+	return int(m)
+}
+
+type shmPinger struct {
+	st      *shmipc.Stream
+	payload []byte
+	chunk   int
+}
+
+// roundTrip sends the payload through shared memory and reads the echo in
+// place.
+//
+// The payload exists before the call, as it does for the socket transports,
+// so the client appends it with WriteBytes, which is what a user holding a
+// ready buffer would do: one copy into as few shared-memory slices as
+// possible. (A user serialising a message would Reserve the space and write
+// into it instead; for a message that fits one slice that is the same
+// copy. A single Reserve larger than the largest slice — 128 KiB − 20 bytes
+// in the reference layout — gets private memory and makes the stream send
+// everything over the socket from then on, so such a user would reserve in
+// chunks of at most sliceChunk bytes.) The echo is not copied out: ReadBytes
+// returns it in shared memory, and ReleaseReadAndReuse hands it back.
+func (p *shmPinger) roundTrip(verify bool) error {
+	if verify {
+		bump(p.payload)
+	}
+	if _, err := p.st.BufferWriter().WriteBytes(p.payload); err != nil {
+		return err
+	}
+	if err := p.st.Flush(false); err != nil {
+		return err
+	}
+	r := p.st.BufferReader()
+	for off := 0; off < len(p.payload); {
+		c := min(p.chunk, len(p.payload)-off)
+		b, err := r.ReadBytes(c) // points into shared memory
+		if err != nil {
+			return err
+		}
+		if verify && !bytes.Equal(b, p.payload[off:off+c]) {
+			return errMismatch
+		}
+		off += c
+	}
+	p.st.ReleaseReadAndReuse() // hand the echo's slices back to the server
+	return nil
+}
+
+// runShm measures every size on one session, a stream per size, then
+// watches the session sit idle.
+func runShm(opts options, srv *server, emit func(summary)) (*idleResult, error) {
+	conf := shmipc.DefaultConfig()
+	sess, err := shmipc.Dial("unix", srv.shmSock, conf)
+	if err != nil {
+		return nil, err
+	}
+	defer sess.Close()
+	open := func(size int) (*shmPinger, error) {
+		st, err := sess.OpenStream()
+		if err != nil {
+			return nil, err
+		}
+		if _, err := st.BufferWriter().WriteBytes(sizeHeader(size)); err == nil {
+			err = st.Flush(false)
+		}
+		if err != nil {
+			st.Close()
+			return nil, err
+		}
+		return &shmPinger{st: st, payload: newPayload(size), chunk: sliceChunk(conf)}, nil
+	}
+	for _, size := range opts.sizes {
+		p, err := open(size)
+		if err != nil {
+			return nil, err
+		}
+		s, err := measure("shm", size, p, opts, srv.pid())
+		p.st.Close()
+		if err != nil {
+			return nil, err
+		}
+		emit(s)
+	}
+	if opts.idle <= 0 {
+		return nil, nil
+	}
+	// An open session with an open stream that has just been used, then
+	// nothing: what does it cost to keep it?
+	p, err := open(64)
+	if err != nil {
+		return nil, err
+	}
+	defer p.st.Close()
+	if err := p.roundTrip(true); err != nil {
+		return nil, err
+	}
+	time.Sleep(50 * time.Millisecond) // let both sides settle into waiting
+	c0, s0, t0 := selfCPU(), procCPU(srv.pid()), time.Now()
+	time.Sleep(opts.idle)
+	c1, s1, wall := selfCPU(), procCPU(srv.pid()), time.Since(t0)
+	if err := p.roundTrip(true); err != nil { // still working after the pause?
+		return nil, fmt.Errorf("after idling: %w", err)
+	}
+	pct := func(d time.Duration) float64 { return 100 * d.Seconds() / wall.Seconds() }
+	return &idleResult{Seconds: wall.Seconds(), ClientPct: pct(c1 - c0), ServerPct: pct(s1 - s0)}, nil
+}
+
+// ---- uds, tcp ----------------------------------------------------------------
+
+type connPinger struct {
+	c       net.Conn
+	payload []byte
+	buf     []byte
+}
+
+// roundTrip writes the payload and reads the echo into a reused buffer.
+func (p *connPinger) roundTrip(verify bool) error {
+	if verify {
+		bump(p.payload)
+	}
+	if _, err := p.c.Write(p.payload); err != nil {
+		return err
+	}
+	if _, err := io.ReadFull(p.c, p.buf); err != nil {
+		return err
+	}
+	if verify && !bytes.Equal(p.buf, p.payload) {
+		return errMismatch
+	}
+	return nil
+}
+
+// runConn measures every size over a plain socket, a connection per size.
+func runConn(opts options, srv *server, network, addr, name string, emit func(summary)) error {
+	for _, size := range opts.sizes {
+		c, err := net.Dial(network, addr) // TCP_NODELAY is Go's default
+		if err != nil {
+			return err
+		}
+		p := &connPinger{c: c, payload: newPayload(size), buf: make([]byte, size)}
+		_, err = c.Write(sizeHeader(size))
+		var s summary
+		if err == nil {
+			s, err = measure(name, size, p, opts, srv.pid())
+		}
+		c.Close()
+		if err != nil {
+			return err
+		}
+		emit(s)
+	}
+	return nil
+}
+
+// ---- the server process ----------------------------------------------------
+
+// server is the echo server child process.
+type server struct {
+	cmd     *exec.Cmd
+	stdin   io.WriteCloser
+	dir     string
+	shmSock string
+	udsSock string
+	tcpAddr string
+	once    sync.Once
+}
+
+var (
+	serversMu sync.Mutex
+	servers   = map[*server]struct{}{}
+)
+
+func stopAllServers() {
+	serversMu.Lock()
+	all := make([]*server, 0, len(servers))
+	for s := range servers {
+		all = append(all, s)
+	}
+	serversMu.Unlock()
+	for _, s := range all {
+		s.stop()
+	}
+}
+
+// startServer starts this program as the echo server and waits until it
+// listens.
+func startServer(transports []string) (*server, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "pingpong-")
+	if err != nil {
+		return nil, err
+	}
+	s := &server{dir: dir, shmSock: filepath.Join(dir, "shm.sock"), udsSock: filepath.Join(dir, "uds.sock")}
+	s.cmd = exec.Command(self, serveArg, "-dir", dir, "-transports", strings.Join(transports, ","))
+	s.cmd.Stderr = os.Stderr
+	// If this process dies, the server's standard input ends; and in case
+	// that is ever not enough, the kernel sends it SIGTERM (it cleans up on
+	// either).
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	if s.stdin, err = s.cmd.StdinPipe(); err == nil {
+		var stdout io.ReadCloser
+		if stdout, err = s.cmd.StdoutPipe(); err == nil {
+			if err = s.cmd.Start(); err == nil {
+				serversMu.Lock()
+				servers[s] = struct{}{}
+				serversMu.Unlock()
+				err = s.waitReady(stdout)
+			}
+		}
+	}
+	if err != nil {
+		s.stop()
+		return nil, fmt.Errorf("starting the echo server: %w", err)
+	}
+	return s, nil
+}
+
+// waitReady reads the server's "ready <tcp address>" line.
+func (s *server) waitReady(stdout io.Reader) error {
+	type line struct {
+		text string
+		err  error
+	}
+	ch := make(chan line, 1)
+	go func() {
+		br := bufio.NewReader(stdout)
+		text, err := br.ReadString('\n')
+		ch <- line{text, err}
+		io.Copy(io.Discard, br) // until the server exits
+	}()
+	select {
+	case l := <-ch:
+		f := strings.Fields(l.text)
+		if l.err != nil || len(f) != 2 || f[0] != "ready" {
+			return fmt.Errorf("it did not report ready (%q, %v)", l.text, l.err)
+		}
+		s.tcpAddr = f[1]
+		return nil
+	case <-time.After(10 * time.Second):
+		return errors.New("it did not report ready within 10 s")
+	}
+}
+
+func (s *server) pid() int { return s.cmd.Process.Pid }
+
+// stop closes the server's standard input, which makes it exit, waits for
+// it (killing it if it takes more than 3 s) and removes its directory.
+func (s *server) stop() {
+	s.once.Do(func() {
+		if s.cmd.Process != nil {
+			s.stdin.Close()
+			done := make(chan struct{})
+			go func() { s.cmd.Wait(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(3 * time.Second):
+				s.cmd.Process.Kill()
+				<-done
+			}
+		}
+		os.RemoveAll(s.dir)
+		serversMu.Lock()
+		delete(servers, s)
+		serversMu.Unlock()
+	})
+}
+
+// serveMain is the echo server: it listens on the transports asked for,
+// prints "ready <tcp address or ->" and echoes until its standard input
+// ends.
+func serveMain(args []string) {
+	log.SetFlags(0)
+	log.SetPrefix("pingpong server: ")
+	fs := flag.NewFlagSet("pingpong "+serveArg, flag.ExitOnError)
+	dir := fs.String("dir", "", "directory for the Unix sockets")
+	transports := fs.String("transports", strings.Join(allTransports, ","), "transports to serve")
+	fs.Parse(args)
+	if *dir == "" {
+		log.Fatal("-dir is required")
+	}
+	// Ctrl-C reaches the whole process group; the client decides when the
+	// server stops (by closing our standard input), so that it can clean up.
+	// SIGTERM (also sent by the kernel if the client dies) stops it at once.
+	signal.Ignore(syscall.SIGINT)
+	stop := make(chan struct{}, 2)
+	term := make(chan os.Signal, 1)
+	signal.Notify(term, syscall.SIGTERM)
+	go func() {
+		<-term
+		stop <- struct{}{}
+	}()
+
+	var closers []io.Closer
+	tcpAddr := "-"
+	chunk := sliceChunk(shmipc.DefaultConfig())
+	for _, t := range strings.Split(*transports, ",") {
+		switch t {
+		case "shm":
+			ln, err := shmipc.Listen("unix", filepath.Join(*dir, "shm.sock"), nil)
+			if err != nil {
+				log.Fatal(err)
+			}
+			closers = append(closers, ln)
+			go func() {
+				for {
+					st, err := ln.AcceptStream()
+					if err != nil {
+						return
+					}
+					go echoShm(st, chunk)
+				}
+			}()
+		case "uds", "tcp":
+			network, addr := "unix", filepath.Join(*dir, "uds.sock")
+			if t == "tcp" {
+				network, addr = "tcp", "127.0.0.1:0"
+			}
+			ln, err := net.Listen(network, addr)
+			if err != nil {
+				log.Fatal(err)
+			}
+			if t == "tcp" {
+				tcpAddr = ln.Addr().String()
+			}
+			closers = append(closers, ln)
+			go func() {
+				for {
+					c, err := ln.Accept()
+					if err != nil {
+						return
+					}
+					go echoConn(c)
+				}
+			}()
+		}
+	}
+	fmt.Printf("ready %s\n", tcpAddr)
+	go func() {
+		io.Copy(io.Discard, os.Stdin) // returns when the client closes the pipe or dies
+		stop <- struct{}{}
+	}()
+	<-stop
+	for _, c := range closers {
+		c.Close() // removes the socket files
+	}
+	os.Remove(*dir) // the client removes it too; whoever comes second fails
+	os.Exit(0)
+}
+
+// echoShm echoes messages of the announced size, reading them in place
+// from shared memory and copying them into the reply's shared memory.
+func echoShm(st *shmipc.Stream, chunk int) {
+	defer st.Close()
+	r, w := st.BufferReader(), st.BufferWriter()
+	head, err := r.ReadBytes(4)
+	if err != nil {
+		return
+	}
+	size := int(binary.BigEndian.Uint32(head))
+	st.ReleaseReadAndReuse()
+	if size > maxSize {
+		log.Printf("shm stream %d: message size %d is too large", st.ID(), size)
+		return
+	}
+	for {
+		for off := 0; off < size; {
+			c := min(chunk, size-off)
+			b, err := r.ReadBytes(c)
+			if err != nil {
+				if off > 0 || !errors.Is(err, io.EOF) {
+					log.Printf("shm stream %d: %v", st.ID(), err)
+				}
+				return
+			}
+			if _, err := w.WriteBytes(b); err != nil {
+				log.Printf("shm stream %d: %v", st.ID(), err)
+				return
+			}
+			off += c
+		}
+		st.ReleaseReadAndReuse()
+		if err := st.Flush(false); err != nil {
+			log.Printf("shm stream %d: %v", st.ID(), err)
+			return
+		}
+	}
+}
+
+// echoConn echoes messages of the announced size on a plain connection.
+func echoConn(c net.Conn) {
+	defer c.Close()
+	var head [4]byte
+	if _, err := io.ReadFull(c, head[:]); err != nil {
+		return
+	}
+	size := int(binary.BigEndian.Uint32(head[:]))
+	if size > maxSize {
+		log.Printf("%s: message size %d is too large", c.LocalAddr().Network(), size)
+		return
+	}
+	buf := make([]byte, size)
+	for {
+		if _, err := io.ReadFull(c, buf); err != nil {
+			if !errors.Is(err, io.EOF) {
+				log.Printf("%s: %v", c.LocalAddr().Network(), err)
+			}
+			return
+		}
+		if _, err := c.Write(buf); err != nil {
+			log.Printf("%s: %v", c.LocalAddr().Network(), err)
+			return
+		}
+	}
+}
