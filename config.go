@@ -92,7 +92,7 @@ const (
 	defaultBufferCap              = 64 << 20
 	defaultPathPrefix             = "/dev/shm/shmipc"
 	defaultMaxFallbackFrame       = 64 << 20
-	defaultConsumerSpinTime       = 100 * time.Microsecond
+	defaultConsumerSpinTime       = 200 * time.Microsecond
 
 	// maxFallbackFrameSent is the largest FallbackData frame we send: the
 	// Rust reference cannot receive larger ones.

@@ -93,28 +93,31 @@ func (s *Session) stopPolling() bool {
 	return false
 }
 
-// drainAvailable pops and dispatches every element published so far. The
-// caller holds the consumer token.
-func (s *Session) drainAvailable() error {
+// drainAvailable pops and dispatches every element published so far and
+// returns how many it dispatched. The caller holds the consumer token.
+func (s *Session) drainAvailable() (int, error) {
+	n := 0
 	for {
 		e, ok, err := s.recvQ.pop()
 		if err != nil || !ok {
-			return err
+			return n, err
 		}
 		if err := s.handleElem(e); err != nil {
-			return err
+			return n, err
 		}
+		n++
 	}
 }
 
-// tryDrain drains the queue if it has elements and nobody else is at it.
-func (s *Session) tryDrain() error {
+// tryDrain drains the queue if it has elements and nobody else is at it,
+// and returns how many elements it dispatched.
+func (s *Session) tryDrain() (int, error) {
 	if s.recvQ.isEmpty() || !s.cons.token.CompareAndSwap(false, true) {
-		return nil
+		return 0, nil
 	}
-	err := s.drainAvailable()
+	n, err := s.drainAvailable()
 	s.cons.token.Store(false)
-	return err
+	return n, err
 }
 
 // drainNow waits for the consumer token and drains the queue. After it
@@ -123,7 +126,7 @@ func (s *Session) drainNow() error {
 	for !s.cons.token.CompareAndSwap(false, true) {
 		runtime.Gosched()
 	}
-	err := s.drainAvailable()
+	_, err := s.drainAvailable()
 	s.cons.token.Store(false)
 	return err
 }
@@ -150,14 +153,25 @@ func (s *Session) poll() error {
 // spinUntil polls the queue for up to the spin budget, draining what
 // arrives. It returns true when ready (if given) is signalled, or, with a
 // nil ready, when the queue has an element; false when the budget runs out,
-// the session ends, or draining fails (which closes the session). The caller
-// is a poller.
+// the session ends, or draining fails (which closes the session). With a nil
+// ready (the receive loop) it also stops when a reader starts polling, so
+// that one goroutine per process spins, not two. The caller is a poller.
+//
+// It waits with cpuRelax and yields the processor only after handing data
+// to other goroutines (the receive loop yields first, as it has just done
+// so) and otherwise rarely: runtime.Gosched wakes another thread to look for
+// work and lets the spinning goroutine move between threads, which on a
+// small machine takes cores from the peer process.
 func (s *Session) spinUntil(ready <-chan struct{}) bool {
 	budget := s.cons.spinBudget()
 	if budget <= 0 {
 		return false
 	}
+	if ready == nil {
+		runtime.Gosched()
+	}
 	start := time.Now()
+	lastYield := start
 	for {
 		for range pollCheckEvery {
 			if ready == nil {
@@ -165,8 +179,12 @@ func (s *Session) spinUntil(ready <-chan struct{}) bool {
 					s.cons.hit()
 					return true
 				}
+				if s.cons.pollers.Load() > 1 {
+					return false // a reader polls: leave it to that one
+				}
 			} else {
-				if err := s.tryDrain(); err != nil {
+				n, err := s.tryDrain()
+				if err != nil {
 					s.closeWithError(err)
 					return false
 				}
@@ -176,18 +194,30 @@ func (s *Session) spinUntil(ready <-chan struct{}) bool {
 					return true
 				default:
 				}
+				if n > 0 { // it was for other streams: let their readers run
+					runtime.Gosched()
+				}
 			}
-			runtime.Gosched()
+			cpuRelax()
 		}
 		if s.IsClosed() {
 			return false
 		}
-		if time.Since(start) >= budget {
+		now := time.Now()
+		if now.Sub(start) >= budget {
 			s.cons.miss()
 			return false
 		}
+		if now.Sub(lastYield) >= yieldEvery {
+			runtime.Gosched()
+			lastYield = now
+		}
 	}
 }
+
+// yieldEvery is how often a spinning goroutine lets others on its processor
+// run.
+const yieldEvery = 100 * time.Microsecond
 
 // pollFor lets a reader poll the queue while it waits for ready, up to the
 // spin budget. It reports whether ready was signalled.

@@ -49,6 +49,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync"
@@ -60,6 +61,16 @@ import (
 
 // serveArg, as the first argument, makes the program the echo server.
 const serveArg = "-serve"
+
+// spinTime is the shmipc ConsumerSpinTime of both processes.
+var spinTime = shmipc.DefaultConfig().ConsumerSpinTime
+
+// shmConfig is the configuration of both shm sides.
+func shmConfig() *shmipc.Config {
+	conf := shmipc.DefaultConfig()
+	conf.ConsumerSpinTime = spinTime
+	return conf
+}
 
 var allTransports = []string{"shm", "uds", "tcp"}
 
@@ -95,12 +106,27 @@ func main() {
 	flag.StringVar(&def.jsonPath, "json", def.jsonPath, "also write the results as JSON to this file (\"-\" for stdout; the table then goes to stderr)")
 	flag.DurationVar(&def.minRun, "minrun", def.minRun, "repeat short round trips beyond n until a measurement has taken this long (for accurate CPU times)")
 	flag.DurationVar(&def.maxRun, "maxrun", def.maxRun, "stop a measurement's timed round trips after this long")
+	flag.DurationVar(&spinTime, "spin", spinTime, "shmipc ConsumerSpinTime on both sides (how long a waiting receiver polls before it sleeps)")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the client process to this file")
 	quick := flag.Bool("quick", false, "a small run for CI: 2 sizes, 300 round trips, 0.2 s idle (other flags still apply)")
 	flag.Usage = func() {
 		fmt.Fprintf(flag.CommandLine.Output(), "usage: pingpong [flags]\n\nMeasures round-trip latency between this process and an echo server child\nover shmipc, a Unix socket and TCP loopback.\n\n")
 		flag.PrintDefaults()
 	}
 	flag.Parse()
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			log.Fatal(err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			log.Fatal(err)
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			f.Close()
+		}()
+	}
 	if flag.NArg() > 0 {
 		flag.Usage()
 		os.Exit(2)
@@ -446,7 +472,7 @@ func (p *shmPinger) roundTrip(verify bool) error {
 // runShm measures every size on one session, a stream per size, then
 // watches the session sit idle.
 func runShm(opts options, srv *server, emit func(summary)) (*idleResult, error) {
-	conf := shmipc.DefaultConfig()
+	conf := shmConfig()
 	sess, err := shmipc.Dial("unix", srv.shmSock, conf)
 	if err != nil {
 		return nil, err
@@ -591,7 +617,7 @@ func startServer(transports []string) (*server, error) {
 		return nil, err
 	}
 	s := &server{dir: dir, shmSock: filepath.Join(dir, "shm.sock"), udsSock: filepath.Join(dir, "uds.sock")}
-	s.cmd = exec.Command(self, serveArg, "-dir", dir, "-transports", strings.Join(transports, ","))
+	s.cmd = exec.Command(self, serveArg, "-dir", dir, "-transports", strings.Join(transports, ","), "-spin", spinTime.String())
 	s.cmd.Stderr = os.Stderr
 	// If this process dies, the server's standard input ends; and in case
 	// that is ever not enough, the kernel sends it SIGTERM (it cleans up on
@@ -674,6 +700,7 @@ func serveMain(args []string) {
 	fs := flag.NewFlagSet("pingpong "+serveArg, flag.ExitOnError)
 	dir := fs.String("dir", "", "directory for the Unix sockets")
 	transports := fs.String("transports", strings.Join(allTransports, ","), "transports to serve")
+	fs.DurationVar(&spinTime, "spin", spinTime, "shmipc ConsumerSpinTime")
 	fs.Parse(args)
 	if *dir == "" {
 		log.Fatal("-dir is required")
@@ -696,7 +723,7 @@ func serveMain(args []string) {
 	for _, t := range strings.Split(*transports, ",") {
 		switch t {
 		case "shm":
-			ln, err := shmipc.Listen("unix", filepath.Join(*dir, "shm.sock"), nil)
+			ln, err := shmipc.Listen("unix", filepath.Join(*dir, "shm.sock"), shmConfig())
 			if err != nil {
 				log.Fatal(err)
 			}
