@@ -2,6 +2,7 @@ package shmipc
 
 import (
 	"fmt"
+	"os"
 	"sort"
 	"time"
 )
@@ -77,6 +78,21 @@ type Config struct {
 	// uses no CPU. Zero disables spinning.
 	ConsumerSpinTime time.Duration
 
+	// AllowedPeerUIDs, when not empty, restricts a server to clients whose
+	// Unix-socket peer credentials carry one of these user ids; others are
+	// disconnected before the handshake. Over TCP no credentials exist, so
+	// a non-empty list refuses every TCP client.
+	AllowedPeerUIDs []uint32
+
+	// SocketFileMode is the permission of the Unix socket file Listen
+	// creates. The default, 0600, lets only the owner connect.
+	SocketFileMode os.FileMode
+
+	// ShareMemoryFileMode is the permission of region files a client
+	// creates in file mode. The default, 0600, keeps other users out; a
+	// server running as another user needs more (and a matching umask).
+	ShareMemoryFileMode os.FileMode
+
 	// MaxFallbackFrameSize is the largest FallbackData frame accepted from
 	// the peer, header included. Larger frames end the session. Frames this
 	// implementation sends are at most min(this, 32 MiB), which other
@@ -132,6 +148,8 @@ func DefaultConfig() *Config {
 		MemMapType:            MemMapTypeMemFd,
 		MaxFallbackFrameSize:  defaultMaxFallbackFrame,
 		ConsumerSpinTime:      defaultConsumerSpinTime,
+		SocketFileMode:        0o600,
+		ShareMemoryFileMode:   0o600,
 	}
 }
 
@@ -168,6 +186,9 @@ func (c *Config) Verify() error {
 	}
 	if c.MemMapType == MemMapTypeDevShmFile && len(c.ShareMemoryPathPrefix)+len(pathUniquePart) > maxPathBudget {
 		return bad("ShareMemoryPathPrefix %q is too long for file mode (at most %d bytes)", c.ShareMemoryPathPrefix, maxPathBudget-len(pathUniquePart))
+	}
+	if c.SocketFileMode&^os.ModePerm != 0 || c.ShareMemoryFileMode&^os.ModePerm != 0 {
+		return bad("SocketFileMode %v and ShareMemoryFileMode %v may only hold permission bits", c.SocketFileMode, c.ShareMemoryFileMode)
 	}
 	if c.ConsumerSpinTime < 0 {
 		return bad("ConsumerSpinTime %v is negative", c.ConsumerSpinTime)

@@ -23,7 +23,8 @@ func Client(conn net.Conn, conf *Config) (*Session, error) {
 
 // Server runs the server side of the handshake on conn: it maps the regions
 // the client created and returns the running session. Streams the client
-// opens arrive through AcceptStream. On error conn is closed.
+// opens arrive through AcceptStream. A client whose user id is not in
+// conf.AllowedPeerUIDs (when that is set) is refused. On error conn is closed.
 func Server(conn net.Conn, conf *Config) (*Session, error) {
 	return handshake(conn, conf, false, nil)
 }
@@ -41,6 +42,12 @@ func handshake(conn net.Conn, conf *Config, client bool, setup func(*Session)) (
 	if err := conf.Verify(); err != nil {
 		conn.Close()
 		return nil, err
+	}
+	if !client {
+		if err := checkPeer(conn, conf.AllowedPeerUIDs); err != nil {
+			conn.Close()
+			return nil, fmt.Errorf("%w (server): %w", ErrHandshake, err)
+		}
 	}
 	s := newSession(conn, conf, client)
 	if err := conn.SetDeadline(time.Now().Add(conf.InitializeTimeout)); err != nil {
@@ -102,7 +109,7 @@ func (s *Session) clientHandshake() error {
 		}
 	}
 
-	bufRegion, bufFd, err := createRegion(conf.MemMapType, bufPath, int(conf.ShareMemoryBufferCap))
+	bufRegion, bufFd, err := createRegionPerm(conf.MemMapType, bufPath, int(conf.ShareMemoryBufferCap), uint32(conf.ShareMemoryFileMode))
 	if err != nil {
 		return err
 	}
@@ -112,7 +119,7 @@ func (s *Session) clientHandshake() error {
 		bufRegion.release()
 		return err
 	}
-	queueRegion, queueFd, err := createRegion(conf.MemMapType, queuePath, queueSize)
+	queueRegion, queueFd, err := createRegionPerm(conf.MemMapType, queuePath, queueSize, uint32(conf.ShareMemoryFileMode))
 	if err != nil {
 		return err
 	}

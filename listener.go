@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"syscall"
@@ -63,6 +64,12 @@ func Listen(network, address string, conf *Config) (*Listener, error) {
 	ln, err := net.Listen(network, address)
 	if err != nil {
 		return nil, fmt.Errorf("shmipc: listen %s %s: %w", network, address, err)
+	}
+	if ul, ok := ln.(*net.UnixListener); ok && !strings.HasPrefix(address, "@") {
+		if err := os.Chmod(address, conf.SocketFileMode); err != nil {
+			ul.Close()
+			return nil, fmt.Errorf("shmipc: listen %s %s: %w", network, address, err)
+		}
 	}
 	return NewListener(ln, conf), nil
 }

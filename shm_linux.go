@@ -62,6 +62,11 @@ func (r *region) release() {
 // a new file at path. It returns the region (one reference) and the open fd,
 // which the caller closes once it has been passed to the peer.
 func createRegion(mode MemMapType, path string, size int) (*region, int, error) {
+	return createRegionPerm(mode, path, size, 0o600)
+}
+
+// createRegionPerm is createRegion with the permissions of a region file.
+func createRegionPerm(mode MemMapType, path string, size int, perm uint32) (*region, int, error) {
 	var fd int
 	var err error
 	if mode == MemMapTypeMemFd {
@@ -74,7 +79,7 @@ func createRegion(mode MemMapType, path string, size int) (*region, int, error) 
 			return nil, -1, fmt.Errorf("memfd_create %q: %w", name, err)
 		}
 	} else {
-		fd, err = unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0o600)
+		fd, err = unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC|unix.O_NOFOLLOW, perm)
 		if err != nil {
 			return nil, -1, fmt.Errorf("create %s: %w", path, err)
 		}
@@ -85,6 +90,11 @@ func createRegion(mode MemMapType, path string, size int) (*region, int, error) 
 			_ = unix.Unlink(path)
 		}
 		return nil, -1, err
+	}
+	if mode == MemMapTypeDevShmFile {
+		if err := unix.Fchmod(fd, perm); err != nil { // exactly perm, whatever the umask
+			return fail(fmt.Errorf("chmod %s: %w", path, err))
+		}
 	}
 	if err := unix.Ftruncate(fd, int64(size)); err != nil {
 		return fail(fmt.Errorf("size %s to %d bytes: %w", path, size, err))

@@ -280,3 +280,38 @@ func (c *eventConn) recvFds(n int) ([]int, error) {
 	}
 	return fds, nil
 }
+
+// errPeerNotAllowed is wrapped by the error for a client whose user id is
+// not in Config.AllowedPeerUIDs.
+var errPeerNotAllowed = errors.New("peer user not allowed")
+
+// checkPeer enforces Config.AllowedPeerUIDs on an accepted connection.
+func checkPeer(conn net.Conn, allowed []uint32) error {
+	if len(allowed) == 0 {
+		return nil
+	}
+	uc, ok := conn.(*net.UnixConn)
+	if !ok {
+		return fmt.Errorf("%w: %T carries no peer credentials", errPeerNotAllowed, conn)
+	}
+	raw, err := uc.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var cred *unix.Ucred
+	var credErr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return err
+	}
+	if credErr != nil {
+		return fmt.Errorf("read peer credentials: %w", credErr)
+	}
+	for _, uid := range allowed {
+		if cred.Uid == uid {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: uid %d (pid %d)", errPeerNotAllowed, cred.Uid, cred.Pid)
+}
