@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"runtime/debug"
 )
 
 // BufferReader reads a stream's received bytes, zero-copy where it can.
@@ -186,7 +187,8 @@ func (b *bufferReader) Peek(n int) ([]byte, error) { return (*Stream)(b).next(n,
 
 // next returns the next n bytes, zero-copy when they lie in one segment,
 // and consumes them if consume is set.
-func (st *Stream) next(n int, consume bool) ([]byte, error) {
+func (st *Stream) next(n int, consume bool) (_ []byte, err error) {
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	if n < 0 {
 		return nil, errNegative
 	}
@@ -209,8 +211,9 @@ func (st *Stream) next(n int, consume bool) ([]byte, error) {
 	return p, nil
 }
 
-func (b *bufferReader) Discard(n int) (int, error) {
+func (b *bufferReader) Discard(n int) (_ int, err error) {
 	st := (*Stream)(b)
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	if n < 0 {
 		return 0, errNegative
 	}
@@ -225,8 +228,9 @@ func (b *bufferReader) Discard(n int) (int, error) {
 	return n, nil
 }
 
-func (b *bufferReader) ReadByte() (byte, error) {
+func (b *bufferReader) ReadByte() (_ byte, err error) {
 	st := (*Stream)(b)
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	r := &st.reader
@@ -247,10 +251,11 @@ func (b *bufferReader) Len() int {
 
 func (b *bufferReader) ReleasePreviousRead() {
 	st := (*Stream)(b)
+	var err error
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.mu.Lock()
-	err := st.reader.release()
-	st.mu.Unlock()
-	if err != nil {
+	defer st.mu.Unlock()
+	if err = st.reader.release(); err != nil {
 		st.s.closeWithError(err)
 	}
 }

@@ -78,6 +78,15 @@ type Config struct {
 	// uses no CPU. Zero disables spinning.
 	ConsumerSpinTime time.Duration
 
+	// RequireSealedMemory makes a server refuse regions that the client
+	// could still shrink after the handshake: memfds not sealed against
+	// shrinking (F_SEAL_SHRINK), and all file-mode regions. A shrunk region
+	// is survivable anyway (faults on the library's own accesses end the
+	// session with an error), but a zero-copy slice held by the application
+	// would fault in application code. Clients of this package seal their
+	// memfds; the reference implementations do not.
+	RequireSealedMemory bool
+
 	// AllowedPeerUIDs, when not empty, restricts a server to clients whose
 	// Unix-socket peer credentials carry one of these user ids; others are
 	// disconnected before the handshake. Over TCP no credentials exist, so

@@ -244,6 +244,9 @@ func (s *Session) mapFromPaths(h wire.Header) error {
 	if err != nil {
 		return err
 	}
+	if s.conf.RequireSealedMemory {
+		return errors.New("file-mode regions cannot be sealed and RequireSealedMemory is set")
+	}
 	dir := filepath.Dir(s.conf.ShareMemoryPathPrefix)
 	bufFd, err := openRegionFile(bufPath, dir)
 	if err != nil {
@@ -272,6 +275,13 @@ func (s *Session) mapFromFds(h wire.Header) error {
 		return fmt.Errorf("receive region fds: %w", err)
 	}
 	defer closeFds(fds...)
+	if s.conf.RequireSealedMemory {
+		for i, fd := range fds {
+			if err := checkSealed(fd); err != nil {
+				return fmt.Errorf("region fd %d of 2: %w", i+1, err)
+			}
+		}
+	}
 	return s.mapRegions(queuePath, bufPath, fds[1], fds[0], false)
 }
 

@@ -120,13 +120,12 @@ func (q *ioQueue) corrupt(head, tail int64) error {
 // element and the message it names have been written.
 func (q *ioQueue) put(e queueElem) (bool, error) {
 	q.mu.Lock()
+	defer q.mu.Unlock() // deferred: a fault in a shrunk mapping must not leave it locked
 	t := q.ptail
 	h := atomic.LoadInt64(q.head)
 	if n := t - h; n < 0 || n > int64(q.cap) {
-		q.mu.Unlock()
 		return false, q.corrupt(h, t)
 	} else if n == int64(q.cap) {
-		q.mu.Unlock()
 		return false, nil
 	}
 	s := q.slot(t)
@@ -135,7 +134,6 @@ func (q *ioQueue) put(e queueElem) (bool, error) {
 	binary.LittleEndian.PutUint32(s[elemStatusOff:], e.status)
 	q.ptail = t + 1
 	atomic.StoreInt64(q.tail, t+1)
-	q.mu.Unlock()
 	return true, nil
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime/debug"
 	"sync"
 	"syscall"
 	"time"
@@ -192,6 +193,7 @@ func (s *Session) wait(ch <-chan struct{}, deadline time.Time) {
 // session down.
 func (s *Session) recvLoop() {
 	defer close(s.loopDone)
+	debug.SetPanicOnFault(true) // this goroutine is ours for good
 	var err error
 	for err == nil {
 		var h wire.Header
@@ -199,7 +201,7 @@ func (s *Session) recvLoop() {
 		if h, payload, err = s.ec.readFrame(s.conf.MaxFallbackFrameSize); err != nil {
 			break
 		}
-		err = s.handleFrame(h, payload)
+		err = s.handleFrameGuarded(h, payload)
 		s.ec.shrink()
 	}
 	if !s.IsClosed() {
@@ -212,7 +214,38 @@ func (s *Session) recvLoop() {
 		}
 	}
 	s.closeWithError(err)
+	s.teardownGuarded()
+}
+
+// handleFrameGuarded is handleFrame with memory faults turned into errors.
+func (s *Session) handleFrameGuarded(h wire.Header, payload []byte) (err error) {
+	defer s.recoverFault(&err, true)
+	return s.handleFrame(h, payload)
+}
+
+func (s *Session) teardownGuarded() {
+	var err error
+	defer s.recoverFault(&err, true)
 	s.teardown()
+}
+
+// recoverFault is deferred, with the previous SetPanicOnFault setting, by
+// every entry point that touches shared memory. A peer that created a region
+// can shrink it under us (file regions and unsealed memfds); touching the
+// lost pages faults. With SetPanicOnFault the fault is a panic, which this
+// turns into the session's error. Other panics go on.
+func (s *Session) recoverFault(err *error, old bool) {
+	debug.SetPanicOnFault(old)
+	r := recover()
+	if r == nil {
+		return
+	}
+	f, ok := r.(interface{ Addr() uintptr })
+	if !ok {
+		panic(r)
+	}
+	s.closeWithError(fmt.Errorf("%w: memory fault at %#x in a shared region (did the peer shrink it?)", ErrProtocol, f.Addr()))
+	*err = s.closedErr()
 }
 
 // handleFrame acts on one running-phase frame (PROTOCOL.md §2.2).

@@ -178,6 +178,18 @@ func sameFile(path string, dev, ino uint64) bool {
 	return unix.Lstat(path, &st) == nil && st.Dev == dev && st.Ino == ino
 }
 
+// checkSealed fails unless fd is sealed against shrinking.
+func checkSealed(fd int) error {
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return fmt.Errorf("read seals: %w", err)
+	}
+	if seals&unix.F_SEAL_SHRINK == 0 {
+		return fmt.Errorf("region is not sealed against shrinking (seals %#x) and RequireSealedMemory is set", seals)
+	}
+	return nil
+}
+
 // closeFds closes every fd in fds that is not negative.
 func closeFds(fds ...int) {
 	for _, fd := range fds {

@@ -3,6 +3,7 @@ package shmipc
 import (
 	"io"
 	"net"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -73,7 +74,8 @@ func (st *Stream) notify() {
 // Read reads up to len(p) bytes into p. It first releases what earlier
 // reads returned (see BufferReader), so slices from ReadBytes or Peek are
 // invalid afterwards.
-func (st *Stream) Read(p []byte) (int, error) {
+func (st *Stream) Read(p []byte) (_ int, err error) {
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	r := &st.reader
@@ -155,7 +157,8 @@ func (st *Stream) peerClose() {
 }
 
 // Write writes p as one message and flushes it.
-func (st *Stream) Write(p []byte) (int, error) {
+func (st *Stream) Write(p []byte) (_ int, err error) {
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	if err := st.writeDeadlineErr(); err != nil {
@@ -175,7 +178,8 @@ func (st *Stream) Write(p []byte) (int, error) {
 // Flush sends the message built with BufferWriter (and anything Write left).
 // endStream has no effect on the wire; it is accepted for compatibility.
 // On error the message is discarded.
-func (st *Stream) Flush(endStream bool) error {
+func (st *Stream) Flush(endStream bool) (err error) {
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	return st.flushLocked()
@@ -277,34 +281,43 @@ func (st *Stream) sendFallback() error {
 // Close closes the stream in both directions. If the peer had not closed
 // it, the peer is told (PROTOCOL.md §6.4). Slices returned by reads and
 // Reserve become invalid. Close is idempotent.
-func (st *Stream) Close() error {
-	st.mu.Lock()
-	if st.closed {
-		st.mu.Unlock()
+func (st *Stream) Close() (err error) {
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+	first, tellPeer, err := st.closeReader()
+	if !first {
 		return nil
 	}
-	st.closed = true
-	tellPeer := !st.peerClosed
-	err := st.reader.releaseAll()
-	st.mu.Unlock()
 	st.writeClosed.Store(true)
 	st.notify()
-
-	st.wmu.Lock()
-	if werr := st.writer.discard(); err == nil {
+	if werr := st.discardWriter(); err == nil {
 		err = werr
 	}
-	st.wmu.Unlock()
-
 	st.s.forgetStream(st)
 	if tellPeer {
 		st.s.sendStreamClose(st.id, st.fallback.Load())
 	}
 	st.dropRef()
-	if err != nil {
-		return err
+	return err
+}
+
+// closeReader marks the stream closed and frees what it received. first
+// reports whether this was the first Close; tellPeer whether the peer still
+// expects a close.
+func (st *Stream) closeReader() (first, tellPeer bool, err error) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.closed {
+		return false, false, nil
 	}
-	return nil
+	st.closed = true
+	return true, !st.peerClosed, st.reader.releaseAll()
+}
+
+// discardWriter frees the slices of an unsent message.
+func (st *Stream) discardWriter() error {
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return st.writer.discard()
 }
 
 // sessionEnded is called for each stream when its session ends. Unread data
@@ -312,12 +325,7 @@ func (st *Stream) Close() error {
 // of the mapping at once if nothing it handed out can still be in use;
 // otherwise Close does it.
 func (st *Stream) sessionEnded(local bool) {
-	st.mu.Lock()
-	if local && !st.reader.exposed() {
-		_ = st.reader.releaseAll()
-	}
-	idle := !st.reader.exposed() && st.reader.unread == 0
-	st.mu.Unlock()
+	idle := st.releaseUnexposed(local)
 	st.writeClosed.Store(true)
 	st.notify()
 	if idle && st.wmu.TryLock() {
@@ -326,6 +334,18 @@ func (st *Stream) sessionEnded(local bool) {
 		}
 		st.wmu.Unlock()
 	}
+}
+
+// releaseUnexposed frees the received data if the session was closed
+// locally and nothing of it has been handed out; it reports whether the
+// stream holds no received data any more.
+func (st *Stream) releaseUnexposed(local bool) bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if local && !st.reader.exposed() {
+		_ = st.reader.releaseAll()
+	}
+	return !st.reader.exposed() && st.reader.unread == 0
 }
 
 func (st *Stream) dropRef() {
@@ -374,29 +394,33 @@ func (st *Stream) SetWriteDeadline(t time.Time) error {
 // bufferWriter is the BufferWriter of a stream.
 type bufferWriter Stream
 
-func (b *bufferWriter) Reserve(n int) ([]byte, error) {
+func (b *bufferWriter) Reserve(n int) (_ []byte, err error) {
 	st := (*Stream)(b)
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	return st.writer.reserve(n)
 }
 
-func (b *bufferWriter) WriteBytes(p []byte) (int, error) {
+func (b *bufferWriter) WriteBytes(p []byte) (_ int, err error) {
 	st := (*Stream)(b)
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	return writeTo(&st.writer, p)
 }
 
-func (b *bufferWriter) WriteString(s string) (int, error) {
+func (b *bufferWriter) WriteString(s string) (_ int, err error) {
 	st := (*Stream)(b)
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	return writeTo(&st.writer, s)
 }
 
-func (b *bufferWriter) WriteByte(c byte) error {
+func (b *bufferWriter) WriteByte(c byte) (err error) {
 	st := (*Stream)(b)
+	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	p, err := st.writer.reserve(1)
