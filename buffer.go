@@ -61,12 +61,14 @@ func (l *sliceList) validRelative(rel uint32) bool {
 // for concurrent use, within and across processes: the free lists are
 // lock-free, as the protocol requires.
 type bufferManager struct {
-	region  *region
-	mem     []byte
-	lists   []sliceList // in region order, which is ascending offset
-	bySize  []int       // indexes into lists, ascending sliceCap
-	slices  uint32      // total slices in all lists: the longest possible chain
-	counter uint32      // offset of our counter word in a list header
+	region   *region
+	mem      []byte
+	lists    []sliceList // in region order, which is ascending offset
+	bySize   []int       // indexes into lists, ascending sliceCap
+	slices   uint32      // total slices in all lists: the longest possible chain
+	capacity uint64      // data bytes of all slices that can be handed out
+	usable   uint32      // the largest slice size that can be handed out
+	counter  uint32      // offset of our counter word in a list header
 }
 
 // initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.
@@ -131,6 +133,9 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 		return nil, fmt.Errorf("buffer region claims %d bytes of lists but is %d bytes long", used, size)
 	}
 	limit := managerHeaderSize + used
+	if uint64(n)*listHeaderSize > used {
+		return nil, fmt.Errorf("buffer region claims %d lists in %d bytes", n, used)
+	}
 	m := &bufferManager{region: r, mem: mem, lists: make([]sliceList, n), counter: mapperCounter}
 	if creator {
 		m.counter = creatorCounter
@@ -162,6 +167,11 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 			count:    uint32(count),
 		}
 		total += count
+		// The last slice of a list is never handed out (PROTOCOL.md §4.8).
+		m.capacity += (count - 1) * sliceCap
+		if count >= 2 {
+			m.usable = max(m.usable, uint32(sliceCap))
+		}
 		cur = end
 	}
 	m.slices = uint32(total)

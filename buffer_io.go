@@ -282,21 +282,46 @@ func (w *streamWriter) last() *segment {
 // is set, or for as much of want as one slice gives otherwise.
 func (w *streamWriter) grow(want int, contiguous bool) error {
 	st := w.st
-	if st.fallback.Load() || w.heap || (contiguous && want > int(st.s.buf.maxSliceCap())) {
+	buf := st.s.buf
+	if st.fallback.Load() || w.heap || w.neverFits(want, contiguous) {
 		w.appendHeap(want)
 		return nil
 	}
-	li, off, err := st.s.buf.alloc(want, !contiguous)
-	if err != nil {
-		st.s.closeWithError(err)
-		return fmt.Errorf("%w: %w", ErrSessionClosed, err)
+	var wait spaceWait
+	for {
+		li, off, err := buf.alloc(want, !contiguous)
+		if err != nil {
+			st.s.closeWithError(err)
+			return fmt.Errorf("%w: %w", ErrSessionClosed, err)
+		}
+		if li >= 0 {
+			w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
+			return nil
+		}
+		if st.s.conf.FallbackWhenFull || len(w.segs) > 0 {
+			// A writer never waits while it holds part of its message:
+			// writers holding slices while waiting for more could hold the
+			// whole region between them and wait for ever.
+			w.appendHeap(want)
+			return nil
+		}
+		// Back-pressure: nothing is held; wait for the peer to free slices.
+		if err := wait.pause(st.s, st); err != nil {
+			if err == errSpaceTimeout {
+				return &spaceTimeout{msg: fmt.Sprintf("shmipc: no shared memory for %d more bytes for %v: the peer is not releasing what it received", want, wait.waited())}
+			}
+			return err
+		}
 	}
-	if li < 0 {
-		w.appendHeap(want)
-		return nil
-	}
-	w.segs = append(w.segs, segment{data: st.s.buf.sliceData(li, off), list: int32(li), off: off})
-	return nil
+}
+
+// neverFits reports whether want more bytes cannot be had from shared
+// memory however long the writer waits: one contiguous piece larger than any
+// slice that can be handed out, or a message that would take more than half
+// of what the region can hand out.
+func (w *streamWriter) neverFits(want int, contiguous bool) bool {
+	buf := w.st.s.buf
+	return contiguous && want > int(buf.usable) || uint64(w.size+want) > buf.capacity/2
 }
 
 func (w *streamWriter) appendHeap(want int) {

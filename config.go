@@ -78,6 +78,29 @@ type Config struct {
 	// uses no CPU. Zero disables spinning.
 	ConsumerSpinTime time.Duration
 
+	// WriteSpaceTimeout bounds how long a write waits for room when the
+	// buffer region or the peer's IO queue is full because the peer has not
+	// yet consumed what was sent (back-pressure). A write deadline that
+	// comes sooner wins. Then the write fails with a timeout error (a
+	// net.Error; for a full queue it also wraps ErrQueueFull) and nothing of
+	// the message is sent.
+	//
+	// A writer waits for the region only before it holds any of it: a
+	// message that runs out of room part way goes on as fallback data.
+	// Waiting can still deadlock when the peer holds what it received while
+	// it waits to send (an echo that reads a whole large request before
+	// replying, on many streams at once): size the region for the data in
+	// flight, or set FallbackWhenFull.
+	WriteSpaceTimeout time.Duration
+
+	// FallbackWhenFull sends a message over the socket as fallback data when
+	// the buffer region has no room for it, instead of waiting (the other
+	// implementations' behaviour). A stream that has sent fallback data
+	// keeps doing so. Messages that can never fit in shared memory (a
+	// Reserve larger than the largest slice, or a message larger than half
+	// the region) always go as fallback data.
+	FallbackWhenFull bool
+
 	// RequireSealedMemory makes a server refuse regions that the client
 	// could still shrink after the handshake: memfds not sealed against
 	// shrinking (F_SEAL_SHRINK), and all file-mode regions. A shrunk region
@@ -118,6 +141,7 @@ const (
 	defaultPathPrefix             = "/dev/shm/shmipc"
 	defaultMaxFallbackFrame       = 64 << 20
 	defaultConsumerSpinTime       = 200 * time.Microsecond
+	defaultWriteSpaceTimeout      = 10 * time.Second
 
 	// maxFallbackFrameSent is the largest FallbackData frame we send: the
 	// Rust reference cannot receive larger ones.
@@ -157,6 +181,7 @@ func DefaultConfig() *Config {
 		MemMapType:            MemMapTypeMemFd,
 		MaxFallbackFrameSize:  defaultMaxFallbackFrame,
 		ConsumerSpinTime:      defaultConsumerSpinTime,
+		WriteSpaceTimeout:     defaultWriteSpaceTimeout,
 		SocketFileMode:        0o600,
 		ShareMemoryFileMode:   0o600,
 	}
@@ -198,6 +223,9 @@ func (c *Config) Verify() error {
 	}
 	if c.SocketFileMode&^os.ModePerm != 0 || c.ShareMemoryFileMode&^os.ModePerm != 0 {
 		return bad("SocketFileMode %v and ShareMemoryFileMode %v may only hold permission bits", c.SocketFileMode, c.ShareMemoryFileMode)
+	}
+	if c.WriteSpaceTimeout <= 0 {
+		return bad("WriteSpaceTimeout %v must be positive", c.WriteSpaceTimeout)
 	}
 	if c.ConsumerSpinTime < 0 {
 		return bad("ConsumerSpinTime %v is negative", c.ConsumerSpinTime)

@@ -27,12 +27,18 @@ var (
 	// error also wraps that reason.
 	ErrSessionClosed = errors.New("shmipc: session closed")
 
+	// ErrPeerClosed is wrapped by the error of a session whose peer closed
+	// the connection (or whose process ended). It deliberately does not
+	// match io.EOF: a stream of a dead session has not ended cleanly.
+	ErrPeerClosed = errors.New("peer closed the connection")
+
 	// ErrStreamClosed is returned by the methods of a stream after its own
 	// Close, and by writes after the peer closed the stream.
 	ErrStreamClosed = errors.New("shmipc: stream closed")
 
-	// ErrQueueFull is returned by Flush (and Write) when the peer did not
-	// drain its IO queue within the retry period; the message was not sent.
+	// ErrQueueFull is wrapped by the timeout error of a Flush (or Write)
+	// whose message found the peer's IO queue full until its write deadline
+	// or Config.WriteSpaceTimeout; the message was not sent.
 	ErrQueueFull = errors.New("shmipc: IO queue full")
 
 	// ErrNotSupported is returned for operations the protocol does not allow
@@ -54,3 +60,21 @@ func (*timeoutError) Error() string        { return "shmipc: i/o timeout" }
 func (*timeoutError) Timeout() bool        { return true }
 func (*timeoutError) Temporary() bool      { return true }
 func (*timeoutError) Is(target error) bool { return target == os.ErrDeadlineExceeded }
+
+// spaceTimeout is the error of a write that waited for room in shared memory
+// or in the IO queue in vain. It is a net.Error with Timeout() == true and
+// wraps ErrTimeout and, for a full queue, ErrQueueFull.
+type spaceTimeout struct {
+	msg   string
+	cause error // ErrQueueFull or nil
+}
+
+func (e *spaceTimeout) Error() string   { return e.msg }
+func (e *spaceTimeout) Timeout() bool   { return true }
+func (e *spaceTimeout) Temporary() bool { return true }
+func (e *spaceTimeout) Unwrap() []error {
+	if e.cause != nil {
+		return []error{ErrTimeout, e.cause}
+	}
+	return []error{ErrTimeout}
+}

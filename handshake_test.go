@@ -880,13 +880,13 @@ func TestServerHandshakeBytes(t *testing.T) {
 		// error, and the server removes the region files (PROTOCOL.md §1.6).
 		raw.Close()
 		hsWaitClosed(t, r.s, 2*time.Second)
-		if err := r.s.Err(); !errors.Is(err, ErrSessionClosed) || !errors.Is(err, io.EOF) || errors.Is(err, ErrProtocol) {
-			t.Errorf("session error %v: want ErrSessionClosed wrapping io.EOF", err)
+		if err := r.s.Err(); !errors.Is(err, ErrSessionClosed) || !errors.Is(err, ErrPeerClosed) || errors.Is(err, io.EOF) || errors.Is(err, ErrProtocol) {
+			t.Errorf("session error %v: want ErrSessionClosed wrapping ErrPeerClosed (and not io.EOF)", err)
 		}
 		// Close waits for the teardown, and keeps the original cause.
 		r.s.Close()
-		if err := r.s.Err(); !errors.Is(err, io.EOF) {
-			t.Errorf("session error after Close %v: want the original cause, io.EOF", err)
+		if err := r.s.Err(); !errors.Is(err, ErrPeerClosed) {
+			t.Errorf("session error after Close %v: want the original cause, ErrPeerClosed", err)
 		}
 		for _, p := range []string{rr.bufPath, rr.queuePath} {
 			if _, err := os.Lstat(p); !errors.Is(err, os.ErrNotExist) {

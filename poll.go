@@ -85,7 +85,7 @@ func (s *Session) stopPolling() bool {
 		return true
 	}
 	s.recvQ.setWorking(false)
-	if s.recvQ.isEmpty() {
+	if s.recvQ.isEmpty() || s.IsClosed() { // a corrupt queue never looks empty
 		s.cons.slept.Store(time.Now().UnixNano())
 		return true
 	}
@@ -240,7 +240,7 @@ func (s *Session) pollFor(ready <-chan struct{}) bool {
 	got := s.spinUntil(ready)
 	for !s.stopPolling() {
 		if err := s.drainNow(); err != nil {
-			s.closeWithError(err)
+			s.closeWithError(err) // the next stopPolling sees the session closed
 		}
 	}
 	if !got {

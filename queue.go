@@ -100,6 +100,9 @@ func newQueue(mem []byte, want uint32) (*ioQueue, error) {
 	q.ptail = atomic.LoadInt64(q.tail)
 	head := atomic.LoadInt64(q.head)
 	q.chead.Store(head)
+	if head < 0 || q.ptail < 0 {
+		return nil, fmt.Errorf("negative counters: head %d, tail %d", head, q.ptail)
+	}
 	if n := q.ptail - head; n < 0 || n > int64(q.cap) {
 		return nil, fmt.Errorf("head %d and tail %d are %d apart, capacity %d", head, q.ptail, n, q.cap)
 	}

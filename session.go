@@ -14,10 +14,10 @@ import (
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// Queue-full handling for data (PROTOCOL.md §5.6).
+// Waiting for space (back-pressure): the first pause, and the longest.
 const (
-	queueFullRetries       = 10
-	queueFullRetryInterval = 10 * time.Millisecond
+	minSpacePause = 20 * time.Microsecond
+	maxSpacePause = time.Millisecond
 )
 
 // Session is one connection between a client and a server process, with its
@@ -207,7 +207,9 @@ func (s *Session) recvLoop() {
 	if !s.IsClosed() {
 		switch {
 		case errors.Is(err, io.EOF), errors.Is(err, syscall.ECONNRESET):
-			err = fmt.Errorf("peer closed the connection: %w", err)
+			// Not wrapped: a session that died must not look like the clean
+			// end of a stream to code that checks errors.Is(err, io.EOF).
+			err = fmt.Errorf("%w (%v)", ErrPeerClosed, err)
 		case errors.Is(err, wire.ErrBadMagic), errors.Is(err, wire.ErrBadVersion),
 			errors.Is(err, wire.ErrBadType), errors.Is(err, wire.ErrBadLength):
 			err = fmt.Errorf("%w: %w", ErrProtocol, err)
@@ -384,15 +386,17 @@ func (s *Session) forgetStream(st *Stream) {
 }
 
 // putElem publishes e on the send queue and wakes the peer if it is not
-// already draining. While the queue is full it retries, unless the stream
-// st (if any) is closed or past its write deadline. It reports whether e was
+// already draining. While the queue is full it waits (PROTOCOL.md §5.6 lets
+// a sender retry), until the stream st (if any) is closed or past its write
+// deadline, or Config.WriteSpaceTimeout passes. It reports whether e was
 // published.
 func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 	if !s.queueRegion.acquire() {
 		return false, s.closedErr()
 	}
 	defer s.queueRegion.release()
-	for attempt := 0; ; attempt++ {
+	var wait spaceWait
+	for {
 		if err := s.aliveErr(); err != nil {
 			return false, err
 		}
@@ -410,22 +414,59 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 			}
 			return true, nil
 		}
-		if attempt == queueFullRetries {
-			return false, ErrQueueFull
-		}
-		if st != nil {
-			if err := st.queueFullGiveUp(); err != nil {
-				return false, err
+		if err := wait.pause(s, st); err != nil {
+			if err == errSpaceTimeout {
+				return false, &spaceTimeout{msg: fmt.Sprintf("shmipc: IO queue full for %v: the peer is not consuming", wait.waited()), cause: ErrQueueFull}
 			}
-		}
-		t := time.NewTimer(queueFullRetryInterval)
-		select {
-		case <-t.C:
-		case <-s.closed:
-			t.Stop()
+			return false, err
 		}
 	}
 }
+
+var errSpaceTimeout = errors.New("no space in time")
+
+// spaceWait paces a writer that waits for the peer to free space: pauses
+// that grow from minSpacePause to maxSpacePause, until the stream's write
+// deadline or Config.WriteSpaceTimeout.
+type spaceWait struct {
+	start time.Time
+	delay time.Duration
+	limit time.Time
+}
+
+// pause sleeps once. It returns errSpaceTimeout when the time is up, or the
+// error that stops the writer (stream or session closed).
+func (w *spaceWait) pause(s *Session, st *Stream) error {
+	now := time.Now()
+	if w.start.IsZero() {
+		w.start, w.delay = now, minSpacePause
+		w.limit = now.Add(s.conf.WriteSpaceTimeout)
+		if st != nil {
+			if d := st.wDeadline.Load(); d != nil && !d.IsZero() && d.Before(w.limit) {
+				w.limit = *d
+			}
+		}
+	}
+	if st != nil {
+		if err := st.queueFullGiveUp(); err != nil {
+			return err
+		}
+	}
+	if !now.Before(w.limit) {
+		return errSpaceTimeout
+	}
+	t := time.NewTimer(min(w.delay, w.limit.Sub(now)))
+	select {
+	case <-t.C:
+	case <-s.closed:
+		t.Stop()
+		return s.closedErr()
+	}
+	w.delay = min(2*w.delay, maxSpacePause)
+	return nil
+}
+
+func (w *spaceWait) waited() time.Duration { return time.Since(w.start).Round(time.Millisecond) }
 
 // closedErr is Err for a session known to have ended.
 func (s *Session) closedErr() error {

@@ -71,17 +71,15 @@ func (st *Stream) notify() {
 	}
 }
 
-// Read reads up to len(p) bytes into p. It first releases what earlier
-// reads returned (see BufferReader), so slices from ReadBytes or Peek are
-// invalid afterwards.
+// Read reads up to len(p) bytes into p. It copies, so it returns the
+// shared memory it has read to the buffer region at once; that also releases
+// what earlier BufferReader calls returned, so their slices are invalid
+// afterwards.
 func (st *Stream) Read(p []byte) (_ int, err error) {
 	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	r := &st.reader
-	if err := r.release(); err != nil {
-		st.s.closeWithError(err)
-	}
 	if len(p) == 0 {
 		return 0, nil
 	}
@@ -91,6 +89,10 @@ func (st *Stream) Read(p []byte) (_ int, err error) {
 	n := min(len(p), r.unread)
 	r.copyOut(p[:n])
 	r.advance(n)
+	if err := r.release(); err != nil {
+		st.s.closeWithError(err)
+		return n, st.s.closedErr()
+	}
 	if r.unread > 0 {
 		st.notify() // another reader may be waiting
 	}
@@ -216,18 +218,26 @@ func (st *Stream) flushLocked() error {
 // queue, retrying while the queue is full (PROTOCOL.md §5.6).
 func (st *Stream) sendShm() error {
 	s, w := st.s, &st.writer
+	// Drop empty slices first, so that a failure below frees each slice once.
+	kept := w.segs[:0]
+	var empty []segment
+	for _, seg := range w.segs {
+		if seg.n == 0 {
+			empty = append(empty, seg)
+		} else {
+			kept = append(kept, seg)
+		}
+	}
+	clear(w.segs[len(kept):])
+	w.segs = kept
+	if err := s.freeSegments(empty); err != nil {
+		_ = w.discard()
+		return err
+	}
 	var root uint32
 	for i := len(w.segs) - 1; i >= 0; i-- {
-		seg := &w.segs[i]
-		if seg.n == 0 {
-			if err := s.freeSegments(w.segs[i : i+1]); err != nil {
-				w.reset()
-				return err
-			}
-			continue
-		}
-		s.buf.linkSlice(seg.off, seg.n, root)
-		root = seg.off
+		s.buf.linkSlice(w.segs[i].off, w.segs[i].n, root)
+		root = w.segs[i].off
 	}
 	sent, err := s.putElem(queueElem{id: st.id, offset: root, status: statusOpened}, st)
 	if !sent {
@@ -238,8 +248,12 @@ func (st *Stream) sendShm() error {
 	return err
 }
 
-// queueFullGiveUp tells putElem to stop waiting for queue space.
+// queueFullGiveUp tells a writer waiting for space to stop: the stream was
+// closed, or its write deadline passed.
 func (st *Stream) queueFullGiveUp() error {
+	if err := st.s.aliveErr(); err != nil {
+		return err
+	}
 	if st.writeClosed.Load() {
 		return ErrStreamClosed
 	}

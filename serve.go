@@ -1,0 +1,172 @@
+package shmipc
+
+import (
+	"errors"
+	"io"
+)
+
+// This file holds the callback-style server API. There are two styles:
+//
+//   - Listener.Serve runs a function per stream, in a goroutine of its own,
+//     that reads requests and writes responses in a loop (synchronous style,
+//     like a net/http handler).
+//   - Listener.ServeHandler and OnData call back when data has arrived on a
+//     stream, and the callback handles what is there (asynchronous,
+//     event-driven style, like the StreamCallbacks of other Shmipc
+//     libraries).
+//
+// Either way each stream has exactly one goroutine, so the callbacks of one
+// stream never run concurrently with each other, while different streams are
+// handled in parallel.
+
+// Serve accepts streams on l and calls handler for each one in a new
+// goroutine, until l is closed; it then returns ErrListenerClosed (it always
+// returns a non-nil error, as http.Serve does). It does not wait for running
+// handlers: closing the listener closes their sessions, so their reads and
+// writes fail and they return.
+//
+// The handler owns its stream while it runs and may read and write it as it
+// likes. Serve closes the stream when the handler returns, so the handler
+// must not keep it (nor slices read from it) beyond that.
+func (l *Listener) Serve(handler func(st *Stream)) error {
+	for {
+		st, err := l.AcceptStream()
+		if err != nil {
+			return err
+		}
+		go func() {
+			defer st.Close()
+			handler(st)
+		}()
+	}
+}
+
+// StreamHandler handles the events of one stream in the asynchronous server
+// style (Listener.ServeHandler, ServeStream). The methods of one stream are
+// called one at a time from the stream's own goroutine.
+type StreamHandler interface {
+	// OnData is called each time unread data is available on st; see OnData
+	// (the function) for the rules. Returning an error ends the stream.
+	OnData(st *Stream) error
+
+	// OnClose is called once, after the last OnData, when the stream has
+	// ended: err is nil when the peer closed the stream (or the handler
+	// closed it), the error OnData returned, or why reading failed (an error
+	// wrapping ErrSessionClosed when the session died, ErrTimeout when a read
+	// deadline passed). The stream is still open, so OnClose may write a
+	// last message; it is closed when OnClose returns.
+	OnClose(st *Stream, err error)
+}
+
+// StreamHandlerFuncs is a StreamHandler made of functions; either may be nil.
+type StreamHandlerFuncs struct {
+	Data  func(st *Stream) error
+	Close func(st *Stream, err error)
+}
+
+// OnData calls f.Data if it is set; without it, the data is discarded.
+func (f StreamHandlerFuncs) OnData(st *Stream) error {
+	if f.Data == nil {
+		_, err := st.BufferReader().Discard(st.BufferReader().Len())
+		return err
+	}
+	return f.Data(st)
+}
+
+// OnClose calls f.Close if it is set.
+func (f StreamHandlerFuncs) OnClose(st *Stream, err error) {
+	if f.Close != nil {
+		f.Close(st, err)
+	}
+}
+
+// ServeHandler accepts streams on l and handles each with h, in a goroutine
+// per stream that waits for data and calls h.OnData, then h.OnClose, then
+// closes the stream (see ServeStream). Like Serve, it runs until l is
+// closed, returns ErrListenerClosed, and does not wait for the streams'
+// goroutines.
+func (l *Listener) ServeHandler(h StreamHandler) error {
+	return l.Serve(func(st *Stream) { ServeStream(st, h) })
+}
+
+// ServeStream handles st with h on the calling goroutine: it calls h.OnData
+// each time data is available, as OnData does, then h.OnClose with the
+// reason the stream ended, then closes st. It returns that reason.
+func ServeStream(st *Stream, h StreamHandler) error {
+	err := dataLoop(st, h.OnData)
+	h.OnClose(st, err)
+	st.Close()
+	return err
+}
+
+// OnData starts a goroutine that calls fn each time unread data is
+// available on st, until fn returns an error or the stream ends, and then
+// closes st. The channel it returns receives why it stopped (nil when the
+// peer closed the stream, or fn closed it) and is then closed. It works on
+// either side of a session, such as for a client that handles responses
+// asynchronously.
+//
+// Rules for fn:
+//
+//   - It runs on the stream's goroutine and is the only reader of st; other
+//     goroutines may write to st (with the usual rule that writes to one
+//     stream must not interleave).
+//   - It should handle what it can of st's unread data (st.BufferReader()
+//     .Len() bytes, at least one) and may block reading the rest of a
+//     message it has begun: that holds up only this stream.
+//   - If it returns while unread data remains, it is called again at once
+//     if it consumed something, and only after more data has arrived if it
+//     consumed nothing. So it may leave an incomplete message unread and wait
+//     for the next call.
+//   - Slices it got from BufferReader are valid until it returns: afterwards
+//     OnData releases what was read (ReleasePreviousRead). Copy what must
+//     outlive the call.
+//
+// Set a read deadline on st to bound how long it may stay idle: when it
+// passes, OnData stops with ErrTimeout.
+func OnData(st *Stream, fn func(st *Stream) error) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		err := dataLoop(st, fn)
+		st.Close()
+		done <- err
+		close(done)
+	}()
+	return done
+}
+
+// dataLoop calls fn while data is available on st, as described at OnData.
+// It returns nil when the stream ended normally.
+func dataLoop(st *Stream, fn func(*Stream) error) error {
+	r := st.BufferReader()
+	need := 1
+	for {
+		if _, err := r.Peek(need); err != nil {
+			// A session error may wrap io.EOF too (the connection ended).
+			if !errors.Is(err, ErrSessionClosed) && (err == io.EOF || errors.Is(err, ErrStreamClosed)) {
+				return nil // the peer closed the stream, or fn closed it
+			}
+			return err
+		}
+		before := r.Len()
+		first, err := r.Peek(1)
+		if err != nil {
+			return err
+		}
+		if err := fn(st); err != nil {
+			return err
+		}
+		// Did fn consume anything? Reading never moves the first unread
+		// byte backwards, and Peek(1) points at it in place; it stays where
+		// it was only if nothing was read (or, if fn released memory that
+		// the peer then reused for new data, by coincidence — hence the
+		// length check too).
+		need = 1
+		if n := r.Len(); n > 0 && n == before {
+			if p, err := r.Peek(1); err == nil && &p[0] == &first[0] {
+				need = n + 1 // nothing consumed: wait for more
+			}
+		}
+		r.ReleasePreviousRead()
+	}
+}

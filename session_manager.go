@@ -1,0 +1,495 @@
+package shmipc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Errors of a SessionManager.
+var (
+	// ErrSessionManagerClosed is returned by GetStream after Close.
+	ErrSessionManagerClosed = errors.New("shmipc: session manager closed")
+
+	// ErrNoHealthySession is returned (wrapped, with the last dial error) by
+	// GetStream when every session of the manager has died and is still
+	// being re-dialed.
+	ErrNoHealthySession = errors.New("shmipc: no healthy session")
+)
+
+// Defaults of SessionManagerConfig.
+const (
+	DefaultSessionNum          = 1
+	DefaultMaxIdleStreams      = 1024
+	DefaultMinReconnectBackoff = 10 * time.Millisecond
+	DefaultMaxReconnectBackoff = 2 * time.Second
+)
+
+// SessionManagerConfig configures a SessionManager. Zero fields take the
+// defaults given with them.
+type SessionManagerConfig struct {
+	// Config configures each session. nil means DefaultConfig().
+	Config *Config
+
+	// Network and Address are where the sessions are dialed, as for Dial:
+	// "unix" and a socket path, or "tcp" and host:port (file mode only).
+	Network string
+	Address string
+
+	// SessionNum is the number of sessions kept open to the server (default
+	// DefaultSessionNum). New streams are spread over them round-robin.
+	SessionNum int
+
+	// MaxIdleStreams bounds the idle streams pooled per session (default
+	// DefaultMaxIdleStreams). A stream put back to a full pool is closed.
+	MaxIdleStreams int
+
+	// StreamMaxIdleTime closes pooled streams that have been idle for longer
+	// than this. Zero keeps idle streams until their session ends or the
+	// manager closes.
+	StreamMaxIdleTime time.Duration
+
+	// MinReconnectBackoff and MaxReconnectBackoff bound the delay between
+	// attempts to re-dial a session that died: it starts at the minimum and
+	// doubles after each failed attempt up to the maximum (defaults
+	// DefaultMinReconnectBackoff and DefaultMaxReconnectBackoff).
+	MinReconnectBackoff time.Duration
+	MaxReconnectBackoff time.Duration
+}
+
+// SessionManager is a client-side pool: it keeps SessionNum sessions open to
+// one server and recycles the streams on them. It is safe for concurrent
+// use.
+//
+// Use GetStream to take a stream for a request and PutBack to return it once
+// the response has been read completely; the next GetStream may hand out the
+// same stream again, which saves opening a stream per request (the server
+// sees one long-lived stream carrying many requests). A stream that is not
+// put back must be closed.
+//
+// When a session dies (the server closed it, restarted, or broke the
+// protocol), its pooled streams are dropped and it is re-dialed in the
+// background with exponential backoff; meanwhile GetStream uses the other
+// sessions and fails with ErrNoHealthySession if there are none, and
+// GetStreamContext waits for one. Streams already handed out on a dead
+// session fail with errors wrapping ErrSessionClosed.
+type SessionManager struct {
+	conf   SessionManagerConfig
+	slots  []*smSlot
+	next   atomic.Uint32
+	ctx    context.Context // cancelled by Close
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu      sync.Mutex
+	closed  bool
+	healthy chan struct{} // closed and replaced whenever a session comes back
+}
+
+// smSlot is one session of a SessionManager and its pool of idle streams.
+type smSlot struct {
+	m     *SessionManager
+	index int
+
+	mu      sync.Mutex
+	sess    *Session // nil while it is being re-dialed
+	idle    []idleStream
+	lastErr error // why the last dial failed
+}
+
+type idleStream struct {
+	st    *Stream
+	since time.Time
+}
+
+// NewSessionManager dials conf.SessionNum sessions to conf.Address and
+// returns the manager. If any of them cannot be dialed it closes the others
+// and returns the error: a manager starts complete, and only re-dials
+// sessions that die later.
+func NewSessionManager(conf SessionManagerConfig) (*SessionManager, error) {
+	if conf.Config == nil {
+		conf.Config = DefaultConfig()
+	}
+	if err := conf.Config.Verify(); err != nil {
+		return nil, err
+	}
+	if conf.Network == "" || conf.Address == "" {
+		return nil, fmt.Errorf("%w: SessionManagerConfig needs a Network and an Address", ErrInvalidConfig)
+	}
+	if conf.SessionNum < 0 || conf.MaxIdleStreams < 0 || conf.StreamMaxIdleTime < 0 ||
+		conf.MinReconnectBackoff < 0 || conf.MaxReconnectBackoff < 0 {
+		return nil, fmt.Errorf("%w: negative SessionManagerConfig field", ErrInvalidConfig)
+	}
+	if conf.SessionNum == 0 {
+		conf.SessionNum = DefaultSessionNum
+	}
+	if conf.MaxIdleStreams == 0 {
+		conf.MaxIdleStreams = DefaultMaxIdleStreams
+	}
+	if conf.MinReconnectBackoff == 0 {
+		conf.MinReconnectBackoff = DefaultMinReconnectBackoff
+	}
+	if conf.MaxReconnectBackoff == 0 {
+		conf.MaxReconnectBackoff = max(DefaultMaxReconnectBackoff, conf.MinReconnectBackoff)
+	}
+	if conf.MaxReconnectBackoff < conf.MinReconnectBackoff {
+		return nil, fmt.Errorf("%w: MaxReconnectBackoff %v is below MinReconnectBackoff %v",
+			ErrInvalidConfig, conf.MaxReconnectBackoff, conf.MinReconnectBackoff)
+	}
+
+	m := &SessionManager{conf: conf, healthy: make(chan struct{})}
+	m.ctx, m.cancel = context.WithCancel(context.Background())
+	sessions := make([]*Session, 0, conf.SessionNum)
+	for range conf.SessionNum {
+		s, err := m.dial()
+		if err != nil {
+			m.cancel()
+			for _, s := range sessions {
+				s.Close()
+			}
+			return nil, err
+		}
+		sessions = append(sessions, s)
+	}
+	m.slots = make([]*smSlot, conf.SessionNum)
+	for i, s := range sessions {
+		sl := &smSlot{m: m, index: i, sess: s}
+		m.slots[i] = sl
+		m.wg.Add(1)
+		go sl.watch(s)
+	}
+	if conf.StreamMaxIdleTime > 0 {
+		m.wg.Add(1)
+		go m.evictLoop()
+	}
+	return m, nil
+}
+
+// dial dials one session; Close aborts it.
+func (m *SessionManager) dial() (*Session, error) {
+	conf := m.conf.Config
+	d := net.Dialer{Timeout: conf.ConnectionWriteTimeout}
+	conn, err := d.DialContext(m.ctx, m.conf.Network, m.conf.Address)
+	if err != nil {
+		return nil, fmt.Errorf("shmipc: dial %s %s: %w", m.conf.Network, m.conf.Address, err)
+	}
+	stop := context.AfterFunc(m.ctx, func() { conn.Close() }) // abort the handshake
+	s, err := Client(conn, conf)
+	if !stop() && err == nil { // Close came during the handshake
+		s.Close()
+		return nil, ErrSessionManagerClosed
+	}
+	return s, err
+}
+
+// GetStream returns an idle pooled stream or, if there is none, a new stream,
+// taking the sessions in turn. It does not wait: when no session is healthy
+// it fails with an error wrapping ErrNoHealthySession, and after Close with
+// ErrSessionManagerClosed.
+//
+// The caller owns the stream until it passes it to PutBack or closes it.
+func (m *SessionManager) GetStream() (*Stream, error) {
+	if m.isClosed() {
+		return nil, ErrSessionManagerClosed
+	}
+	n := len(m.slots)
+	start := int(m.next.Add(1)-1) % n
+	// An idle stream of any session first, so that the number of streams
+	// stays near the number used at once; then a new stream, round-robin.
+	for k := range n {
+		if st := m.slots[(start+k)%n].popIdle(); st != nil {
+			return st, nil
+		}
+	}
+	var lastErr error
+	for k := range n {
+		st, err := m.slots[(start+k)%n].openStream()
+		if st != nil {
+			return st, nil
+		}
+		lastErr = err
+	}
+	if m.isClosed() {
+		return nil, ErrSessionManagerClosed
+	}
+	if lastErr == nil {
+		lastErr = errors.New("reconnecting")
+	}
+	return nil, fmt.Errorf("%w: all %d sessions to %s %s are down: %w",
+		ErrNoHealthySession, n, m.conf.Network, m.conf.Address, lastErr)
+}
+
+// GetStreamContext is GetStream, except that while no session is healthy it
+// waits for one to be re-dialed, until ctx is done.
+func (m *SessionManager) GetStreamContext(ctx context.Context) (*Stream, error) {
+	for {
+		m.mu.Lock()
+		healthy := m.healthy
+		m.mu.Unlock()
+		st, err := m.GetStream()
+		if !errors.Is(err, ErrNoHealthySession) {
+			return st, err
+		}
+		select {
+		case <-healthy:
+		case <-m.ctx.Done():
+			return nil, ErrSessionManagerClosed
+		case <-ctx.Done():
+			return nil, fmt.Errorf("%w (%w)", err, ctx.Err())
+		}
+	}
+}
+
+// PutBack returns a stream obtained from GetStream for reuse. It releases
+// what was read from the stream (st.ReleaseReadAndReuse), so slices returned
+// by its reads become invalid, and clears its deadlines. The caller must not
+// use st afterwards.
+//
+// Only a stream that is ready for the next request is pooled: a stream that
+// is closed (by either side), in fallback mode, holds unread data or an
+// unflushed message, belongs to a session that has died, or does not fit
+// into the pool is closed instead.
+func (m *SessionManager) PutBack(st *Stream) {
+	if st == nil {
+		return
+	}
+	if !poolable(st) {
+		st.Close()
+		return
+	}
+	st.ReleaseReadAndReuse()
+	st.SetDeadline(time.Time{})
+	for _, sl := range m.slots {
+		if sl.putBack(st) {
+			return
+		}
+	}
+	st.Close()
+}
+
+// poolable reports whether st can carry another request.
+func poolable(st *Stream) bool {
+	return !st.writeClosed.Load() && !st.fallback.Load() && !st.s.IsClosed() &&
+		st.BufferReader().Len() == 0 && st.BufferWriter().Len() == 0
+}
+
+// Close closes every session of the manager, with their streams (pooled or
+// handed out), stops re-dialing, and waits for the manager's goroutines to
+// end. GetStream fails afterwards; PutBack closes the streams it is given.
+// Close is idempotent.
+func (m *SessionManager) Close() error {
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return nil
+	}
+	m.closed = true
+	m.mu.Unlock()
+	m.cancel()
+	for _, sl := range m.slots {
+		sl.mu.Lock()
+		s, idle := sl.sess, sl.idle
+		sl.sess, sl.idle = nil, nil
+		sl.mu.Unlock()
+		for _, is := range idle {
+			is.st.Close()
+		}
+		if s != nil {
+			s.Close()
+		}
+	}
+	m.wg.Wait()
+	return nil
+}
+
+func (m *SessionManager) isClosed() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.closed
+}
+
+// Sessions returns the sessions currently open, for inspection (such as
+// Session.IsClosed). Do not close them; Close the manager.
+func (m *SessionManager) Sessions() []*Session {
+	var out []*Session
+	for _, sl := range m.slots {
+		sl.mu.Lock()
+		if sl.sess != nil {
+			out = append(out, sl.sess)
+		}
+		sl.mu.Unlock()
+	}
+	return out
+}
+
+// IdleStreams returns the number of streams in the pools.
+func (m *SessionManager) IdleStreams() int {
+	n := 0
+	for _, sl := range m.slots {
+		sl.mu.Lock()
+		n += len(sl.idle)
+		sl.mu.Unlock()
+	}
+	return n
+}
+
+// popIdle takes the newest usable idle stream of the slot, or returns nil.
+func (sl *smSlot) popIdle() *Stream {
+	var dead []*Stream
+	defer func() {
+		for _, st := range dead { // Close may write to the socket: not under sl.mu
+			st.Close()
+		}
+	}()
+	sl.mu.Lock()
+	defer sl.mu.Unlock()
+	for len(sl.idle) > 0 {
+		is := sl.idle[len(sl.idle)-1]
+		sl.idle[len(sl.idle)-1] = idleStream{}
+		sl.idle = sl.idle[:len(sl.idle)-1]
+		// The server may have closed the stream while it was idle, or sent
+		// something it should not have.
+		if poolable(is.st) {
+			return is.st
+		}
+		dead = append(dead, is.st)
+	}
+	return nil
+}
+
+// openStream opens a stream on the slot's session. It returns nil and the
+// reason when the slot has no healthy session.
+func (sl *smSlot) openStream() (*Stream, error) {
+	sl.mu.Lock()
+	s, lastErr := sl.sess, sl.lastErr
+	sl.mu.Unlock()
+	if s == nil {
+		if lastErr == nil {
+			lastErr = errors.New("session is being re-dialed")
+		}
+		return nil, lastErr
+	}
+	return s.OpenStream()
+}
+
+// putBack pools st if it belongs to this slot's session; it reports whether
+// st belonged here (if so, it was pooled or closed).
+func (sl *smSlot) putBack(st *Stream) bool {
+	sl.mu.Lock()
+	if sl.sess != st.s {
+		sl.mu.Unlock()
+		return false
+	}
+	if len(sl.idle) >= sl.m.conf.MaxIdleStreams {
+		sl.mu.Unlock()
+		st.Close()
+		return true
+	}
+	sl.idle = append(sl.idle, idleStream{st: st, since: time.Now()})
+	sl.mu.Unlock()
+	return true
+}
+
+// watch waits for the slot's session to die, then drops its pool and
+// re-dials it with backoff, until the manager closes.
+func (sl *smSlot) watch(s *Session) {
+	m := sl.m
+	defer m.wg.Done()
+	for {
+		select {
+		case <-s.closed:
+		case <-m.ctx.Done():
+			return
+		}
+		sl.mu.Lock()
+		var idle []idleStream
+		if sl.sess == s {
+			idle = sl.idle
+			sl.sess, sl.idle, sl.lastErr = nil, nil, s.Err()
+		}
+		sl.mu.Unlock()
+		for _, is := range idle {
+			is.st.Close()
+		}
+		s.Close() // wait for its receive loop
+
+		backoff := m.conf.MinReconnectBackoff
+		for {
+			t := time.NewTimer(backoff)
+			select {
+			case <-t.C:
+			case <-m.ctx.Done():
+				t.Stop()
+				return
+			}
+			ns, err := m.dial()
+			if err == nil {
+				if sl.attach(ns) {
+					s = ns
+					break
+				}
+				ns.Close()
+				return
+			}
+			if m.ctx.Err() != nil {
+				return
+			}
+			sl.mu.Lock()
+			sl.lastErr = err
+			sl.mu.Unlock()
+			backoff = min(2*backoff, m.conf.MaxReconnectBackoff)
+		}
+	}
+}
+
+// attach installs a re-dialed session, unless the manager has closed.
+func (sl *smSlot) attach(s *Session) bool {
+	m := sl.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return false
+	}
+	sl.mu.Lock()
+	sl.sess, sl.lastErr = s, nil
+	sl.mu.Unlock()
+	close(m.healthy)
+	m.healthy = make(chan struct{})
+	return true
+}
+
+// evictLoop closes pooled streams idle for longer than StreamMaxIdleTime.
+func (m *SessionManager) evictLoop() {
+	defer m.wg.Done()
+	maxIdle := m.conf.StreamMaxIdleTime
+	tick := time.NewTicker(max(maxIdle/2, time.Millisecond))
+	defer tick.Stop()
+	for {
+		select {
+		case <-tick.C:
+		case <-m.ctx.Done():
+			return
+		}
+		cutoff := time.Now().Add(-maxIdle)
+		for _, sl := range m.slots {
+			sl.mu.Lock()
+			// The pool is a stack: the oldest streams are at the bottom.
+			n := 0
+			for n < len(sl.idle) && sl.idle[n].since.Before(cutoff) {
+				n++
+			}
+			stale := append([]idleStream(nil), sl.idle[:n]...)
+			rest := copy(sl.idle, sl.idle[n:])
+			clear(sl.idle[rest:])
+			sl.idle = sl.idle[:rest]
+			sl.mu.Unlock()
+			for _, is := range stale {
+				is.st.Close()
+			}
+		}
+	}
+}
