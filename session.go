@@ -8,6 +8,7 @@ import (
 	"net"
 	"runtime/debug"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -46,6 +47,12 @@ type Session struct {
 	localClose  bool
 	loopDone    chan struct{}
 	onTeardown  func(*Session)
+
+	// Hot restart (PROTOCOL.md §7): called on the receive loop with the
+	// epoch of a HotRestart frame (client) or HotRestartAck frame (server).
+	// They must not block.
+	onHotRestart    atomic.Pointer[func(epoch uint64)]
+	onHotRestartAck atomic.Pointer[func(epoch uint64)]
 	cons        consumer
 	scratch     []shmSlice // used under the consumer token
 	fallbackBuf []byte     // receive loop only
@@ -275,11 +282,17 @@ func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 		return s.handleFallback(payload)
 	case wire.TypeHotRestart:
 		if s.isClient {
-			return nil // hot restart is not supported: keep using this session
+			if f := s.onHotRestart.Load(); f != nil {
+				(*f)(binary.BigEndian.Uint64(payload))
+			}
+			return nil // without a handler: keep using this session
 		}
 	case wire.TypeHotRestartAck:
 		if !s.isClient {
-			return nil // no hot restart was started
+			if f := s.onHotRestartAck.Load(); f != nil {
+				(*f)(binary.BigEndian.Uint64(payload))
+			}
+			return nil
 		}
 	}
 	return fmt.Errorf("%w: unexpected %v frame in the running phase (%s side)", ErrProtocol, h.Type(), s.role())
