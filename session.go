@@ -41,21 +41,21 @@ type Session struct {
 	accepted streamQueue
 	onAccept func(*Stream) // where new streams go; set before start
 
-	closeOnce   sync.Once
-	closed      chan struct{}
-	err         error // why the session ended; written before closed is closed
-	localClose  bool
-	loopDone    chan struct{}
-	onTeardown  func(*Session)
+	closeOnce  sync.Once
+	closed     chan struct{}
+	err        error // why the session ended; written before closed is closed
+	localClose bool
+	loopDone   chan struct{}
+	onTeardown func(*Session)
 
 	// Hot restart (PROTOCOL.md §7): called on the receive loop with the
 	// epoch of a HotRestart frame (client) or HotRestartAck frame (server).
 	// They must not block.
 	onHotRestart    atomic.Pointer[func(epoch uint64)]
 	onHotRestartAck atomic.Pointer[func(epoch uint64)]
-	cons        consumer
-	scratch     []shmSlice // used under the consumer token
-	fallbackBuf []byte     // receive loop only
+	cons            consumer
+	scratch         []shmSlice // used under the consumer token
+	fallbackBuf     []byte     // receive loop only
 }
 
 func newSession(conn net.Conn, conf *Config, client bool) *Session {
