@@ -2,6 +2,7 @@ package shmipc
 
 import (
 	"fmt"
+	"log/slog"
 	"os"
 	"sort"
 	"time"
@@ -124,6 +125,11 @@ type Config struct {
 	// creates in file mode. The default, 0600, keeps other users out; a
 	// server running as another user needs more (and a matching umask).
 	ShareMemoryFileMode os.FileMode
+
+	// Logger receives the library's log records: sessions starting and
+	// ending (Debug), sessions ending with an error and failed handshakes
+	// (Warn). Nil, the default, logs nothing.
+	Logger *slog.Logger
 
 	// MaxFallbackFrameSize is the largest FallbackData frame accepted from
 	// the peer, header included. Larger frames end the session. Frames this

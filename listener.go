@@ -140,8 +140,11 @@ func (l *Listener) serve(conn net.Conn) {
 		}
 	}
 	l.mu.Unlock()
-	if err != nil && s != nil {
-		s.Close()
+	if err != nil {
+		l.conf.logger().Warn("shmipc: handshake failed", "remote", conn.RemoteAddr(), "err", err)
+		if s != nil {
+			s.Close()
+		}
 	}
 }
 

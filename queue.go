@@ -161,6 +161,12 @@ func (q *ioQueue) pop() (queueElem, bool, error) {
 	return e, true, nil
 }
 
+// depth is the number of elements published and not yet taken, as far as
+// this side can tell.
+func (q *ioQueue) depth() int64 {
+	return max(0, atomic.LoadInt64(q.tail)-atomic.LoadInt64(q.head))
+}
+
 // isEmpty reports whether the consumer has taken every element published.
 func (q *ioQueue) isEmpty() bool {
 	return atomic.LoadInt64(q.tail) == q.chead.Load()

@@ -52,6 +52,7 @@ type Session struct {
 	// epoch of a HotRestart frame (client) or HotRestartAck frame (server).
 	// They must not block.
 	onHotRestart    atomic.Pointer[func(epoch uint64)]
+	counters        sessionCounters
 	onHotRestartAck atomic.Pointer[func(epoch uint64)]
 	cons            consumer
 	scratch         []shmSlice // used under the consumer token
@@ -75,6 +76,9 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 
 // start runs the receive loop of a session whose handshake is done.
 func (s *Session) start() {
+	register(s)
+	s.conf.logger().Debug("shmipc: session started", "role", s.role(), "version", s.version,
+		"local", s.LocalAddr(), "remote", s.RemoteAddr())
 	go s.recvLoop()
 }
 
@@ -261,6 +265,7 @@ func (s *Session) recoverFault(err *error, old bool) {
 func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 	switch h.Type() {
 	case wire.TypePolling:
+		s.counters.wakeupsReceived.Add(1)
 		return s.poll()
 	case wire.TypeStreamClose:
 		// Drain first: data queued before this frame was sent must not be
@@ -317,6 +322,10 @@ func (s *Session) handleElem(e queueElem) error {
 			return fmt.Errorf("stream %d: %w", e.id, err)
 		}
 		s.scratch = slices
+		s.counters.messagesIn.Add(1)
+		for _, sl := range slices {
+			s.counters.bytesIn.Add(uint64(len(sl.data)))
+		}
 		st := s.streamFor(e.id)
 		if st == nil || !st.deliver(slices, nil) {
 			return s.freeSlices(slices)
@@ -348,6 +357,10 @@ func (s *Session) handleFallback(payload []byte) error {
 	if status&statusMask != statusOpened {
 		return fmt.Errorf("%w: FallbackData for stream %d has status %#x", ErrProtocol, id, status)
 	}
+	s.counters.messagesIn.Add(1)
+	s.counters.bytesIn.Add(uint64(len(data)))
+	s.counters.fallbackMessagesIn.Add(1)
+	s.counters.fallbackBytesIn.Add(uint64(len(data)))
 	st := s.streamFor(id)
 	if st == nil {
 		return nil
@@ -420,10 +433,13 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 		}
 		if ok {
 			if s.sendQ.markWorking() {
+				s.counters.wakeupsSent.Add(1)
 				if err := s.ec.writeEvent(s.version, wire.TypePolling); err != nil {
 					s.closeWithError(fmt.Errorf("send wake-up: %w", err))
 					return true, s.closedErr()
 				}
+			} else {
+				s.counters.wakeupsSaved.Add(1)
 			}
 			return true, nil
 		}
@@ -569,6 +585,12 @@ func (s *Session) teardown() {
 	}
 	s.accepted.close()
 	s.releaseRegions()
+	unregister(s)
+	if log := s.conf.logger(); s.localClose {
+		log.Debug("shmipc: session closed", "role", s.role(), "remote", s.RemoteAddr())
+	} else {
+		log.Warn("shmipc: session ended", "role", s.role(), "remote", s.RemoteAddr(), "err", s.err)
+	}
 	if s.onTeardown != nil {
 		s.onTeardown(s)
 	}

@@ -244,6 +244,8 @@ func (st *Stream) sendShm() error {
 		_ = w.discard()
 		return err
 	}
+	s.counters.messagesOut.Add(1)
+	s.counters.bytesOut.Add(uint64(w.size))
 	w.reset()
 	return err
 }
@@ -285,6 +287,12 @@ func (st *Stream) sendFallback() error {
 	}
 	if err == nil && size > 0 {
 		err = s.sendFallbackFrame(st.id, frame)
+	}
+	if err == nil {
+		s.counters.messagesOut.Add(1)
+		s.counters.bytesOut.Add(uint64(w.size))
+		s.counters.fallbackMessagesOut.Add(1)
+		s.counters.fallbackBytesOut.Add(uint64(w.size))
 	}
 	if derr := w.discard(); err == nil {
 		err = derr

@@ -1,0 +1,168 @@
+package shmipc
+
+import (
+	"context"
+	"expvar"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Stats are a session's counters, or the sum over sessions (AggregateStats).
+// Counts are since the session started; gauges (Active…, Queue…, Lists) are
+// the values when Stats was called.
+type Stats struct {
+	MessagesOut uint64 // messages sent, through shared memory or as fallback data
+	BytesOut    uint64
+	MessagesIn  uint64 // messages received
+	BytesIn     uint64
+
+	FallbackMessagesOut uint64 // messages sent as FallbackData frames
+	FallbackBytesOut    uint64
+	FallbackMessagesIn  uint64 // FallbackData frames received
+	FallbackBytesIn     uint64
+
+	WakeupsSent     uint64 // Polling frames sent: the peer was asleep
+	WakeupsSaved    uint64 // messages published while the peer was awake, so no Polling frame was needed
+	WakeupsReceived uint64 // Polling frames received
+
+	ActiveStreams  int   // open streams
+	SendQueueDepth int64 // elements published to the peer and not yet taken
+	RecvQueueDepth int64 // elements the peer published that this side has not yet taken
+
+	Lists []ListStats // the buffer region by size class (one session only)
+}
+
+// ListStats describes one size class of a buffer region.
+type ListStats struct {
+	SliceSize uint32 // data bytes per slice
+	Slices    uint32 // slices in the class
+	Free      int32  // slices free now
+}
+
+// sessionCounters are updated on the hot paths with atomic adds.
+type sessionCounters struct {
+	messagesOut, bytesOut                 atomic.Uint64
+	messagesIn, bytesIn                   atomic.Uint64
+	fallbackMessagesOut, fallbackBytesOut atomic.Uint64
+	fallbackMessagesIn, fallbackBytesIn   atomic.Uint64
+	wakeupsSent, wakeupsSaved             atomic.Uint64
+	wakeupsReceived                       atomic.Uint64
+}
+
+func (c *sessionCounters) addTo(st *Stats) {
+	st.MessagesOut += c.messagesOut.Load()
+	st.BytesOut += c.bytesOut.Load()
+	st.MessagesIn += c.messagesIn.Load()
+	st.BytesIn += c.bytesIn.Load()
+	st.FallbackMessagesOut += c.fallbackMessagesOut.Load()
+	st.FallbackBytesOut += c.fallbackBytesOut.Load()
+	st.FallbackMessagesIn += c.fallbackMessagesIn.Load()
+	st.FallbackBytesIn += c.fallbackBytesIn.Load()
+	st.WakeupsSent += c.wakeupsSent.Load()
+	st.WakeupsSaved += c.wakeupsSaved.Load()
+	st.WakeupsReceived += c.wakeupsReceived.Load()
+}
+
+// Stats returns the session's counters and gauges. The gauges of a closed
+// session are zero.
+func (s *Session) Stats() Stats {
+	var st Stats
+	s.counters.addTo(&st)
+	s.mu.Lock()
+	st.ActiveStreams = len(s.streams)
+	s.mu.Unlock()
+	if s.IsClosed() || !s.queueRegion.acquire() {
+		st.ActiveStreams = 0
+		return st
+	}
+	defer s.queueRegion.release()
+	st.SendQueueDepth = s.sendQ.depth()
+	st.RecvQueueDepth = s.recvQ.depth()
+	if s.buf.region.acquire() {
+		defer s.buf.region.release()
+		free := s.buf.freeCounts()
+		st.Lists = make([]ListStats, len(s.buf.lists))
+		for i, l := range s.buf.lists {
+			st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i]}
+		}
+	}
+	return st
+}
+
+// registry holds the live sessions, and the counts of ended ones, for
+// AggregateStats.
+var registry = struct {
+	sync.Mutex
+	live  map[*Session]struct{}
+	ended Stats
+}{live: make(map[*Session]struct{})}
+
+func register(s *Session) {
+	registry.Lock()
+	registry.live[s] = struct{}{}
+	registry.Unlock()
+}
+
+// unregister moves an ending session's counts into the ended total.
+func unregister(s *Session) {
+	registry.Lock()
+	delete(registry.live, s)
+	s.counters.addTo(&registry.ended)
+	registry.Unlock()
+}
+
+// AggregateStats sums the counters of every session this process has had,
+// and the gauges of the live ones. Lists is left empty.
+func AggregateStats() Stats {
+	registry.Lock()
+	total := registry.ended
+	live := make([]*Session, 0, len(registry.live))
+	for s := range registry.live {
+		live = append(live, s)
+	}
+	registry.Unlock()
+	for _, s := range live {
+		st := s.Stats()
+		s.counters.addTo(&total)
+		total.ActiveStreams += st.ActiveStreams
+		total.SendQueueDepth += st.SendQueueDepth
+		total.RecvQueueDepth += st.RecvQueueDepth
+	}
+	return total
+}
+
+// Monitor calls report with AggregateStats every interval until ctx is done.
+// It runs report on its own goroutine.
+func Monitor(ctx context.Context, interval time.Duration, report func(Stats)) {
+	go func() {
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				report(AggregateStats())
+			}
+		}
+	}()
+}
+
+// PublishExpvar publishes AggregateStats as the expvar variable name (shown
+// at /debug/vars by net/http's expvar handler). Like expvar.Publish, it
+// panics if the name is already in use.
+func PublishExpvar(name string) {
+	expvar.Publish(name, expvar.Func(func() any { return AggregateStats() }))
+}
+
+// discardLogger is the logger of a Config without one: silent.
+var discardLogger = slog.New(slog.DiscardHandler)
+
+func (c *Config) logger() *slog.Logger {
+	if c.Logger != nil {
+		return c.Logger
+	}
+	return discardLogger
+}
