@@ -22,6 +22,7 @@ const (
 	MemMapTypeDevShmFile
 )
 
+// String returns "memfd" or "file".
 func (t MemMapType) String() string {
 	switch t {
 	case MemMapTypeMemFd:
