@@ -77,6 +77,17 @@ type SessionManagerConfig struct {
 // sessions and fails with ErrNoHealthySession if there are none, and
 // GetStreamContext waits for one. Streams already handed out on a dead
 // session fail with errors wrapping ErrSessionClosed.
+//
+// Hot restart (PROTOCOL.md §7, hotrestart.go): the first HotRestart frame
+// from the server makes the manager dial SessionNum new sessions to the same
+// address (where the new server now answers), with regions named
+// <prefix>_epoch_<epoch>_<randID>_<pid>_<random>_buffer and _queue_0. Each
+// new session replaces one old session, whose pooled streams are closed;
+// streams already handed out on it keep working. Once every session is
+// replaced the manager sends HotRestartAck on every old session and closes
+// each when no stream is open on it (within HotRestartTimeout). If the new
+// sessions cannot all be dialed within HotRestartTimeout, the old sessions
+// already replaced are closed without an acknowledgement.
 type SessionManager struct {
 	conf   SessionManagerConfig
 	slots  []*smSlot
@@ -88,6 +99,8 @@ type SessionManager struct {
 	mu      sync.Mutex
 	closed  bool
 	healthy chan struct{} // closed and replaced whenever a session comes back
+
+	hr smHotRestart // hot restart (hotrestart.go)
 }
 
 // smSlot is one session of a SessionManager and its pool of idle streams.
@@ -166,19 +179,27 @@ func NewSessionManager(conf SessionManagerConfig) (*SessionManager, error) {
 		m.wg.Add(1)
 		go m.evictLoop()
 	}
+	m.hr.mu.Lock()
+	m.hr.ready = true // HotRestart frames are acted on from now on
+	m.hr.mu.Unlock()
 	return m, nil
 }
 
 // dial dials one session; Close aborts it.
 func (m *SessionManager) dial() (*Session, error) {
-	conf := m.conf.Config
+	return m.dialWith(m.ctx, m.conf.Config)
+}
+
+// dialWith dials one session with conf; the end of ctx aborts it. The
+// session reacts to HotRestart frames (hotrestart.go).
+func (m *SessionManager) dialWith(ctx context.Context, conf *Config) (*Session, error) {
 	d := net.Dialer{Timeout: conf.ConnectionWriteTimeout}
-	conn, err := d.DialContext(m.ctx, m.conf.Network, m.conf.Address)
+	conn, err := d.DialContext(ctx, m.conf.Network, m.conf.Address)
 	if err != nil {
 		return nil, fmt.Errorf("shmipc: dial %s %s: %w", m.conf.Network, m.conf.Address, err)
 	}
-	stop := context.AfterFunc(m.ctx, func() { conn.Close() }) // abort the handshake
-	s, err := Client(conn, conf)
+	stop := context.AfterFunc(ctx, func() { conn.Close() }) // abort the handshake
+	s, err := handshake(conn, conf, true, m.hotRestartSetup)
 	if !stop() && err == nil { // Close came during the handshake
 		s.Close()
 		return nil, ErrSessionManagerClosed
@@ -407,11 +428,16 @@ func (sl *smSlot) watch(s *Session) {
 		}
 		sl.mu.Lock()
 		var idle []idleStream
-		if sl.sess == s {
+		cur := sl.sess
+		if cur == s {
 			idle = sl.idle
 			sl.sess, sl.idle, sl.lastErr = nil, nil, s.Err()
 		}
 		sl.mu.Unlock()
+		if cur != s && cur != nil { // a hot restart replaced s: watch its successor
+			s = cur
+			continue
+		}
 		for _, is := range idle {
 			is.st.Close()
 		}
@@ -428,12 +454,16 @@ func (sl *smSlot) watch(s *Session) {
 			}
 			ns, err := m.dial()
 			if err == nil {
-				if sl.attach(ns) {
-					s = ns
-					break
+				cur := sl.attach(ns)
+				if cur == nil {
+					ns.Close()
+					return
 				}
-				ns.Close()
-				return
+				if cur != ns { // a hot restart installed a session meanwhile
+					ns.Close()
+				}
+				s = cur
+				break
 			}
 			if m.ctx.Err() != nil {
 				return
@@ -446,20 +476,26 @@ func (sl *smSlot) watch(s *Session) {
 	}
 }
 
-// attach installs a re-dialed session, unless the manager has closed.
-func (sl *smSlot) attach(s *Session) bool {
+// attach installs a re-dialed session and returns it, unless the manager
+// has closed (nil) or a hot restart installed a session in the meantime
+// (that session is returned instead).
+func (sl *smSlot) attach(s *Session) *Session {
 	m := sl.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
-		return false
+		return nil
 	}
 	sl.mu.Lock()
+	if cur := sl.sess; cur != nil {
+		sl.mu.Unlock()
+		return cur
+	}
 	sl.sess, sl.lastErr = s, nil
 	sl.mu.Unlock()
 	close(m.healthy)
 	m.healthy = make(chan struct{})
-	return true
+	return s
 }
 
 // evictLoop closes pooled streams idle for longer than StreamMaxIdleTime.

@@ -1,0 +1,565 @@
+package shmipc
+
+// Hot restart (PROTOCOL.md §7): a new server process takes over the socket
+// path of a running one, the old server tells its clients with a HotRestart
+// frame, and session managers move to the new server and acknowledge.
+//
+// Server side, in the order an application runs it:
+//
+//	// new server process
+//	ln2, err := shmipc.ListenTakeover(sockPath, conf) // now answers on sockPath
+//	// ... tell the old server (out of band: admin socket, signal, ...) ...
+//
+//	// old server process
+//	if err := ln1.HotRestart(epoch); err != nil { ... retry later ... }
+//	err := ln1.WaitHotRestart(ctx) // nil once every session acknowledged
+//	ln1.Close()                    // leaves sockPath to the new server
+//
+// The new server binds a fresh socket under a temporary name in the same
+// directory and renames it over the path (rename(2) is atomic): a client that
+// connects sees either the old or the new server, never no server, and no
+// listener fd has to travel between the processes. The old listener keeps
+// its (now unnamed) socket until it is closed; HotRestart makes sure its
+// Close does not remove the path, which belongs to the new server.
+//
+// Client side: a SessionManager reacts to HotRestart on its own; see
+// SessionManager. A plain Session (Dial, Client) ignores HotRestart and stays
+// up; it ends when the old server closes it.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/goshm/shmipc/internal/wire"
+)
+
+// Errors of a hot restart.
+var (
+	// ErrHotRestartRunning is returned by HotRestart while a restart of the
+	// listener is still running.
+	ErrHotRestartRunning = errors.New("shmipc: a hot restart is already running")
+
+	// ErrHotRestartHandshaking is returned by HotRestart while a session of
+	// the listener is still handshaking; try again shortly.
+	ErrHotRestartHandshaking = errors.New("shmipc: a session is still handshaking")
+
+	// ErrHotRestartTimeout is returned (wrapped) by WaitHotRestart when not
+	// every session acknowledged within HotRestartTimeout. The sessions stay
+	// up.
+	ErrHotRestartTimeout = errors.New("shmipc: hot restart not acknowledged in time")
+
+	// ErrNoHotRestart is returned by WaitHotRestart when HotRestart was not
+	// called on the listener (or the listener has been closed since).
+	ErrNoHotRestart = errors.New("shmipc: no hot restart started")
+)
+
+// HotRestartTimeout bounds a hot restart on both sides (PROTOCOL.md §7).
+const HotRestartTimeout = 2 * time.Second
+
+// hotRestartPoll is how often the server checks for the acknowledgements.
+const hotRestartPoll = 100 * time.Millisecond
+
+// ---------------------------------------------------------------------------
+// Server side
+
+// srvHotRestart is one hot restart of a listener.
+type srvHotRestart struct {
+	epoch uint64
+	start time.Time
+
+	mu      sync.Mutex
+	waiting map[*Session]*func(uint64) // sessions that have not acknowledged, and their hook
+	hooked  map[*Session]*func(uint64)
+	acked   int
+
+	done chan struct{}
+	err  error // written before done is closed
+}
+
+func (hr *srvHotRestart) finished() bool {
+	select {
+	case <-hr.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// listenerRestarts holds the latest hot restart of each listener. The entry
+// is removed when the listener's accept loop ends (Close).
+var listenerRestarts sync.Map // *Listener → *srvHotRestart
+
+// HotRestart starts a hot restart with the given epoch: it sends a
+// HotRestart frame to every session of the listener (PROTOCOL.md §7) and
+// counts the HotRestartAck frames that come back with the same epoch. It
+// returns once the frames are sent; WaitHotRestart waits for the
+// acknowledgements (at most HotRestartTimeout from now) and IsHotRestartDone
+// polls for them.
+//
+// It fails with ErrHotRestartRunning while a previous restart is still
+// running, with ErrHotRestartHandshaking while a connection is still in its
+// handshake, and with ErrListenerClosed after Close.
+//
+// Call it once the new server answers on the socket path (ListenTakeover).
+// From then on Close does not remove the listener's Unix socket file.
+//
+// A session that ends during the restart is no longer waited for: it cannot
+// acknowledge, and its client, if it re-dials, reaches the new server.
+// Sessions accepted after HotRestart was called are not part of the restart.
+func (l *Listener) HotRestart(epoch uint64) error {
+	l.mu.Lock()
+	if l.isClosed() {
+		l.mu.Unlock()
+		return ErrListenerClosed
+	}
+	if n := len(l.pending); n > 0 {
+		l.mu.Unlock()
+		return fmt.Errorf("%w (%d connections)", ErrHotRestartHandshaking, n)
+	}
+	if v, ok := listenerRestarts.Load(l); ok && !v.(*srvHotRestart).finished() {
+		l.mu.Unlock()
+		return fmt.Errorf("%w (epoch %d)", ErrHotRestartRunning, v.(*srvHotRestart).epoch)
+	}
+	hr := &srvHotRestart{
+		epoch:   epoch,
+		start:   time.Now(),
+		waiting: make(map[*Session]*func(uint64), len(l.sessions)),
+		hooked:  make(map[*Session]*func(uint64), len(l.sessions)),
+		done:    make(chan struct{}),
+	}
+	sessions := make([]*Session, 0, len(l.sessions))
+	for s := range l.sessions {
+		sessions = append(sessions, s)
+	}
+	if _, had := listenerRestarts.Swap(l, hr); !had {
+		go func() {
+			<-l.done
+			listenerRestarts.Delete(l)
+		}()
+	}
+	l.mu.Unlock()
+
+	// The socket path now belongs to the new server.
+	if ul, ok := l.ln.(*net.UnixListener); ok {
+		ul.SetUnlinkOnClose(false)
+	}
+
+	// Hooks first, so that no acknowledgement can be missed.
+	hr.mu.Lock()
+	for _, s := range sessions {
+		if s.IsClosed() {
+			continue
+		}
+		s := s
+		f := func(e uint64) { hr.ack(s, e) }
+		s.onHotRestartAck.Store(&f)
+		hr.waiting[s] = &f
+		hr.hooked[s] = &f
+	}
+	hr.mu.Unlock()
+	for _, s := range sessions {
+		if s.IsClosed() {
+			continue
+		}
+		frame := wire.AppendHotRestart(nil, s.version, wire.TypeHotRestart, epoch)
+		if err := s.ec.write(frame); err != nil {
+			s.closeWithError(fmt.Errorf("send HotRestart: %w", err))
+		}
+	}
+	go hr.monitor(l)
+	return nil
+}
+
+// ack counts a HotRestartAck frame received on s.
+func (hr *srvHotRestart) ack(s *Session, epoch uint64) {
+	if epoch != hr.epoch {
+		return
+	}
+	hr.mu.Lock()
+	if _, ok := hr.waiting[s]; ok {
+		delete(hr.waiting, s)
+		hr.acked++
+	}
+	hr.mu.Unlock()
+}
+
+// monitor checks every hotRestartPoll whether every session acknowledged,
+// until HotRestartTimeout has passed.
+func (hr *srvHotRestart) monitor(l *Listener) {
+	deadline := hr.start.Add(HotRestartTimeout)
+	tick := time.NewTicker(hotRestartPoll)
+	defer tick.Stop()
+	for {
+		select {
+		case <-tick.C:
+		case <-l.closed:
+			hr.finish(ErrListenerClosed)
+			return
+		}
+		hr.mu.Lock()
+		for s := range hr.waiting {
+			if s.IsClosed() {
+				delete(hr.waiting, s)
+			}
+		}
+		left := len(hr.waiting)
+		hr.mu.Unlock()
+		if left == 0 {
+			hr.finish(nil)
+			return
+		}
+		if !time.Now().Before(deadline) {
+			hr.finish(fmt.Errorf("%w: %d of %d sessions did not acknowledge epoch %d within %v",
+				ErrHotRestartTimeout, left, len(hr.hooked), hr.epoch, HotRestartTimeout))
+			return
+		}
+	}
+}
+
+// finish ends the restart: the hooks are removed and waiters released.
+func (hr *srvHotRestart) finish(err error) {
+	hr.mu.Lock()
+	for s, f := range hr.hooked {
+		s.onHotRestartAck.CompareAndSwap(f, nil)
+	}
+	hr.mu.Unlock()
+	hr.err = err
+	close(hr.done)
+}
+
+// WaitHotRestart waits for the hot restart started by HotRestart to finish.
+// It returns nil once every session acknowledged, an error wrapping
+// ErrHotRestartTimeout if some did not within HotRestartTimeout (the restart
+// is then over and the sessions stay up), ErrListenerClosed if the listener
+// was closed first, or ctx's error.
+func (l *Listener) WaitHotRestart(ctx context.Context) error {
+	v, ok := listenerRestarts.Load(l)
+	if !ok {
+		return ErrNoHotRestart
+	}
+	hr := v.(*srvHotRestart)
+	select {
+	case <-hr.done:
+		return hr.err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// IsHotRestartDone reports whether the latest hot restart of the listener
+// has finished with every session acknowledged.
+func (l *Listener) IsHotRestartDone() bool {
+	v, ok := listenerRestarts.Load(l)
+	if !ok {
+		return false
+	}
+	hr := v.(*srvHotRestart)
+	return hr.finished() && hr.err == nil
+}
+
+// ListenTakeover listens on the Unix socket path address like
+// Listen("unix", address, conf), except that a socket already bound there
+// (the old server of a hot restart) is replaced atomically: the new socket
+// is bound under a temporary name in the same directory and renamed over
+// address. Connections made before the rename still reach the old server.
+// Abstract addresses ("@...") cannot be taken over.
+//
+// Close removes the socket file only if it is still this listener's (not
+// taken over by yet another server since).
+func ListenTakeover(address string, conf *Config) (*Listener, error) {
+	if conf == nil {
+		conf = DefaultConfig()
+	}
+	if err := conf.Verify(); err != nil {
+		return nil, err
+	}
+	if address == "" || address[0] == '@' {
+		return nil, fmt.Errorf("%w: ListenTakeover needs a socket file path, not %q", ErrInvalidConfig, address)
+	}
+	fail := func(err error) (*Listener, error) {
+		return nil, fmt.Errorf("shmipc: listen (takeover) unix %s: %w", address, err)
+	}
+	tmp := filepath.Join(filepath.Dir(address), fmt.Sprintf(".shmipc-tk-%016x", rand.Uint64()))
+	ul, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
+	if err != nil {
+		return fail(err)
+	}
+	ul.SetUnlinkOnClose(false)
+	if err := os.Chmod(tmp, conf.SocketFileMode); err != nil {
+		ul.Close()
+		os.Remove(tmp)
+		return fail(err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(tmp, &st); err != nil {
+		ul.Close()
+		os.Remove(tmp)
+		return fail(err)
+	}
+	if err := os.Rename(tmp, address); err != nil {
+		ul.Close()
+		os.Remove(tmp)
+		return fail(err)
+	}
+	tl := &takeoverListener{UnixListener: ul, path: address, dev: uint64(st.Dev), ino: uint64(st.Ino)}
+	return NewListener(tl, conf), nil
+}
+
+// takeoverListener is a Unix listener whose socket file was renamed into
+// place; it reports the final path and removes it only while it is its own.
+type takeoverListener struct {
+	*net.UnixListener
+	path     string
+	dev, ino uint64
+}
+
+func (t *takeoverListener) Addr() net.Addr { return &net.UnixAddr{Name: t.path, Net: "unix"} }
+
+func (t *takeoverListener) Close() error {
+	var st syscall.Stat_t
+	if syscall.Stat(t.path, &st) == nil && uint64(st.Dev) == t.dev && uint64(st.Ino) == t.ino {
+		os.Remove(t.path)
+	}
+	return t.UnixListener.Close()
+}
+
+// ---------------------------------------------------------------------------
+// Client side (SessionManager)
+
+// smHotRestart is the hot-restart state of a SessionManager.
+type smHotRestart struct {
+	mu      sync.Mutex
+	ready   bool // the slots exist
+	running bool
+	epoch   uint64 // of the running (or last) restart
+	randID  uint64
+
+	// Results, for inspection.
+	completed int    // restarts that replaced every session and acknowledged
+	failed    int    // restarts that timed out
+	lastEpoch uint64 // of the last finished restart
+	changed   chan struct{}
+}
+
+// hotRestartSetup installs the HotRestart hook on a session the manager
+// dialed, before its receive loop starts.
+func (m *SessionManager) hotRestartSetup(s *Session) {
+	f := func(epoch uint64) { m.onHotRestart(s, epoch) }
+	s.onHotRestart.Store(&f)
+}
+
+// onHotRestart runs on s's receive loop and must not block. The first
+// HotRestart on a current session starts the switch to the new server;
+// HotRestart on a parked session, or during a switch, is ignored.
+func (m *SessionManager) onHotRestart(s *Session, epoch uint64) {
+	m.hr.mu.Lock()
+	defer m.hr.mu.Unlock()
+	if !m.hr.ready || m.hr.running || !m.isCurrent(s) {
+		return
+	}
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return
+	}
+	m.wg.Add(1)
+	m.mu.Unlock()
+	m.hr.running = true
+	m.hr.epoch = epoch
+	m.hr.randID = uint64(time.Now().UnixNano()) + rand.Uint64()
+	go m.runHotRestart(epoch, m.hr.randID, time.Now().Add(HotRestartTimeout))
+}
+
+// isCurrent reports whether s is the session of one of the slots.
+func (m *SessionManager) isCurrent(s *Session) bool {
+	for _, sl := range m.slots {
+		sl.mu.Lock()
+		cur := sl.sess
+		sl.mu.Unlock()
+		if cur == s {
+			return true
+		}
+	}
+	return false
+}
+
+// hotRestartConfig is the session configuration after a hot restart with
+// epoch and randID: region names become
+// <prefix>_epoch_<epoch>_<randID>_<pid>_<random>_buffer (and _queue_0).
+func (m *SessionManager) hotRestartConfig(epoch, randID uint64) *Config {
+	c := *m.conf.Config
+	c.ShareMemoryPathPrefix = fmt.Sprintf("%s_epoch_%d_%d", c.ShareMemoryPathPrefix, epoch, randID)
+	if c.Verify() != nil { // too long for file mode: keep the plain names
+		c.ShareMemoryPathPrefix = m.conf.Config.ShareMemoryPathPrefix
+	}
+	return &c
+}
+
+// runHotRestart dials a new session for every slot, parks the old ones, and
+// once all are replaced acknowledges on every old session and closes each
+// when its streams are done. At the deadline it gives up: parked sessions
+// are closed without acknowledging.
+func (m *SessionManager) runHotRestart(epoch, randID uint64, deadline time.Time) {
+	defer m.wg.Done()
+	var parked []*Session
+	ctx, cancel := context.WithDeadline(m.ctx, deadline)
+	defer cancel()
+	conf := m.hotRestartConfig(epoch, randID)
+
+	replaced := 0
+	for _, sl := range m.slots {
+		ns := m.dialUntil(ctx, conf)
+		if ns == nil {
+			break
+		}
+		old, idle, installed := sl.replace(ns)
+		for _, is := range idle {
+			is.st.Close()
+		}
+		if !installed { // the manager closed
+			ns.Close()
+			break
+		}
+		if old != nil {
+			parked = append(parked, old)
+		}
+		replaced++
+	}
+	if replaced < len(m.slots) {
+		m.endHotRestart(epoch, false)
+		for _, s := range parked {
+			s.Close()
+		}
+		return
+	}
+	for _, s := range parked {
+		if s.IsClosed() {
+			continue
+		}
+		if err := s.ec.write(wire.AppendHotRestart(nil, s.version, wire.TypeHotRestartAck, epoch)); err != nil {
+			s.closeWithError(fmt.Errorf("send HotRestartAck: %w", err))
+		}
+	}
+	m.endHotRestart(epoch, true)
+	m.drainParked(parked)
+}
+
+// endHotRestart records the end of a restart; another may start.
+func (m *SessionManager) endHotRestart(epoch uint64, ok bool) {
+	m.hr.mu.Lock()
+	defer m.hr.mu.Unlock()
+	m.hr.running = false
+	m.hr.lastEpoch = epoch
+	if ok {
+		m.hr.completed++
+	} else {
+		m.hr.failed++
+	}
+	if m.hr.changed != nil {
+		close(m.hr.changed)
+		m.hr.changed = nil
+	}
+}
+
+// dialUntil dials a session with conf, retrying until ctx is done (nil).
+func (m *SessionManager) dialUntil(ctx context.Context, conf *Config) *Session {
+	backoff := m.conf.MinReconnectBackoff
+	for {
+		s, err := m.dialWith(ctx, conf)
+		if err == nil {
+			return s
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		}
+		backoff = min(2*backoff, m.conf.MaxReconnectBackoff)
+	}
+}
+
+// drainParked closes each parked session once no stream is open on it (the
+// streams handed out before the switch have been put back or closed), once
+// the old server closed it, or after HotRestartTimeout at the latest.
+func (m *SessionManager) drainParked(parked []*Session) {
+	deadline := time.Now().Add(HotRestartTimeout)
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for len(parked) > 0 {
+		rest := parked[:0]
+		for _, s := range parked {
+			s.mu.Lock()
+			n := len(s.streams)
+			s.mu.Unlock()
+			if n == 0 || s.IsClosed() || !time.Now().Before(deadline) {
+				s.Close()
+				continue
+			}
+			rest = append(rest, s)
+		}
+		parked = rest
+		if len(parked) == 0 {
+			return
+		}
+		select {
+		case <-tick.C:
+		case <-m.ctx.Done():
+			for _, s := range parked {
+				s.Close()
+			}
+			return
+		}
+	}
+}
+
+// replace installs s as the slot's session after a hot restart and returns
+// the session it replaces (nil if the slot was being re-dialed) and that
+// session's idle streams, which the caller closes. installed is false if the
+// manager has closed.
+func (sl *smSlot) replace(s *Session) (old *Session, idle []idleStream, installed bool) {
+	m := sl.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return nil, nil, false
+	}
+	sl.mu.Lock()
+	old, idle = sl.sess, sl.idle
+	sl.sess, sl.idle, sl.lastErr = s, nil, nil
+	sl.mu.Unlock()
+	if old == nil {
+		close(m.healthy)
+		m.healthy = make(chan struct{})
+	}
+	return old, idle, true
+}
+
+// hotRestartState returns the epoch of the last finished hot restart, the
+// counts of completed and failed restarts, whether one is running, and a
+// channel closed at the next change (for tests).
+func (m *SessionManager) hotRestartState() (lastEpoch uint64, completed, failed int, running bool, changed <-chan struct{}) {
+	m.hr.mu.Lock()
+	defer m.hr.mu.Unlock()
+	if m.hr.changed == nil {
+		m.hr.changed = make(chan struct{})
+	}
+	return m.hr.lastEpoch, m.hr.completed, m.hr.failed, m.hr.running, m.hr.changed
+}
+
+// HotRestarts returns how many hot restarts the manager has completed
+// (every session replaced and acknowledged) and how many timed out.
+func (m *SessionManager) HotRestarts() (completed, failed int) {
+	m.hr.mu.Lock()
+	defer m.hr.mu.Unlock()
+	return m.hr.completed, m.hr.failed
+}

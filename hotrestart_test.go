@@ -1,0 +1,605 @@
+package shmipc
+
+// Hot restart (PROTOCOL.md §7, hotrestart.go).
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/goshm/shmipc/internal/proctest"
+	"golang.org/x/sys/unix"
+)
+
+const hrEpoch = 0x0102030405060708
+
+// hrFrame is the exact 16-byte frame of type typ with hrEpoch, version 3.
+func hrFrame(typ byte, epoch uint64) []byte {
+	return hpFrame(16, hpMagic, 3, typ, binary.BigEndian.AppendUint64(nil, epoch)...)
+}
+
+// hrSessionCount returns the number of sessions of l.
+func hrSessionCount(l *Listener) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.sessions)
+}
+
+// TestHotRestartServerFrames: the server sends the exact HotRestart frame on
+// every session; a plain Dial client ignores it and stays up; a second
+// restart is refused while one runs; an ack with another epoch does not
+// count; without every ack WaitHotRestart fails after about 2 s and the
+// sessions stay up; then a restart whose sessions all ack succeeds.
+func TestHotRestartServerFrames(t *testing.T) {
+	env := hpStartServer(t, 0)
+	p, victim := hpConnectClient(t, env, MemMapTypeMemFd)
+
+	start := time.Now()
+	if err := env.ln.HotRestart(hrEpoch); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.ln.HotRestart(hrEpoch + 1); !errors.Is(err, ErrHotRestartRunning) {
+		t.Errorf("second HotRestart while one runs: %v, want ErrHotRestartRunning", err)
+	}
+	got, err := p.readFrame()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []byte{0, 0, 0, 0x10, 0x77, 0x58, 0x03, 0x08, 1, 2, 3, 4, 5, 6, 7, 8}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("HotRestart frame % x, want % x", got, want)
+	}
+	// An ack with another epoch is ignored; the right one counts.
+	p.write(hrFrame(9, hrEpoch+1))
+	p.write(hrFrame(9, hrEpoch))
+
+	// env.good is a plain Dial client: it ignores HotRestart and never acks.
+	err = env.ln.WaitHotRestart(context.Background())
+	elapsed := time.Since(start)
+	if !errors.Is(err, ErrHotRestartTimeout) {
+		t.Fatalf("WaitHotRestart: %v, want ErrHotRestartTimeout", err)
+	}
+	if !strings.Contains(err.Error(), "1 of 2 sessions") {
+		t.Errorf("WaitHotRestart: %v, want 1 of 2 sessions unacknowledged", err)
+	}
+	if elapsed < HotRestartTimeout-50*time.Millisecond || elapsed > HotRestartTimeout+time.Second {
+		t.Errorf("WaitHotRestart failed after %v, want about %v", elapsed, HotRestartTimeout)
+	}
+	if env.ln.IsHotRestartDone() {
+		t.Error("IsHotRestartDone after a timeout")
+	}
+	if env.good.IsClosed() || victim.IsClosed() {
+		t.Fatalf("sessions closed by the timeout: client %v, server %v", env.good.Err(), victim.Err())
+	}
+	if err := hpEcho(env.good, "after the hot restart timeout"); err != nil {
+		t.Fatalf("plain client after ignoring HotRestart: %v", err)
+	}
+
+	// Once the plain client is gone, the raw peer's ack finishes a restart.
+	env.good.Close()
+	smWait(t, "server forgets the plain client", 5*time.Second, func() bool { return hrSessionCount(env.ln) == 1 })
+	if err := env.ln.HotRestart(hrEpoch + 2); err != nil {
+		t.Fatalf("HotRestart after a timed-out one: %v", err)
+	}
+	got, err = p.readFrame()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := hrFrame(8, hrEpoch+2); !bytes.Equal(got, want) {
+		t.Fatalf("HotRestart frame % x, want % x", got, want)
+	}
+	p.write(hrFrame(9, hrEpoch+2))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := env.ln.WaitHotRestart(ctx); err != nil {
+		t.Fatalf("WaitHotRestart with every session acked: %v", err)
+	}
+	if !env.ln.IsHotRestartDone() {
+		t.Error("IsHotRestartDone false after success")
+	}
+	if victim.IsClosed() {
+		t.Errorf("server session closed by the restart: %v", victim.Err())
+	}
+}
+
+// TestHotRestartRefusedWhileHandshaking: a connection in its handshake
+// blocks HotRestart.
+func TestHotRestartRefusedWhileHandshaking(t *testing.T) {
+	env := hpStartServer(t, 0)
+	c, err := net.Dial("unix", env.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	smWait(t, "pending handshake", 5*time.Second, func() bool {
+		env.ln.mu.Lock()
+		defer env.ln.mu.Unlock()
+		return len(env.ln.pending) == 1
+	})
+	if err := env.ln.HotRestart(1); !errors.Is(err, ErrHotRestartHandshaking) {
+		t.Errorf("HotRestart during a handshake: %v, want ErrHotRestartHandshaking", err)
+	}
+	if err := env.ln.WaitHotRestart(context.Background()); !errors.Is(err, ErrNoHotRestart) {
+		t.Errorf("WaitHotRestart without a restart: %v, want ErrNoHotRestart", err)
+	}
+}
+
+// TestHotRestartPlainClientIgnores: a session from Dial stays up after a
+// HotRestart frame and sends nothing back.
+func TestHotRestartPlainClientIgnores(t *testing.T) {
+	p, sess := hpAcceptVictim(t, MemMapTypeMemFd, 0)
+	p.write(hrFrame(8, hrEpoch))
+	p.conn.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	n, err := p.conn.Read(make([]byte, 64))
+	var ne net.Error
+	if !errors.As(err, &ne) || !ne.Timeout() {
+		t.Errorf("plain client answered HotRestart: %d bytes, %v", n, err)
+	}
+	if sess.IsClosed() {
+		t.Errorf("plain client session closed on HotRestart: %v", sess.Err())
+	}
+}
+
+// TestHotRestartManagerAck: a SessionManager receiving HotRestart from a raw
+// server dials a new session and then sends the exact HotRestartAck on the
+// old one, and closes it.
+func TestHotRestartManagerAck(t *testing.T) {
+	conf := hpConfig(t, MemMapTypeMemFd, 0)
+	sock := filepath.Join(t.TempDir(), "raw.sock")
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	type mres struct {
+		m   *SessionManager
+		err error
+	}
+	ch := make(chan mres, 1)
+	go func() {
+		m, err := NewSessionManager(SessionManagerConfig{Config: conf, Network: "unix", Address: sock})
+		ch <- mres{m, err}
+	}()
+	accept := func() *net.UnixConn {
+		t.Helper()
+		ln.SetDeadline(time.Now().Add(hpTimeout))
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		buf, q, _, err := hpServeHandshake(c, MemMapTypeMemFd)
+		for _, b := range [][]byte{buf, q} {
+			if b != nil {
+				t.Cleanup(func() { unix.Munmap(b) })
+			}
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	c1 := accept()
+	r := <-ch
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	m := r.m
+	defer m.Close()
+	old := m.Sessions()[0]
+
+	p1 := &hpPeer{t: t, conn: c1, version: 3}
+	p1.write(hrFrame(8, hrEpoch))
+	p1.write(hrFrame(8, hrEpoch)) // a duplicate is ignored
+	accept()
+	got, err := p1.readFrame()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []byte{0, 0, 0, 0x10, 0x77, 0x58, 0x03, 0x09, 1, 2, 3, 4, 5, 6, 7, 8}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("HotRestartAck frame % x, want % x", got, want)
+	}
+	smWait(t, "old session closed", 5*time.Second, old.IsClosed)
+	if s := m.Sessions(); len(s) != 1 || s[0] == old || s[0].IsClosed() {
+		t.Errorf("sessions after the restart: %v", s)
+	}
+	if c, f := m.HotRestarts(); c != 1 || f != 0 {
+		t.Errorf("HotRestarts() = %d, %d, want 1, 0", c, f)
+	}
+	// Nothing but the old connection's end follows the ack.
+	c1.SetReadDeadline(time.Now().Add(2 * time.Second))
+	if n, err := c1.Read(make([]byte, 64)); n != 0 {
+		t.Errorf("after the ack the client sent %d more bytes (%v)", n, err)
+	}
+}
+
+// TestHotRestartManagerTimeout: a manager of two sessions gets its first new
+// session but the second handshake stalls. After 2 s it gives up: the parked
+// old session of the first slot is closed without an acknowledgement, the
+// second slot keeps its old session, and nothing is sent on either.
+func TestHotRestartManagerTimeout(t *testing.T) {
+	conf := hpConfig(t, MemMapTypeMemFd, 0)
+	sock := filepath.Join(t.TempDir(), "raw.sock")
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	ch := make(chan *SessionManager, 1)
+	go func() {
+		m, err := NewSessionManager(SessionManagerConfig{Config: conf, Network: "unix", Address: sock, SessionNum: 2,
+			MinReconnectBackoff: 50 * time.Millisecond, MaxReconnectBackoff: 100 * time.Millisecond})
+		if err != nil {
+			t.Error(err)
+		}
+		ch <- m
+	}()
+	accept := func(handshake bool) *net.UnixConn {
+		t.Helper()
+		ln.SetDeadline(time.Now().Add(hpTimeout))
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		if handshake {
+			buf, q, _, err := hpServeHandshake(c, MemMapTypeMemFd)
+			for _, b := range [][]byte{buf, q} {
+				if b != nil {
+					t.Cleanup(func() { unix.Munmap(b) })
+				}
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		return c
+	}
+	c1, c2 := accept(true), accept(true)
+	m := <-ch
+	if m == nil {
+		t.FailNow()
+	}
+	defer m.Close()
+	olds := m.Sessions()
+
+	start := time.Now()
+	p1 := &hpPeer{t: t, conn: c1, version: 3}
+	p1.write(hrFrame(8, hrEpoch))
+	accept(true)  // the new session of slot 0
+	accept(false) // slot 1: never answered
+	go func() {   // and no more
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { c.Close() })
+		}
+	}()
+	c1.SetReadDeadline(time.Now().Add(5 * time.Second))
+	var got []byte
+	buf := make([]byte, 64)
+	for {
+		n, err := c1.Read(buf)
+		got = append(got, buf[:n]...)
+		if err != nil {
+			break
+		}
+	}
+	elapsed := time.Since(start)
+	if len(got) != 0 {
+		t.Errorf("client sent % x on the parked session, want nothing (no ack on timeout)", got)
+	}
+	if elapsed < HotRestartTimeout-100*time.Millisecond || elapsed > HotRestartTimeout+2*time.Second {
+		t.Errorf("parked session closed after %v, want about %v", elapsed, HotRestartTimeout)
+	}
+	smWait(t, "parked session closed", 5*time.Second, olds[0].IsClosed)
+	if c, f := m.HotRestarts(); c != 0 || f != 1 {
+		t.Errorf("HotRestarts() = %d, %d, want 0, 1", c, f)
+	}
+	if olds[1].IsClosed() {
+		t.Errorf("unreplaced old session closed: %v", olds[1].Err())
+	}
+	c2.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+	if n, _ := c2.Read(buf); n != 0 {
+		t.Errorf("client sent % x on the unreplaced session", buf[:n])
+	}
+	cur := m.Sessions()
+	if len(cur) != 2 || cur[0] == olds[0] || cur[1] != olds[1] {
+		t.Errorf("sessions after the timeout: %v, old %v", cur, olds)
+	}
+}
+
+// TestHotRestartFileModeNames: in file mode the sessions dialed for a hot
+// restart name their regions <prefix>_epoch_<e>_<randID>_...; the server's
+// WaitHotRestart succeeds once the manager has switched.
+func TestHotRestartFileModeNames(t *testing.T) {
+	prefix := clPrefix(t, "hrf")
+	sconf := smTestConfig()
+	sconf.MemMapType = MemMapTypeDevShmFile
+	sconf.ShareMemoryPathPrefix = prefix
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	srv := smStartEchoConf(t, sock, sconf)
+	defer srv.close(t)
+	cconf := *sconf
+	m, err := NewSessionManager(SessionManagerConfig{Config: &cconf, Network: "unix", Address: sock, SessionNum: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	st, err := m.GetStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := smRoundTrip(st, []byte("before")); err != nil {
+		t.Fatal(err)
+	}
+	m.PutBack(st)
+	oldSessions := m.Sessions()
+
+	const epoch = 42
+	// In file mode the client is done before the server has mapped the
+	// regions: wait for the server's handshakes to finish.
+	smWait(t, "server handshakes", 5*time.Second, func() bool { return hrSessionCount(srv.ln) == 2 })
+	if err := srv.ln.HotRestart(epoch); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := srv.ln.WaitHotRestart(ctx); err != nil {
+		t.Fatalf("WaitHotRestart: %v", err)
+	}
+	var epochFiles []string
+	for _, f := range clShmFiles(prefix) {
+		if strings.HasPrefix(filepath.Base(f), filepath.Base(prefix)+"_epoch_42_") {
+			epochFiles = append(epochFiles, f)
+		}
+	}
+	if len(epochFiles) != 4 { // 2 sessions × buffer and queue
+		t.Errorf("region files of the new sessions: %q (all: %q), want 4 named %s_epoch_42_<randID>_...", epochFiles, clShmFiles(prefix), prefix)
+	}
+	for _, s := range oldSessions {
+		smWait(t, "old session closed", 5*time.Second, s.IsClosed)
+	}
+	st, err = m.GetStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := smRoundTrip(st, []byte("after")); err != nil {
+		t.Fatal(err)
+	}
+	m.PutBack(st)
+}
+
+// smStartEchoConf is smStartEcho with a configuration.
+func smStartEchoConf(t testing.TB, sock string, conf *Config) *smEchoServer {
+	t.Helper()
+	ln, err := Listen("unix", sock, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &smEchoServer{ln: ln, served: make(chan error, 1)}
+	go func() { e.served <- ln.Serve(e.handle) }()
+	return e
+}
+
+// ---------------------------------------------------------------------------
+// Across processes: old server, new server and client in three processes.
+
+const (
+	hrChildTest    = "TestHotRestartChild"
+	hrRoleServer   = "hr-server"
+	hrChildTimeout = 60 * time.Second
+)
+
+// TestHotRestartChild is the body of the server processes: it takes over
+// SOCK, serves the echo, and on SIGUSR1 runs HotRestart(EPOCH), prints
+// "hotrestart <epoch> ok" or "hotrestart <epoch> <error>", closes its
+// listener and prints "closed". It ends when stdin closes.
+func TestHotRestartChild(t *testing.T) {
+	if proctest.Role() != hrRoleServer {
+		t.Skip("runs only as the child process of the hot restart tests")
+	}
+	conf := smTestConfig()
+	conf.ShareMemoryPathPrefix = proctest.MustArg(t, "PREFIX")
+	epoch, err := strconv.ParseUint(proctest.MustArg(t, "EPOCH"), 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	usr1 := make(chan os.Signal, 1)
+	signal.Notify(usr1, syscall.SIGUSR1)
+	defer signal.Stop(usr1)
+	ln, err := ListenTakeover(proctest.MustArg(t, "SOCK"), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &smEchoServer{ln: ln, served: make(chan error, 1)}
+	go func() { e.served <- ln.Serve(e.handle) }()
+	proctest.Ready()
+	for {
+		select {
+		case <-usr1:
+			var err error
+			for try := 0; try < 50; try++ { // a handshake may be running
+				if err = ln.HotRestart(epoch); !errors.Is(err, ErrHotRestartHandshaking) {
+					break
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			if err == nil {
+				err = ln.WaitHotRestart(context.Background())
+			}
+			res := "ok"
+			if err != nil {
+				res = err.Error()
+			}
+			proctest.Println(fmt.Sprintf("hotrestart %d %s", epoch, res))
+			e.close(t)
+			proctest.Println("closed")
+		case <-proctest.StdinClosed():
+			e.ln.Close()
+			return
+		}
+	}
+}
+
+// hrPeerPid returns the process id of the server end of a client session.
+func hrPeerPid(t *testing.T, s *Session) int {
+	t.Helper()
+	raw, err := s.ec.unix.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cred *unix.Ucred
+	var cerr error
+	raw.Control(func(fd uintptr) { cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) })
+	if cerr != nil {
+		t.Fatal(cerr)
+	}
+	return int(cred.Pid)
+}
+
+// TestHotRestartCrossProcess: server v1 (a child) serves a SessionManager
+// that runs echo requests without pause; server v2 (another child) takes
+// over the socket path; v1 runs HotRestart and must see every session
+// acknowledge; the client must move every session to v2, and no request
+// may fail, before, during or after the switch.
+func TestHotRestartCrossProcess(t *testing.T) {
+	prefix := clPrefix(t, "hr")
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	const epoch = 7
+	start := func() *proctest.Child {
+		c := proctest.Start(t, proctest.Config{
+			TestName: hrChildTest, Role: hrRoleServer, Timeout: hrChildTimeout,
+			Args: map[string]string{"SOCK": sock, "PREFIX": prefix, "EPOCH": strconv.Itoa(epoch)},
+		})
+		if _, err := c.WaitReady(mpStartTimeout); err != nil {
+			t.Fatalf("%v\n%s", err, c.Output())
+		}
+		return c
+	}
+	v1 := start()
+	conf := smTestConfig()
+	conf.ShareMemoryPathPrefix = prefix
+	m, err := NewSessionManager(SessionManagerConfig{Config: conf, Network: "unix", Address: sock, SessionNum: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	for _, s := range m.Sessions() {
+		if pid := hrPeerPid(t, s); pid != v1.Pid() {
+			t.Fatalf("session peer pid %d, want v1 %d", pid, v1.Pid())
+		}
+	}
+
+	var (
+		stop     atomic.Bool
+		requests atomic.Int64
+		mu       sync.Mutex
+		failures []string
+		wg       sync.WaitGroup
+	)
+	for w := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; !stop.Load(); i++ {
+				err := func() error {
+					ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+					defer cancel()
+					st, err := m.GetStreamContext(ctx)
+					if err != nil {
+						return err
+					}
+					st.SetDeadline(time.Now().Add(5 * time.Second))
+					if err := smRoundTrip(st, mpPayload(64+i%4096, uint64(w<<32|i))); err != nil {
+						st.Close()
+						return err
+					}
+					m.PutBack(st)
+					return nil
+				}()
+				requests.Add(1)
+				if err != nil {
+					mu.Lock()
+					failures = append(failures, fmt.Sprintf("%s: %v", time.Now().Format("15:04:05.000"), err))
+					mu.Unlock()
+				}
+				time.Sleep(200 * time.Microsecond)
+			}
+		}()
+	}
+	time.Sleep(200 * time.Millisecond)
+
+	v2 := start()
+	before := requests.Load()
+	if err := v1.Signal(syscall.SIGUSR1); err != nil {
+		t.Fatal(err)
+	}
+	line, err := v1.ReadLine(10 * time.Second)
+	if err != nil {
+		t.Fatalf("v1: %v\n%s", err, v1.Output())
+	}
+	if want := fmt.Sprintf("hotrestart %d ok", epoch); line != want {
+		t.Fatalf("v1 printed %q, want %q", line, want)
+	}
+	if line, err := v1.ReadLine(10 * time.Second); err != nil || line != "closed" {
+		t.Fatalf("v1 after the restart: %q, %v", line, err)
+	}
+	settled := requests.Load()
+	time.Sleep(500 * time.Millisecond)
+	stop.Store(true)
+	wg.Wait()
+	after := requests.Load()
+
+	if c, f := m.HotRestarts(); c != 1 || f != 0 {
+		t.Errorf("HotRestarts() = %d, %d, want 1, 0", c, f)
+	}
+	sessions := m.Sessions()
+	if len(sessions) != 2 {
+		t.Errorf("%d sessions, want 2", len(sessions))
+	}
+	for _, s := range sessions {
+		if s.IsClosed() {
+			t.Errorf("session closed: %v", s.Err())
+			continue
+		}
+		if pid := hrPeerPid(t, s); pid != v2.Pid() {
+			t.Errorf("session peer pid %d after the restart, want v2 %d", pid, v2.Pid())
+		}
+	}
+	t.Logf("requests: %d before the restart, %d until v1 closed, %d after", before, settled-before, after-settled)
+	if after-settled < 10 {
+		t.Errorf("only %d requests after v1 closed", after-settled)
+	}
+	if len(failures) > 0 {
+		t.Errorf("%d of %d requests failed:\n%s", len(failures), after, strings.Join(failures[:min(len(failures), 20)], "\n"))
+	}
+	if err := v1.Stop(20 * time.Second); err != nil {
+		t.Errorf("v1: %v\n%s", err, v1.Output())
+	}
+	if err := m.Close(); err != nil {
+		t.Error(err)
+	}
+	if err := v2.Stop(20 * time.Second); err != nil {
+		t.Errorf("v2: %v\n%s", err, v2.Output())
+	}
+	if _, err := os.Stat(sock); err == nil {
+		t.Errorf("socket file %s left after v2 closed", sock)
+	}
+}
