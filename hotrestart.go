@@ -93,10 +93,6 @@ func (hr *srvHotRestart) finished() bool {
 	}
 }
 
-// listenerRestarts holds the latest hot restart of each listener. The entry
-// is removed when the listener's accept loop ends (Close).
-var listenerRestarts sync.Map // *Listener → *srvHotRestart
-
 // HotRestart starts a hot restart with the given epoch: it sends a
 // HotRestart frame to every session of the listener (PROTOCOL.md §7) and
 // counts the HotRestartAck frames that come back with the same epoch. It
@@ -124,9 +120,9 @@ func (l *Listener) HotRestart(epoch uint64) error {
 		l.mu.Unlock()
 		return fmt.Errorf("%w (%d connections)", ErrHotRestartHandshaking, n)
 	}
-	if v, ok := listenerRestarts.Load(l); ok && !v.(*srvHotRestart).finished() {
+	if prev := l.restart.Load(); prev != nil && !prev.finished() {
 		l.mu.Unlock()
-		return fmt.Errorf("%w (epoch %d)", ErrHotRestartRunning, v.(*srvHotRestart).epoch)
+		return fmt.Errorf("%w (epoch %d)", ErrHotRestartRunning, prev.epoch)
 	}
 	hr := &srvHotRestart{
 		epoch:   epoch,
@@ -139,10 +135,10 @@ func (l *Listener) HotRestart(epoch uint64) error {
 	for s := range l.sessions {
 		sessions = append(sessions, s)
 	}
-	if _, had := listenerRestarts.Swap(l, hr); !had {
-		go func() {
+	if l.restart.Swap(hr) == nil {
+		go func() { // forget the restart once the listener is closed
 			<-l.done
-			listenerRestarts.Delete(l)
+			l.restart.Store(nil)
 		}()
 	}
 	l.mu.Unlock()
@@ -241,11 +237,10 @@ func (hr *srvHotRestart) finish(err error) {
 // is then over and the sessions stay up), ErrListenerClosed if the listener
 // was closed first, or ctx's error.
 func (l *Listener) WaitHotRestart(ctx context.Context) error {
-	v, ok := listenerRestarts.Load(l)
-	if !ok {
+	hr := l.restart.Load()
+	if hr == nil {
 		return ErrNoHotRestart
 	}
-	hr := v.(*srvHotRestart)
 	select {
 	case <-hr.done:
 		return hr.err
@@ -257,12 +252,8 @@ func (l *Listener) WaitHotRestart(ctx context.Context) error {
 // IsHotRestartDone reports whether the latest hot restart of the listener
 // has finished with every session acknowledged.
 func (l *Listener) IsHotRestartDone() bool {
-	v, ok := listenerRestarts.Load(l)
-	if !ok {
-		return false
-	}
-	hr := v.(*srvHotRestart)
-	return hr.finished() && hr.err == nil
+	hr := l.restart.Load()
+	return hr != nil && hr.finished() && hr.err == nil
 }
 
 // ListenTakeover listens on the Unix socket path address like

@@ -7,6 +7,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -46,6 +47,8 @@ type Listener struct {
 	mu       sync.Mutex
 	sessions map[*Session]struct{}
 	pending  map[net.Conn]struct{} // connections still in their handshake
+
+	restart atomic.Pointer[srvHotRestart] // the latest hot restart, until Close
 }
 
 var _ net.Listener = (*Listener)(nil)
