@@ -32,6 +32,19 @@
 //
 // Stream.BufferWriter and Stream.BufferReader read and write shared memory
 // directly; their documentation says how long returned slices stay valid.
+// Stream.NetpollReader and Stream.NetpollWriter offer the same through
+// CloudWeGo netpoll's interfaces, for RPC frameworks.
+//
+// Beyond one session: a SessionManager pools sessions to one address, hands
+// out reusable streams and reconnects; Listener.Serve, Listener.ServeHandler
+// and OnData serve streams with callbacks; Listener.HotRestart hands the
+// clients of one server process over to the next. Session.Stats,
+// AggregateStats, Monitor and PublishExpvar report what is going on, and
+// Config.Logger receives log records (none by default).
+//
+// When shared memory or the peer's queue is full, writers wait for room
+// (bounded by their write deadline and Config.WriteSpaceTimeout) rather
+// than degrade silently; see Config.FallbackWhenFull for the alternative.
 //
 // Everything read from the socket or from shared memory is checked before
 // use. A peer that breaks the protocol ends its session with an error
@@ -39,5 +52,6 @@
 //
 // The wire protocol is that of the other Shmipc implementations, so a
 // shmipc client can talk to their servers and the other way round; the
-// README lists what has been checked.
+// README lists what has been checked, and docs/protocol.md describes the
+// protocol and what this implementation adds locally.
 package shmipc
