@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"path/filepath"
+	"runtime/debug"
 	"sync"
 	"time"
 
@@ -54,12 +55,7 @@ func handshake(conn net.Conn, conf *Config, client bool, setup func(*Session)) (
 		conn.Close()
 		return nil, fmt.Errorf("%w: %w", ErrHandshake, err)
 	}
-	var err error
-	if client {
-		err = s.clientHandshake()
-	} else {
-		err = s.serverHandshake()
-	}
+	err := s.runHandshake(client)
 	if err == nil {
 		err = conn.SetDeadline(time.Time{})
 	}
@@ -80,6 +76,26 @@ func handshake(conn net.Conn, conf *Config, client bool, setup func(*Session)) (
 	}
 	s.start()
 	return s, nil
+}
+
+// runHandshake runs one side of the handshake. A peer can shrink a region
+// file while the server maps and reads it: faults become errors here too.
+func (s *Session) runHandshake(client bool) (err error) {
+	old := debug.SetPanicOnFault(true)
+	defer func() {
+		debug.SetPanicOnFault(old)
+		if r := recover(); r != nil {
+			f, ok := r.(interface{ Addr() uintptr })
+			if !ok {
+				panic(r)
+			}
+			err = fmt.Errorf("%w: memory fault at %#x in a shared region during the handshake", ErrProtocol, f.Addr())
+		}
+	}()
+	if client {
+		return s.clientHandshake()
+	}
+	return s.serverHandshake()
 }
 
 func isTimeout(err error) bool {
