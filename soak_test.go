@@ -202,7 +202,7 @@ func (r *skReader) next() (flags uint32, n int, err error) {
 	if got := crc32.ChecksumIEEE(body); got != sum {
 		return 0, 0, fmt.Errorf("%w: stream %d message %d (%d bytes): crc32 %08x, header says %08x", errSkCorrupt, r.st.ID(), seq, n, got, sum)
 	}
-	if !r.st.s.conf.FallbackWhenFull {
+	if !r.hold && !r.st.s.conf.FallbackWhenFull {
 		// Under back-pressure a reader must not keep a message while it
 		// waits for the next one: the writer of the next one may be waiting
 		// for exactly that memory. With FallbackWhenFull the reader keeps it
