@@ -41,15 +41,22 @@ type ListStats struct {
 	Free      int32  // slices free now
 }
 
-// sessionCounters are updated on the hot paths with atomic adds.
+// sessionCounters are updated on the hot paths with atomic adds. Writers
+// update the first group and receivers the second; each group has cache
+// lines of its own, so the two sides do not slow each other down.
 type sessionCounters struct {
+	_                                     cacheLinePad
 	messagesOut, bytesOut                 atomic.Uint64
-	messagesIn, bytesIn                   atomic.Uint64
 	fallbackMessagesOut, fallbackBytesOut atomic.Uint64
-	fallbackMessagesIn, fallbackBytesIn   atomic.Uint64
 	wakeupsSent, wakeupsSaved             atomic.Uint64
+	_                                     cacheLinePad
+	messagesIn, bytesIn                   atomic.Uint64
+	fallbackMessagesIn, fallbackBytesIn   atomic.Uint64
 	wakeupsReceived                       atomic.Uint64
+	_                                     cacheLinePad
 }
+
+type cacheLinePad [64]byte
 
 func (c *sessionCounters) addTo(st *Stats) {
 	st.MessagesOut += c.messagesOut.Load()
