@@ -85,11 +85,7 @@ func (s *Session) runHandshake(client bool) (err error) {
 	defer func() {
 		debug.SetPanicOnFault(old)
 		if r := recover(); r != nil {
-			f, ok := r.(interface{ Addr() uintptr })
-			if !ok {
-				panic(r)
-			}
-			err = fmt.Errorf("%w: memory fault at %#x in a shared region during the handshake", ErrProtocol, f.Addr())
+			err = fmt.Errorf("during the handshake: %w", faultError(r))
 		}
 	}()
 	if client {

@@ -253,12 +253,18 @@ func (s *Session) recoverFault(err *error, old bool) {
 	if r == nil {
 		return
 	}
+	s.closeWithError(faultError(r))
+	*err = s.closedErr()
+}
+
+// faultError turns the recovered value of a memory fault into an error; any
+// other panic goes on.
+func faultError(r any) error {
 	f, ok := r.(interface{ Addr() uintptr })
 	if !ok {
 		panic(r)
 	}
-	s.closeWithError(fmt.Errorf("%w: memory fault at %#x in a shared region (did the peer shrink it?)", ErrProtocol, f.Addr()))
-	*err = s.closedErr()
+	return fmt.Errorf("%w: memory fault at %#x in a shared region (did the peer shrink it?)", ErrProtocol, f.Addr())
 }
 
 // handleFrame acts on one running-phase frame (PROTOCOL.md §2.2).
@@ -322,10 +328,12 @@ func (s *Session) handleElem(e queueElem) error {
 			return fmt.Errorf("stream %d: %w", e.id, err)
 		}
 		s.scratch = slices
-		s.counters.messagesIn.Add(1)
+		n := 0
 		for _, sl := range slices {
-			s.counters.bytesIn.Add(uint64(len(sl.data)))
+			n += len(sl.data)
 		}
+		s.counters.messagesIn.Add(1)
+		s.counters.bytesIn.Add(uint64(n))
 		st := s.streamFor(e.id)
 		if st == nil || !st.deliver(slices, nil) {
 			return s.freeSlices(slices)
