@@ -134,16 +134,14 @@ func TestBackPressureQueueFull(t *testing.T) {
 	}
 	srv := <-accepted
 	defer srv.Close()
-	// Keep the server's consumer token so that no one drains its queue.
-	srv.s.drainNow()
-	for !srv.s.cons.token.CompareAndSwap(false, true) {
-		time.Sleep(time.Millisecond)
-	}
+	// Stall the server's receive loop, its only consumer: holding the
+	// stream table stops it at the first element it dispatches.
+	srv.s.mu.Lock()
 	var werr error
 	for i := 0; i < 40 && werr == nil; i++ {
 		_, werr = st.Write([]byte("x"))
 	}
-	srv.s.cons.token.Store(false)
+	srv.s.mu.Unlock()
 	if werr == nil {
 		t.Fatal("40 messages fitted in a queue of 16")
 	}

@@ -196,6 +196,22 @@ func (m *bufferManager) u32(off uint32) *uint32 {
 	return (*uint32)(unsafe.Pointer(&m.mem[off]))
 }
 
+// The flags byte of a slice header sits in the low byte of a 4-byte word
+// whose other bytes are always zero (PROTOCOL.md §4.4). It is read and
+// written with atomic operations on that word, ordered with the atomic
+// accesses to next: a pop that sees HAS_NEXT then also sees the next that
+// the push stored before setting it, on weakly ordered CPUs too.
+
+// flags returns the flags byte of the slice header at off.
+func (m *bufferManager) flags(off uint32) byte {
+	return byte(atomic.LoadUint32(m.u32(off + sliceFlagsOff)))
+}
+
+// setFlags sets the flags byte of the slice header at off.
+func (m *bufferManager) setFlags(off uint32, f byte) {
+	atomic.StoreUint32(m.u32(off+sliceFlagsOff), uint32(f))
+}
+
 // maxSliceCap is the data capacity of the largest slice.
 func (m *bufferManager) maxSliceCap() uint32 {
 	return m.lists[m.bySize[len(m.bySize)-1]].sliceCap
@@ -223,7 +239,7 @@ func (m *bufferManager) pop(li int) (uint32, error) {
 			return 0, corrupt("list of %d-byte slices: head %d is not a slice", l.sliceCap, h)
 		}
 		hdr := l.area + h
-		if m.mem[hdr+sliceFlagsOff]&flagHasNext != 0 {
+		if m.flags(hdr)&flagHasNext != 0 {
 			next := atomic.LoadUint32(m.u32(hdr + sliceNextOff))
 			if !l.validRelative(next) {
 				if atomic.LoadUint32(head) == h {
@@ -231,7 +247,7 @@ func (m *bufferManager) pop(li int) (uint32, error) {
 					return 0, corrupt("list of %d-byte slices: free slice %d links to %d, not a slice", l.sliceCap, h, next)
 				}
 			} else if atomic.CompareAndSwapUint32(head, h, next) {
-				m.mem[hdr+sliceFlagsOff] = flagInUse
+				m.setFlags(hdr, flagInUse)
 				atomic.AddInt32(m.i32(l.header+m.counter), 1)
 				return hdr, nil
 			}
@@ -251,7 +267,7 @@ func (m *bufferManager) push(li int, off uint32) error {
 	l := &m.lists[li]
 	binary.LittleEndian.PutUint32(m.mem[off+sliceSizeOff:], 0)
 	binary.LittleEndian.PutUint32(m.mem[off+sliceStartOff:], 0)
-	m.mem[off+sliceFlagsOff] = 0
+	m.setFlags(off, 0)
 	rel := off - l.area
 	tail := m.u32(l.header + listTailOff)
 	for range pushAttempts {
@@ -262,7 +278,7 @@ func (m *bufferManager) push(li int, off uint32) error {
 		if atomic.CompareAndSwapUint32(tail, t, rel) {
 			prev := l.area + t
 			atomic.StoreUint32(m.u32(prev+sliceNextOff), rel)
-			m.mem[prev+sliceFlagsOff] |= flagHasNext
+			atomic.OrUint32(m.u32(prev+sliceFlagsOff), flagHasNext)
 			atomic.AddInt32(m.i32(l.header+listFreeOff), 1)
 			atomic.AddInt32(m.i32(l.header+m.counter), -1)
 			return nil
@@ -322,9 +338,9 @@ func (m *bufferManager) linkSlice(off uint32, size int, next uint32) {
 	binary.LittleEndian.PutUint32(m.mem[off+sliceStartOff:], 0)
 	if next != 0 {
 		binary.LittleEndian.PutUint32(m.mem[off+sliceNextOff:], next)
-		m.mem[off+sliceFlagsOff] = flagInUse | flagHasNext
+		m.setFlags(off, flagInUse|flagHasNext)
 	} else {
-		m.mem[off+sliceFlagsOff] = flagInUse
+		m.setFlags(off, flagInUse)
 	}
 }
 
@@ -338,33 +354,51 @@ type shmSlice struct {
 
 // readChain walks the message that starts at the slice header at root and
 // appends its slices to dst. Every header is read once and checked: the
-// offset must be a slice of a list, cap must match that list and
-// start+size must fit in cap. The walk stops after as many slices as the
-// region has, so a cycle cannot keep it going. Empty slices are freed at
-// once and not returned. On error, the slices appended so far are freed
-// and dst is returned unchanged.
+// offset must be a slice of a list, cap must match that list, start+size
+// must fit in cap, and no slice may appear twice (a cycle, or two links to
+// one slice). Empty slices are freed once the whole chain has been checked
+// and are not returned. On error nothing is freed (a corrupt chain may name
+// slices that are free, or another message's: freeing them would hand them
+// out twice; the session ends) and dst is returned unchanged.
 func (m *bufferManager) readChain(dst []shmSlice, root uint32) ([]shmSlice, error) {
 	first := len(dst)
-	fail := func(err error) ([]shmSlice, error) {
-		for _, s := range dst[first:] {
-			_ = m.push(int(s.list), s.off)
-		}
-		return dst[:first], err
-	}
+	var empty [4]shmSlice
+	empties := empty[:0]
+	var long map[uint32]struct{} // the slices seen, once the chain is long
+	fail := func(err error) ([]shmSlice, error) { return dst[:first], err }
 	off := root
 	for n := uint32(0); ; n++ {
 		if n == m.slices {
-			return fail(corrupt("message at %d links more slices than the region has (a cycle?)", root))
+			return fail(corrupt("message at %d links more slices than the region has", root))
 		}
 		li, err := m.locate(off)
 		if err != nil {
 			return fail(fmt.Errorf("message at %d: %w", root, err))
 		}
+		if n < shortChain {
+			if seen(dst[first:], off) || seen(empties, off) {
+				return fail(corrupt("message at %d links the slice at %d twice (a cycle?)", root, off))
+			}
+		} else {
+			if long == nil {
+				long = make(map[uint32]struct{}, 2*shortChain)
+				for _, sl := range dst[first:] {
+					long[sl.off] = struct{}{}
+				}
+				for _, sl := range empties {
+					long[sl.off] = struct{}{}
+				}
+			}
+			if _, dup := long[off]; dup {
+				return fail(corrupt("message at %d links the slice at %d twice (a cycle?)", root, off))
+			}
+			long[off] = struct{}{}
+		}
 		sliceCap := binary.LittleEndian.Uint32(m.mem[off+sliceCapOff:])
 		size := binary.LittleEndian.Uint32(m.mem[off+sliceSizeOff:])
 		start := binary.LittleEndian.Uint32(m.mem[off+sliceStartOff:])
-		next := binary.LittleEndian.Uint32(m.mem[off+sliceNextOff:])
-		flags := m.mem[off+sliceFlagsOff]
+		next := atomic.LoadUint32(m.u32(off + sliceNextOff))
+		flags := m.flags(off)
 		want := m.lists[li].sliceCap
 		if sliceCap != want {
 			return fail(corrupt("slice at %d has cap %d, its list has %d", off, sliceCap, want))
@@ -372,19 +406,40 @@ func (m *bufferManager) readChain(dst []shmSlice, root uint32) ([]shmSlice, erro
 		if uint64(start)+uint64(size) > uint64(want) {
 			return fail(corrupt("slice at %d has start %d and size %d beyond its cap %d", off, start, size, want))
 		}
+		sl := shmSlice{list: int32(li), off: off}
 		if size == 0 {
-			if err := m.push(li, off); err != nil {
-				return fail(err)
-			}
+			empties = append(empties, sl)
 		} else {
 			d := off + sliceHeaderSize + start
-			dst = append(dst, shmSlice{list: int32(li), off: off, data: m.mem[d : d+size : d+size]})
+			sl.data = m.mem[d : d+size : d+size]
+			dst = append(dst, sl)
 		}
 		if flags&flagHasNext == 0 {
-			return dst, nil
+			break
 		}
 		off = next
 	}
+	for _, sl := range empties {
+		if err := m.push(int(sl.list), sl.off); err != nil {
+			return fail(err)
+		}
+	}
+	return dst, nil
+}
+
+// shortChain is how long a chain is checked for repeats by scanning; longer
+// ones use a set, so a hostile chain costs linear time.
+const shortChain = 32
+
+// seen reports whether a slice at off is among slices. A message takes one
+// slice unless it is larger than the largest, so a scan is usually cheapest.
+func seen(slices []shmSlice, off uint32) bool {
+	for i := range slices {
+		if slices[i].off == off {
+			return true
+		}
+	}
+	return false
 }
 
 // freeCount returns the free count of each list, for tests and statistics.

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"runtime/debug"
 )
 
 // BufferReader reads a stream's received bytes, zero-copy where it can.
@@ -116,6 +115,29 @@ func (r *streamReader) append(segs []shmSlice) {
 func (r *streamReader) appendHeap(data []byte) {
 	r.segs = append(r.segs, segment{data: data, list: heapSegment})
 	r.unread += len(data)
+	r.st.heldFallback.Add(int64(len(data)))
+	r.st.s.fallbackHeld.Add(int64(len(data)))
+}
+
+// freeHeap accounts for released private segments among segs, and lets a
+// receive loop waiting for room for fallback data (waitFallbackRoom) look
+// again.
+func (r *streamReader) freeHeap(segs []segment) {
+	n := 0
+	for _, seg := range segs {
+		if seg.list == heapSegment {
+			n += len(seg.data)
+		}
+	}
+	if n == 0 {
+		return
+	}
+	r.st.heldFallback.Add(-int64(n))
+	r.st.s.fallbackHeld.Add(-int64(n))
+	select {
+	case r.st.s.fallbackRoom <- struct{}{}:
+	default:
+	}
 }
 
 // exposed reports whether data has been handed out that may still be in use.
@@ -155,12 +177,14 @@ func (r *streamReader) advance(n int) {
 }
 
 // release frees the segments read completely. It returns the first error from
-// the buffer region, which means the peer corrupted it.
+// the buffer region, which means the peer corrupted it. It runs inside an
+// access, as do releaseAll, copyOut and copyNext.
 func (r *streamReader) release() error {
 	r.arena = r.arena[:0]
 	if r.done == 0 {
 		return nil
 	}
+	r.freeHeap(r.segs[:r.done])
 	err := r.st.s.freeSegments(r.segs[:r.done])
 	n := copy(r.segs, r.segs[r.done:])
 	clear(r.segs[n:])
@@ -172,6 +196,7 @@ func (r *streamReader) release() error {
 // releaseAll frees every segment, read or not.
 func (r *streamReader) releaseAll() error {
 	r.arena = r.arena[:0]
+	r.freeHeap(r.segs)
 	err := r.st.s.freeSegments(r.segs)
 	clear(r.segs)
 	r.segs, r.done, r.pos, r.unread = r.segs[:0], 0, 0, 0
@@ -187,8 +212,7 @@ func (b *bufferReader) Peek(n int) ([]byte, error) { return (*Stream)(b).next(n,
 
 // next returns the next n bytes, zero-copy when they lie in one segment,
 // and consumes them if consume is set.
-func (st *Stream) next(n int, consume bool) (_ []byte, err error) {
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+func (st *Stream) next(n int, consume bool) (p []byte, err error) {
 	if n < 0 {
 		return nil, errNegative
 	}
@@ -203,7 +227,9 @@ func (st *Stream) next(n int, consume bool) (_ []byte, err error) {
 	}
 	p, ok := r.contiguous(n)
 	if !ok {
-		p = r.copyNext(n)
+		if err := st.s.access(func() error { p = r.copyNext(n); return nil }); err != nil {
+			return nil, err
+		}
 	}
 	if consume {
 		r.advance(n)
@@ -211,9 +237,9 @@ func (st *Stream) next(n int, consume bool) (_ []byte, err error) {
 	return p, nil
 }
 
-func (b *bufferReader) Discard(n int) (_ int, err error) {
+// Discard skips bytes without looking at them: it touches no shared memory.
+func (b *bufferReader) Discard(n int) (int, error) {
 	st := (*Stream)(b)
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	if n < 0 {
 		return 0, errNegative
 	}
@@ -228,16 +254,21 @@ func (b *bufferReader) Discard(n int) (_ int, err error) {
 	return n, nil
 }
 
-func (b *bufferReader) ReadByte() (_ byte, err error) {
+func (b *bufferReader) ReadByte() (c byte, err error) {
 	st := (*Stream)(b)
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	r := &st.reader
 	if err := st.waitReadable(1); err != nil {
 		return 0, err
 	}
-	c := r.segs[r.done].data[r.pos]
+	err = st.s.access(func() error {
+		c = r.segs[r.done].data[r.pos]
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
 	r.advance(1)
 	return c, nil
 }
@@ -251,13 +282,9 @@ func (b *bufferReader) Len() int {
 
 func (b *bufferReader) ReleasePreviousRead() {
 	st := (*Stream)(b)
-	var err error
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if err = st.reader.release(); err != nil {
-		st.s.closeWithError(err)
-	}
+	_ = st.s.access(st.reader.release)
 }
 
 var errNegative = errors.New("shmipc: negative count")
@@ -279,7 +306,8 @@ func (w *streamWriter) last() *segment {
 }
 
 // grow appends a segment with room for at least min bytes when contiguous
-// is set, or for as much of want as one slice gives otherwise.
+// is set, or for as much of want as one slice gives otherwise. Like every
+// streamWriter method that touches slices, it runs inside an access.
 func (w *streamWriter) grow(want int, contiguous bool) error {
 	st := w.st
 	buf := st.s.buf
@@ -332,7 +360,7 @@ func (w *streamWriter) appendHeap(want int) {
 // usable reports whether the writer may build a message now.
 func (w *streamWriter) usable() error {
 	st := w.st
-	if err := st.s.aliveErr(); err != nil {
+	if err := st.s.Err(); err != nil {
 		return err
 	}
 	if st.writeClosed.Load() {

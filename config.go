@@ -137,6 +137,35 @@ type Config struct {
 	// implementation sends are at most min(this, 32 MiB), which other
 	// implementations accept.
 	MaxFallbackFrameSize uint32
+
+	// Bounds on what a peer can make this side hold. A peer that reaches
+	// one is slowed down or cut off, its session ending with an error that
+	// wraps ErrLimitExceeded and names the bound; other sessions are not
+	// affected.
+
+	// MaxStreams bounds the streams open at once in a session (default
+	// 65,536; a stream costs a few hundred bytes). A server whose client
+	// opens one more ends the session; OpenStream on a client fails.
+	MaxStreams int
+
+	// MaxPendingAccepts bounds the streams of one session that have been
+	// opened by the client and not yet accepted by the application (default
+	// 4,096). A client that opens one more ends its session.
+	MaxPendingAccepts int
+
+	// MaxFallbackBufferedPerStream and MaxFallbackBuffered bound the
+	// fallback data received and not yet read, for one stream and for the
+	// whole session (defaults 32 MiB and 64 MiB). When a FallbackData frame
+	// would exceed one, the session stops reading its socket, so that the
+	// peer's writes wait, until the application reads; a frame is always
+	// taken when nothing is held, so the memory held is at most the bound
+	// plus one frame (MaxFallbackFrameSize). If the application makes no
+	// room for FallbackStallTimeout (default 10 s), the session ends.
+	// Streams carrying shared-memory messages are bounded by the buffer
+	// region itself.
+	MaxFallbackBufferedPerStream int
+	MaxFallbackBuffered          int
+	FallbackStallTimeout         time.Duration
 }
 
 // Defaults.
@@ -149,6 +178,11 @@ const (
 	defaultMaxFallbackFrame       = 64 << 20
 	defaultConsumerSpinTime       = 200 * time.Microsecond
 	defaultWriteSpaceTimeout      = 10 * time.Second
+	defaultMaxStreams             = 1 << 16
+	defaultMaxPendingAccepts      = 4096
+	defaultMaxFallbackPerStream   = 32 << 20
+	defaultMaxFallback            = 64 << 20
+	defaultFallbackStallTimeout   = 10 * time.Second
 
 	// maxFallbackFrameSent is the largest FallbackData frame we send: the
 	// Rust reference cannot receive larger ones.
@@ -191,6 +225,12 @@ func DefaultConfig() *Config {
 		WriteSpaceTimeout:     defaultWriteSpaceTimeout,
 		SocketFileMode:        0o600,
 		ShareMemoryFileMode:   0o600,
+
+		MaxStreams:                   defaultMaxStreams,
+		MaxPendingAccepts:            defaultMaxPendingAccepts,
+		MaxFallbackBufferedPerStream: defaultMaxFallbackPerStream,
+		MaxFallbackBuffered:          defaultMaxFallback,
+		FallbackStallTimeout:         defaultFallbackStallTimeout,
 	}
 }
 
@@ -239,6 +279,13 @@ func (c *Config) Verify() error {
 	}
 	if c.MaxFallbackFrameSize < minFallbackFrame {
 		return bad("MaxFallbackFrameSize %d is below %d", c.MaxFallbackFrameSize, minFallbackFrame)
+	}
+	if c.MaxStreams <= 0 || c.MaxPendingAccepts <= 0 || c.MaxFallbackBufferedPerStream <= 0 || c.MaxFallbackBuffered <= 0 {
+		return bad("MaxStreams %d, MaxPendingAccepts %d, MaxFallbackBufferedPerStream %d and MaxFallbackBuffered %d must be positive",
+			c.MaxStreams, c.MaxPendingAccepts, c.MaxFallbackBufferedPerStream, c.MaxFallbackBuffered)
+	}
+	if c.FallbackStallTimeout <= 0 {
+		return bad("FallbackStallTimeout %v must be positive", c.FallbackStallTimeout)
 	}
 	return nil
 }

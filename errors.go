@@ -41,6 +41,14 @@ var (
 	// or Config.WriteSpaceTimeout; the message was not sent.
 	ErrQueueFull = errors.New("shmipc: IO queue full")
 
+	// ErrLimitExceeded is wrapped by the error of a session that ended, or
+	// an operation that failed, because a bound set in Config was reached:
+	// streams open at once (MaxStreams), streams not yet accepted
+	// (MaxPendingAccepts), or fallback data not yet read
+	// (MaxFallbackBuffered, MaxFallbackBufferedPerStream). The message names
+	// the bound.
+	ErrLimitExceeded = errors.New("shmipc: limit exceeded")
+
 	// ErrNotSupported is returned for operations the protocol does not allow
 	// in this role, such as opening a stream on a server session.
 	ErrNotSupported = errors.New("shmipc: not supported in this role")

@@ -99,25 +99,35 @@ func (b *netpollReader) Skip(n int) error {
 // until delim arrives. If the stream ends or fails first, it consumes and
 // returns what was left together with the error (io.EOF when the peer closed
 // the stream).
-func (b *netpollReader) Until(delim byte) (_ []byte, err error) {
+func (b *netpollReader) Until(delim byte) (line []byte, err error) {
 	st := (*Stream)(b)
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	r := &st.reader
+	take := func(n int) error {
+		return st.s.access(func() error { line = r.take(n); return nil })
+	}
 	scanned := 0
 	for {
 		if scanned > r.unread {
 			scanned = 0 // someone else read meanwhile
 		}
-		if i := r.indexByte(delim, scanned); i >= 0 {
-			return r.take(i + 1), nil
+		i := -1
+		if err := st.s.access(func() error { i = r.indexByte(delim, scanned); return nil }); err != nil {
+			return nil, err
+		}
+		if i >= 0 {
+			if err := take(i + 1); err != nil {
+				return nil, err
+			}
+			return line, nil
 		}
 		scanned = r.unread
 		if err := st.waitReadable(scanned + 1); err != nil {
-			var line []byte
 			if r.unread > 0 {
-				line = r.take(r.unread)
+				if terr := take(r.unread); terr != nil {
+					return nil, terr
+				}
 			}
 			if err == io.ErrUnexpectedEOF {
 				err = io.EOF
@@ -139,9 +149,8 @@ func (b *netpollReader) ReadString(n int) (string, error) {
 // ReadBinary returns a copy of the next n bytes that the caller owns.
 func (b *netpollReader) ReadBinary(n int) ([]byte, error) { return b.readCopy(n) }
 
-func (b *netpollReader) readCopy(n int) (_ []byte, err error) {
+func (b *netpollReader) readCopy(n int) ([]byte, error) {
 	st := (*Stream)(b)
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	if n < 0 {
 		return nil, errNegative
 	}
@@ -151,7 +160,9 @@ func (b *netpollReader) readCopy(n int) (_ []byte, err error) {
 		return nil, err
 	}
 	p := make([]byte, n)
-	st.reader.copyOut(p)
+	if err := st.s.access(func() error { st.reader.copyOut(p); return nil }); err != nil {
+		return nil, err
+	}
 	st.reader.advance(n)
 	return p, nil
 }
@@ -165,7 +176,6 @@ func (b *netpollReader) ReadByte() (byte, error) { return (*bufferReader)(b).Rea
 // which the caller owns.
 func (b *netpollReader) Slice(n int) (_ netpoll.Reader, err error) {
 	st := (*Stream)(b)
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	if n < 0 {
 		return nil, errNegative
 	}
@@ -180,14 +190,15 @@ func (b *netpollReader) Slice(n int) (_ netpoll.Reader, err error) {
 		if err != nil {
 			return nil, err
 		}
-		st.reader.copyOut(p)
+		if err := st.s.access(func() error { st.reader.copyOut(p); return nil }); err != nil {
+			return nil, err
+		}
 		st.reader.advance(n)
 		if err := lb.Flush(); err != nil {
 			return nil, err
 		}
 	}
-	if err := st.reader.release(); err != nil {
-		st.s.closeWithError(err)
+	if err := st.s.access(st.reader.release); err != nil {
 		return nil, err
 	}
 	return lb, nil
@@ -196,15 +207,11 @@ func (b *netpollReader) Slice(n int) (_ netpoll.Reader, err error) {
 // Release frees everything read so far (BufferReader.ReleasePreviousRead).
 // Slices returned by earlier reads become invalid. An error means the peer
 // corrupted the buffer region; the session is then closed.
-func (b *netpollReader) Release() (err error) {
+func (b *netpollReader) Release() error {
 	st := (*Stream)(b)
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if err = st.reader.release(); err != nil {
-		st.s.closeWithError(err)
-	}
-	return err
+	return st.s.access(st.reader.release)
 }
 
 // Len is the number of received bytes not yet read. It never blocks.
@@ -261,7 +268,7 @@ var errNetpollRange = errors.New("shmipc: count beyond the bytes allocated since
 // waits for free slices as BufferWriter.Reserve does.
 func (w *netpollWriter) Malloc(n int) (_ []byte, err error) {
 	st := w.st
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
 	if n < 0 {
 		return nil, errNegative
 	}
@@ -279,7 +286,7 @@ func (w *netpollWriter) Malloc(n int) (_ []byte, err error) {
 // WriteString appends a copy of s to the message.
 func (w *netpollWriter) WriteString(s string) (_ int, err error) {
 	st := w.st
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	return writeTo(&st.writer, s)
@@ -289,7 +296,7 @@ func (w *netpollWriter) WriteString(s string) (_ int, err error) {
 // buffers it does not keep p, so the caller may reuse p at once.
 func (w *netpollWriter) WriteBinary(p []byte) (_ int, err error) {
 	st := w.st
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	return writeTo(&st.writer, p)
@@ -314,7 +321,7 @@ func (w *netpollWriter) WriteByte(c byte) error { return (*bufferWriter)(w.st).W
 // shared memory for them twice. Flush with this Writer.
 func (w *netpollWriter) WriteDirect(p []byte, remainCap int) (err error) {
 	st := w.st
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	sw := &st.writer
@@ -411,7 +418,7 @@ func (w *netpollWriter) discardLocked() {
 // must not be used any more.
 func (w *netpollWriter) MallocAck(n int) (err error) {
 	st := w.st
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	sw := &st.writer
@@ -446,7 +453,7 @@ func (w *netpollWriter) appendLinkBuffer(lb *netpoll.LinkBuffer) (err error) {
 		return err
 	}
 	st := w.st
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	var vs [8][]byte
@@ -473,7 +480,7 @@ func (w *netpollWriter) appendWriter(o *netpollWriter) (err error) {
 	}
 	// A fault in the other session's region is blamed on this one's: it
 	// cannot tell which region faulted.
-	defer a.s.recoverFault(&err, debug.SetPanicOnFault(true))
+	defer a.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
 	// Lock both streams' writers in a fixed order.
 	first, second := a, b
 	if uintptr(unsafe.Pointer(b)) < uintptr(unsafe.Pointer(a)) {
@@ -500,7 +507,7 @@ func (w *netpollWriter) appendWriter(o *netpollWriter) (err error) {
 // WriteDirect left behind. On error the message is discarded.
 func (w *netpollWriter) Flush() (err error) {
 	st := w.st
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	if len(w.moves) > 0 {

@@ -9,93 +9,112 @@ import (
 // Receiving: who takes elements off the receive queue, and when the peer
 // must wake us.
 //
-// Any goroutine may pop and dispatch elements while it holds the consumer
-// token: the receive loop when a wake-up arrives, and readers waiting for
-// data, which poll the queue themselves for a short while instead of
-// sleeping and being handed their data by another goroutine. Popping and
-// dispatching happen under the token, so elements are dispatched in queue
-// order.
+// The receive loop is the session's only consumer. It alone pops elements,
+// walks their chains in the peer-writable region and hands each stream its
+// data, in queue order; readers never touch the queue, they wait for their
+// stream to be signalled. One consumer makes harvesting fair by
+// construction (every stream's data is handed over in the order it was
+// published, whoever waits for it), keeps every access to the receive queue
+// on one goroutine inside one fault-safe access (shmaccess.go), and means
+// that once the receive loop has stopped nothing can reach a stream.
 //
 // The working flag tells the peer whether to send a wake-up after it
-// publishes (PROTOCOL.md §5.5). Every goroutine that polls counts itself in
-// pollers and keeps the flag set; the last one to stop clears the flag and
-// then looks at the queue once more. Because the peer publishes and then
-// looks at the flag, and the last poller clears the flag and then looks at
+// publishes (PROTOCOL.md §5.5). A wake-up sets it (the peer's CAS); the
+// receive loop drains, may keep looking for a while (spinning), then clears
+// the flag and looks at the queue once more. Because the peer publishes and
+// then looks at the flag, and the consumer clears the flag and then looks at
 // the queue (both sequentially consistent), an element is either seen by
-// that last look or announced by a wake-up. If the last look finds
-// something, that poller takes up polling again.
+// that last look or announced by a wake-up.
+//
+// Spinning takes small-message latency far below a socket round trip, but
+// only pays while a core is free for it and the peer is answering. So it is
+// rationed:
+//   - a wake-up that finds nothing is answered without spinning, so that
+//     spurious wake-ups cost microseconds;
+//   - each session adapts how long it spins to how often spinning found
+//     something (consumer below);
+//   - the whole process spins on at most spinSlots goroutines at once (half
+//     the CPUs this process may use, none on a single CPU);
+//   - a spinner that notices it was descheduled (the CPU is oversubscribed)
+//     stops, and spinning is switched off process-wide for a cool-down that
+//     doubles while the pressure lasts.
 type consumer struct {
-	token   atomic.Bool
-	pollers atomic.Int32
-	budget  atomic.Int64 // how long to poll for, in ns; adapts
-	max     int64        // ConsumerSpinTime in ns
-	slept   atomic.Int64 // when the last poller stopped (UnixNano)
+	budget int64 // how long to spin for, in ns; adapts; receive loop only
+	max    int64 // ConsumerSpinTime in ns
+	slept  int64 // when the receive loop last went to sleep (UnixNano)
 }
 
-// pollCheckEvery is how many looks at the queue a poller makes between
+// pollCheckEvery is how many looks at the queue a spinner makes between
 // looks at the clock and at its exit conditions.
 const pollCheckEvery = 8
 
+// yieldEvery is how often a spinning receive loop lets other goroutines on
+// its processor run.
+const yieldEvery = 50 * time.Microsecond
+
 func (c *consumer) init(max time.Duration) {
 	c.max = int64(max)
-	c.budget.Store(c.max)
+	c.budget = c.max
 }
 
-// spinBudget is how long a poller may look for work now.
-func (c *consumer) spinBudget() time.Duration { return time.Duration(c.budget.Load()) }
+// hit records a spin that found work: spin in full next time.
+func (c *consumer) hit() { c.budget = c.max }
 
-// hit records a poll that found what it waited for: keep polling in full.
-func (c *consumer) hit() {
-	if c.budget.Load() != c.max {
-		c.budget.Store(c.max)
-	}
-}
-
-// miss records a poll that ran out: poll half as long next time, and not
-// at all once that is under a microsecond.
+// miss records a spin that ran out: spin half as long next time, and not at
+// all once that is under a microsecond.
 func (c *consumer) miss() {
-	b := c.budget.Load() / 2
-	if b < int64(time.Microsecond) {
-		b = 0
-	}
-	c.budget.Store(b)
-}
-
-// woken records a wake-up from the peer. One that comes within the full
-// budget of the last poller stopping would have been caught by polling, so
-// polling is worth it again.
-func (c *consumer) woken() {
-	if c.budget.Load() < c.max && time.Now().UnixNano()-c.slept.Load() < c.max {
-		c.budget.Store(c.max)
+	c.budget /= 2
+	if c.budget < int64(time.Microsecond) {
+		c.budget = 0
 	}
 }
 
-// startPolling counts the caller as a poller and sets the working flag, so
-// the peer stops sending wake-ups.
-func (s *Session) startPolling() {
-	s.cons.pollers.Add(1)
-	s.recvQ.setWorking(true)
+// woken records a wake-up that found work. One that comes within the full
+// budget of the loop going to sleep would have been caught by spinning, so
+// spinning is worth it again.
+func (c *consumer) woken(now int64) {
+	if c.budget < c.max && now-c.slept < c.max {
+		c.budget = c.max
+	}
 }
 
-// stopPolling ends the caller's polling. The last poller clears the working
-// flag and looks at the queue again; if something arrived in between it
-// stays a poller and stopPolling reports false.
-func (s *Session) stopPolling() bool {
-	if s.cons.pollers.Add(-1) != 0 {
-		return true
+// consume answers a wake-up: drain the queue, keep looking while that pays,
+// and go back to sleep by the protocol above. It runs on the receive loop,
+// inside a fault-safe access.
+func (s *Session) consume() error {
+	n, err := s.drain()
+	if err != nil {
+		return err
 	}
-	s.recvQ.setWorking(false)
-	if s.recvQ.isEmpty() || s.IsClosed() { // a corrupt queue never looks empty
-		s.cons.slept.Store(time.Now().UnixNano())
-		return true
+	if n > 0 {
+		s.cons.woken(time.Now().UnixNano())
 	}
-	s.startPolling()
-	return false
+	for {
+		if n > 0 {
+			// Let the readers just served run before looking again.
+			runtime.Gosched()
+			if s.spin() {
+				if n, err = s.drain(); err != nil {
+					return err
+				}
+				continue
+			}
+		}
+		s.recvQ.setWorking(false)
+		if s.recvQ.isEmpty() || s.IsClosed() {
+			s.cons.slept = time.Now().UnixNano()
+			return nil
+		}
+		s.recvQ.setWorking(true)
+		if n, err = s.drain(); err != nil {
+			return err
+		}
+	}
 }
 
-// drainAvailable pops and dispatches every element published so far and
-// returns how many it dispatched. The caller holds the consumer token.
-func (s *Session) drainAvailable() (int, error) {
+// drain pops and dispatches every element published so far and returns how
+// many it dispatched.
+func (s *Session) drain() (int, error) {
 	n := 0
 	for {
 		e, ok, err := s.recvQ.pop()
@@ -109,146 +128,98 @@ func (s *Session) drainAvailable() (int, error) {
 	}
 }
 
-// tryDrain drains the queue if it has elements and nobody else is at it,
-// and returns how many elements it dispatched.
-func (s *Session) tryDrain() (int, error) {
-	if s.recvQ.isEmpty() || !s.cons.token.CompareAndSwap(false, true) {
-		return 0, nil
-	}
-	n, err := s.drainAvailable()
-	s.cons.token.Store(false)
-	return n, err
-}
-
-// drainNow waits for the consumer token and drains the queue. After it
-// returns, every element published before the call has been dispatched.
-func (s *Session) drainNow() error {
-	for !s.cons.token.CompareAndSwap(false, true) {
-		runtime.Gosched()
-	}
-	_, err := s.drainAvailable()
-	s.cons.token.Store(false)
-	return err
-}
-
-// poll is the receive loop's answer to a wake-up: drain, keep polling while
-// no reader does, and stop by the protocol above.
-func (s *Session) poll() error {
-	s.cons.woken()
-	s.startPolling()
-	for {
-		if err := s.drainNow(); err != nil {
-			s.stopPolling()
-			return err
-		}
-		if s.cons.pollers.Load() == 1 && s.spinUntil(nil) {
-			continue
-		}
-		if s.stopPolling() {
-			return nil
-		}
-	}
-}
-
-// spinUntil polls the queue for up to the spin budget, draining what
-// arrives. It returns true when ready (if given) is signalled, or, with a
-// nil ready, when the queue has an element; false when the budget runs out,
-// the session ends, or draining fails (which closes the session). With a nil
-// ready (the receive loop) it also stops when a reader starts polling, so
-// that one goroutine per process spins, not two. The caller is a poller.
-//
-// It waits with cpuRelax and yields the processor only after handing data
-// to other goroutines (the receive loop yields first, as it has just done
-// so) and otherwise rarely: runtime.Gosched wakes another thread to look for
-// work and lets the spinning goroutine move between threads, which on a
-// small machine takes cores from the peer process.
-func (s *Session) spinUntil(ready <-chan struct{}) bool {
-	budget := s.cons.spinBudget()
-	if budget <= 0 {
+// spin looks at the queue for up to the session's spin budget, if the
+// process lets it spin now. It reports whether the queue has an element.
+func (s *Session) spin() bool {
+	if s.cons.budget <= 0 || !spinning.enter() {
 		return false
 	}
-	if ready == nil {
-		runtime.Gosched()
-	}
+	defer spinning.exit()
 	start := time.Now()
-	lastYield := start
+	last, lastYield := start, start
 	for {
 		for range pollCheckEvery {
-			if ready == nil {
-				if !s.recvQ.isEmpty() {
-					s.cons.hit()
-					return true
-				}
-				if s.cons.pollers.Load() > 1 {
-					return false // a reader polls: leave it to that one
-				}
-			} else {
-				n, err := s.tryDrain()
-				if err != nil {
-					s.closeWithError(err)
-					return false
-				}
-				select {
-				case <-ready:
-					s.cons.hit()
-					return true
-				default:
-				}
-				if n > 0 { // it was for other streams: let their readers run
-					runtime.Gosched()
-				}
+			if !s.recvQ.isEmpty() {
+				s.cons.hit()
+				return true
 			}
 			cpuRelax()
+		}
+		now := time.Now()
+		if now.Sub(last) > preemptedGap {
+			// Descheduled between two looks: the CPU has more work than
+			// cores, and spinning only takes a core from someone.
+			spinning.pressure(now)
+			return false
+		}
+		last = now
+		if now.Sub(start) >= time.Duration(s.cons.budget) {
+			s.cons.miss()
+			return false
 		}
 		if s.IsClosed() {
 			return false
 		}
-		now := time.Now()
-		if now.Sub(start) >= budget {
-			s.cons.miss()
-			return false
-		}
 		if now.Sub(lastYield) >= yieldEvery {
 			runtime.Gosched()
-			lastYield = now
+			last, lastYield = time.Now(), now
 		}
 	}
 }
 
-// yieldEvery is how often a spinning goroutine lets others on its processor
-// run.
-const yieldEvery = 100 * time.Microsecond
+// preemptedGap is a pause between two looks of a spinner that only being
+// descheduled explains: a look takes well under a microsecond.
+const preemptedGap = 100 * time.Microsecond
 
-// pollFor lets a reader poll the queue while it waits for ready, up to the
-// spin budget. It reports whether ready was signalled.
-//
-// The reader holds references on both regions meanwhile, so a session that
-// ends under it cannot unmap what it is looking at.
-func (s *Session) pollFor(ready <-chan struct{}) bool {
-	if s.cons.spinBudget() <= 0 || s.IsClosed() {
+// Cool-down after a spinner was descheduled: the first, and the longest.
+const (
+	minSpinCooldown = time.Millisecond
+	maxSpinCooldown = 250 * time.Millisecond
+)
+
+// spinGovernor rations spinning for the whole process.
+type spinGovernor struct {
+	slots    int32        // how many goroutines may spin at once
+	active   atomic.Int32 // how many do
+	offUntil atomic.Int64 // no spinning before this time (UnixNano)
+	cooldown atomic.Int64 // the next cool-down, in ns
+	calm     atomic.Int64 // when the last pressure was seen (UnixNano)
+}
+
+var spinning = newSpinGovernor(runtime.NumCPU())
+
+func newSpinGovernor(cpus int) *spinGovernor {
+	g := &spinGovernor{slots: int32(cpus / 2)}
+	g.cooldown.Store(int64(minSpinCooldown))
+	return g
+}
+
+// enter takes a spinning slot if one is free and no cool-down is running.
+func (g *spinGovernor) enter() bool {
+	if g.slots <= 0 {
 		return false
 	}
-	if !s.queueRegion.acquire() {
+	if until := g.offUntil.Load(); until != 0 && time.Now().UnixNano() < until {
 		return false
 	}
-	defer s.queueRegion.release()
-	if !s.buf.region.acquire() {
+	if g.active.Add(1) > g.slots {
+		g.active.Add(-1)
 		return false
 	}
-	defer s.buf.region.release()
-	s.startPolling()
-	got := s.spinUntil(ready)
-	for !s.stopPolling() {
-		if err := s.drainNow(); err != nil {
-			s.closeWithError(err) // the next stopPolling sees the session closed
-		}
+	return true
+}
+
+func (g *spinGovernor) exit() { g.active.Add(-1) }
+
+// pressure switches spinning off for a cool-down. Pressure soon after the
+// last cool-down doubles the next one; a calm spell resets it.
+func (g *spinGovernor) pressure(now time.Time) {
+	t := now.UnixNano()
+	d := g.cooldown.Load()
+	if t-g.calm.Load() > 4*int64(maxSpinCooldown) {
+		d = int64(minSpinCooldown)
 	}
-	if !got {
-		select {
-		case <-ready:
-			got = true
-		default:
-		}
-	}
-	return got
+	g.offUntil.Store(t + d)
+	g.cooldown.Store(min(2*d, int64(maxSpinCooldown)))
+	g.calm.Store(t)
 }

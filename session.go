@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -54,20 +53,27 @@ type Session struct {
 	onHotRestart    atomic.Pointer[func(epoch uint64)]
 	counters        sessionCounters
 	onHotRestartAck atomic.Pointer[func(epoch uint64)]
-	cons            consumer
-	scratch         []shmSlice // used under the consumer token
-	fallbackBuf     []byte     // receive loop only
+
+	// Receive loop only.
+	cons    consumer
+	scratch []shmSlice
+	closing []pendingClose // close elements waiting for the socket to catch up
+
+	// Fallback data received and not yet released by the streams.
+	fallbackHeld atomic.Int64
+	fallbackRoom chan struct{} // signalled when fallback data is released
 }
 
 func newSession(conn net.Conn, conf *Config, client bool) *Session {
 	s := &Session{
-		conf:     conf,
-		isClient: client,
-		ec:       newEventConn(conn, conf.ConnectionWriteTimeout),
-		streams:  make(map[uint32]*Stream),
-		nextID:   1,
-		closed:   make(chan struct{}),
-		loopDone: make(chan struct{}),
+		conf:         conf,
+		isClient:     client,
+		ec:           newEventConn(conn, conf.ConnectionWriteTimeout),
+		streams:      make(map[uint32]*Stream),
+		nextID:       1,
+		closed:       make(chan struct{}),
+		loopDone:     make(chan struct{}),
+		fallbackRoom: make(chan struct{}, 1),
 	}
 	s.cons.init(conf.ConsumerSpinTime)
 	s.accepted.init()
@@ -92,15 +98,19 @@ func (s *Session) LocalAddr() net.Addr { return s.ec.conn.LocalAddr() }
 func (s *Session) RemoteAddr() net.Addr { return s.ec.conn.RemoteAddr() }
 
 // OpenStream opens a new stream. Only a client can open streams; the server
-// learns of it with the first message sent on it (PROTOCOL.md §6.2).
+// learns of it with the first message sent on it (PROTOCOL.md §6.2). It
+// fails while Config.MaxStreams streams are open.
 func (s *Session) OpenStream() (*Stream, error) {
 	if !s.isClient {
 		return nil, fmt.Errorf("%w: a server cannot open streams", ErrNotSupported)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if err := s.aliveErr(); err != nil {
+	if err := s.Err(); err != nil {
 		return nil, err
+	}
+	if len(s.streams) >= s.conf.MaxStreams {
+		return nil, fmt.Errorf("%w: %d streams are open, the limit set by Config.MaxStreams", ErrLimitExceeded, len(s.streams))
 	}
 	for {
 		s.nextID++
@@ -154,7 +164,7 @@ func (s *Session) IsClosed() bool {
 
 // Err returns why the session ended: nil while it is open, ErrSessionClosed
 // after Close, and an error wrapping ErrSessionClosed and the cause (such as
-// ErrProtocol or io.EOF) otherwise.
+// ErrProtocol or ErrPeerClosed) otherwise.
 func (s *Session) Err() error {
 	select {
 	case <-s.closed:
@@ -163,9 +173,6 @@ func (s *Session) Err() error {
 		return nil
 	}
 }
-
-// aliveErr is Err for callers about to use the session.
-func (s *Session) aliveErr() error { return s.Err() }
 
 // closeWithError ends the session; cause nil means a local Close. The
 // receive loop notices the closed connection and tears the session down.
@@ -180,6 +187,12 @@ func (s *Session) closeWithError(cause error) {
 		close(s.closed)
 		s.ec.conn.Close()
 	})
+}
+
+// closedErr is Err for a session known to have ended.
+func (s *Session) closedErr() error {
+	<-s.closed
+	return s.err
 }
 
 // wait blocks until ch is signalled, the session ends or deadline passes.
@@ -201,10 +214,11 @@ func (s *Session) wait(ch <-chan struct{}, deadline time.Time) {
 }
 
 // recvLoop reads event frames until the connection fails, then tears the
-// session down.
+// session down. It is the session's only consumer (poll.go): nothing is
+// delivered to a stream except from here, so once it has stopped, teardown
+// owns every stream and region.
 func (s *Session) recvLoop() {
 	defer close(s.loopDone)
-	debug.SetPanicOnFault(true) // this goroutine is ours for good
 	var err error
 	for err == nil {
 		var h wire.Header
@@ -212,7 +226,12 @@ func (s *Session) recvLoop() {
 		if h, payload, err = s.ec.readFrame(s.conf.MaxFallbackFrameSize); err != nil {
 			break
 		}
-		err = s.handleFrameGuarded(h, payload)
+		err = s.access(func() error {
+			if err := s.handleFrame(h, payload); err != nil {
+				return err
+			}
+			return s.closeCaughtUp()
+		})
 		s.ec.shrink()
 	}
 	if !s.IsClosed() {
@@ -227,67 +246,29 @@ func (s *Session) recvLoop() {
 		}
 	}
 	s.closeWithError(err)
-	s.teardownGuarded()
-}
-
-// handleFrameGuarded is handleFrame with memory faults turned into errors.
-func (s *Session) handleFrameGuarded(h wire.Header, payload []byte) (err error) {
-	defer s.recoverFault(&err, true)
-	return s.handleFrame(h, payload)
-}
-
-func (s *Session) teardownGuarded() {
-	var err error
-	defer s.recoverFault(&err, true)
-	s.teardown()
-}
-
-// recoverFault is deferred, with the previous SetPanicOnFault setting, by
-// every entry point that touches shared memory. A peer that created a region
-// can shrink it under us (file regions and unsealed memfds); touching the
-// lost pages faults. With SetPanicOnFault the fault is a panic, which this
-// turns into the session's error. Other panics go on.
-func (s *Session) recoverFault(err *error, old bool) {
-	debug.SetPanicOnFault(old)
-	r := recover()
-	if r == nil {
-		return
-	}
-	s.closeWithError(faultError(r))
-	*err = s.closedErr()
-}
-
-// faultError turns the recovered value of a memory fault into an error; any
-// other panic goes on.
-func faultError(r any) error {
-	f, ok := r.(interface{ Addr() uintptr })
-	if !ok {
-		panic(r)
-	}
-	return fmt.Errorf("%w: memory fault at %#x in a shared region (did the peer shrink it?)", ErrProtocol, f.Addr())
+	_ = s.access(func() error { s.teardown(); return nil })
 }
 
 // handleFrame acts on one running-phase frame (PROTOCOL.md §2.2).
+//
+// StreamClose and FallbackData frames are ordered after everything the peer
+// published on the queue before sending them, even when that element's
+// wake-up has not arrived (another of the peer's producers won the working
+// flag and has not written its Polling frame yet): the queue is drained
+// first.
 func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 	switch h.Type() {
 	case wire.TypePolling:
 		s.counters.wakeupsReceived.Add(1)
-		return s.poll()
+		return s.consume()
 	case wire.TypeStreamClose:
-		// Drain first: data queued before this frame was sent must not be
-		// overtaken by it, even if that data's wake-up is still on its way
-		// (another producer won the working flag and has not written its
-		// Polling frame yet).
-		if err := s.drainNow(); err != nil {
+		if _, err := s.drain(); err != nil {
 			return err
 		}
-		id := binary.BigEndian.Uint32(payload)
-		if st := s.lookup(id); st != nil {
-			st.peerClose()
-		}
+		s.peerClosed(binary.BigEndian.Uint32(payload))
 		return nil
 	case wire.TypeFallbackData:
-		if err := s.drainNow(); err != nil { // as for StreamClose
+		if _, err := s.drain(); err != nil {
 			return err
 		}
 		return s.handleFallback(payload)
@@ -334,7 +315,10 @@ func (s *Session) handleElem(e queueElem) error {
 		}
 		s.counters.messagesIn.Add(1)
 		s.counters.bytesIn.Add(uint64(n))
-		st := s.streamFor(e.id)
+		st, err := s.streamFor(e.id)
+		if err != nil {
+			return err
+		}
 		if st == nil || !st.deliver(slices, nil) {
 			return s.freeSlices(slices)
 		}
@@ -343,12 +327,70 @@ func (s *Session) handleElem(e queueElem) error {
 		if e.offset != 0 {
 			return fmt.Errorf("%w: close element for stream %d has offset %d, want 0", ErrProtocol, e.id, e.offset)
 		}
-		if st := s.lookup(e.id); st != nil {
-			st.peerClose()
-		}
-		return nil
+		return s.closeAfterSocket(e.id)
 	default:
 		return fmt.Errorf("%w: IO queue element for stream %d has status %#x", ErrProtocol, e.id, e.status)
+	}
+}
+
+// pendingClose is a close element whose stream may still have fallback data
+// on the socket: the close applies once the receive loop has read up to at.
+type pendingClose struct {
+	id uint32
+	at uint64 // a position in the byte stream received on the socket
+}
+
+// closeAfterSocket applies a close element in the order the peer meant.
+//
+// A peer sends a stream's last bytes as FallbackData on the socket, waits
+// until the write has completed, then publishes the close element (both
+// reference implementations do). The close can therefore be seen on the
+// queue before the receive loop has read those bytes; applied at once, it
+// would end the stream before its data and the data would be lost behind a
+// clean EOF. But every byte written before the close was published is, by
+// then, in this side's socket buffer: the close is applied once the receive
+// loop has consumed everything received so far plus what the kernel holds
+// now. When nothing is pending on the socket, that is at once.
+func (s *Session) closeAfterSocket(id uint32) error {
+	at, err := s.ec.receivedSoFar()
+	if err != nil {
+		return fmt.Errorf("order the close of stream %d: %w", id, err)
+	}
+	if at <= s.ec.consumed && len(s.closing) == 0 {
+		s.peerClosed(id)
+		return nil
+	}
+	if len(s.closing) >= s.conf.MaxStreams {
+		return fmt.Errorf("%w: more than %d stream closes waiting for the socket", ErrProtocol, s.conf.MaxStreams)
+	}
+	s.closing = append(s.closing, pendingClose{id: id, at: at})
+	return nil
+}
+
+// closeCaughtUp applies the pending closes the socket has caught up with,
+// in the order they were published.
+func (s *Session) closeCaughtUp() error {
+	n := 0
+	for _, c := range s.closing {
+		if c.at > s.ec.consumed {
+			break
+		}
+		s.peerClosed(c.id)
+		n++
+	}
+	if n > 0 {
+		k := copy(s.closing, s.closing[n:])
+		s.closing = s.closing[:k]
+	}
+	return nil
+}
+
+// peerClosed ends a stream the peer closed. A close for a stream that is not
+// open (one that never carried data, or one already closed) has nothing to
+// end.
+func (s *Session) peerClosed(id uint32) {
+	if st := s.lookup(id); st != nil {
+		st.peerClose()
 	}
 }
 
@@ -369,15 +411,59 @@ func (s *Session) handleFallback(payload []byte) error {
 	s.counters.bytesIn.Add(uint64(len(data)))
 	s.counters.fallbackMessagesIn.Add(1)
 	s.counters.fallbackBytesIn.Add(uint64(len(data)))
-	st := s.streamFor(id)
-	if st == nil {
-		return nil
+	st, err := s.streamFor(id)
+	if err != nil || st == nil {
+		return err
 	}
 	st.fallback.Store(true)
-	if len(data) > 0 {
-		st.deliver(nil, append([]byte(nil), data...))
+	if len(data) == 0 {
+		return nil
 	}
+	if err := s.waitFallbackRoom(st, len(data)); err != nil {
+		return err
+	}
+	st.deliver(nil, append([]byte(nil), data...))
 	return nil
+}
+
+// waitFallbackRoom holds the receive loop, and so the peer's writes to this
+// session, while fallback data the application has not read would exceed
+// Config.MaxFallbackBufferedPerStream or MaxFallbackBuffered with n more
+// bytes. One message is always taken when nothing is held, so a bound below
+// the largest frame cannot wedge a stream. If the application makes no room
+// within FallbackStallTimeout, the session ends with an error naming the
+// bound.
+func (s *Session) waitFallbackRoom(st *Stream, n int) error {
+	var timer *time.Timer
+	for {
+		stream := st.heldFallback.Load()
+		session := s.fallbackHeld.Load()
+		var bound string
+		var limit, held int64
+		switch {
+		case stream > 0 && stream+int64(n) > int64(s.conf.MaxFallbackBufferedPerStream):
+			bound, limit, held = "Config.MaxFallbackBufferedPerStream", int64(s.conf.MaxFallbackBufferedPerStream), stream
+		case session > 0 && session+int64(n) > int64(s.conf.MaxFallbackBuffered):
+			bound, limit, held = "Config.MaxFallbackBuffered", int64(s.conf.MaxFallbackBuffered), session
+		default:
+			if timer != nil {
+				timer.Stop()
+			}
+			return nil
+		}
+		if timer == nil {
+			timer = time.NewTimer(s.conf.FallbackStallTimeout)
+			defer timer.Stop()
+		}
+		select {
+		case <-s.fallbackRoom:
+		case <-s.closed:
+			return s.closedErr()
+		case <-timer.C:
+			return fmt.Errorf("%w: %d bytes of fallback data for stream %d would exceed %s (%d bytes; %d held, unread for %v)",
+				ErrLimitExceeded, n, st.id, bound, limit, held, s.conf.FallbackStallTimeout)
+		}
+	}
 }
 
 // lookup returns the open stream with id, or nil.
@@ -389,25 +475,31 @@ func (s *Session) lookup(id uint32) *Stream {
 }
 
 // streamFor returns the stream data for id goes to. On a server an unknown
-// id opens a stream (PROTOCOL.md §6.2); on a client it returns nil.
-func (s *Session) streamFor(id uint32) *Stream {
+// id opens a stream (PROTOCOL.md §6.2), unless the peer already has
+// Config.MaxStreams open, which ends the session; on a client it returns
+// nil.
+func (s *Session) streamFor(id uint32) (*Stream, error) {
 	s.mu.Lock()
 	st := s.streams[id]
 	if st != nil || s.isClient || s.IsClosed() {
 		s.mu.Unlock()
-		return st
+		return st, nil
+	}
+	if len(s.streams) >= s.conf.MaxStreams {
+		s.mu.Unlock()
+		return nil, fmt.Errorf("%w: the peer opened more than %d streams, the limit set by Config.MaxStreams", ErrLimitExceeded, s.conf.MaxStreams)
 	}
 	st, err := s.addStreamLocked(id)
 	s.mu.Unlock()
 	if err != nil {
-		return nil
+		return nil, nil
 	}
 	if s.onAccept != nil {
 		s.onAccept(st)
 	} else {
 		s.accepted.push(st)
 	}
-	return st
+	return st, nil
 }
 
 // forgetStream removes a closed stream from the table.
@@ -423,7 +515,7 @@ func (s *Session) forgetStream(st *Stream) {
 // already draining. While the queue is full it waits (PROTOCOL.md §5.6 lets
 // a sender retry), until the stream st (if any) is closed or past its write
 // deadline, or Config.WriteSpaceTimeout passes. It reports whether e was
-// published.
+// published. It runs inside an access.
 func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 	if !s.queueRegion.acquire() {
 		return false, s.closedErr()
@@ -431,7 +523,7 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 	defer s.queueRegion.release()
 	var wait spaceWait
 	for {
-		if err := s.aliveErr(); err != nil {
+		if err := s.Err(); err != nil {
 			return false, err
 		}
 		ok, err := s.sendQ.put(e)
@@ -505,16 +597,10 @@ func (w *spaceWait) pause(s *Session, st *Stream) error {
 
 func (w *spaceWait) waited() time.Duration { return time.Since(w.start).Round(time.Millisecond) }
 
-// closedErr is Err for a session known to have ended.
-func (s *Session) closedErr() error {
-	<-s.closed
-	return s.err
-}
-
 // sendFallbackFrame sends one FallbackData frame; a failed write ends the
 // session.
 func (s *Session) sendFallbackFrame(id uint32, data [][]byte) error {
-	if err := s.aliveErr(); err != nil {
+	if err := s.Err(); err != nil {
 		return err
 	}
 	if err := s.ec.writeFallback(s.version, id, data); err != nil {
@@ -526,7 +612,8 @@ func (s *Session) sendFallbackFrame(id uint32, data [][]byte) error {
 
 // sendStreamClose tells the peer a stream is closed: with a close element,
 // or a StreamClose frame when the queue is full or the stream sends
-// fallback data (so the close cannot overtake data on the socket).
+// fallback data (so the close cannot overtake data on the socket). It runs
+// inside an access.
 func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 	if s.IsClosed() {
 		return
@@ -565,7 +652,7 @@ func (s *Session) freeSlices(slices []shmSlice) error {
 
 // freeSegments returns the shared-memory segments among segs to the buffer
 // region. An error means the peer corrupted the region; the session is
-// closed.
+// closed. It runs inside an access.
 func (s *Session) freeSegments(segs []segment) error {
 	for _, seg := range segs {
 		if seg.list == heapSegment {
@@ -579,8 +666,8 @@ func (s *Session) freeSegments(segs []segment) error {
 	return nil
 }
 
-// teardown runs once the receive loop has stopped: it ends every stream and
-// drops the session's references on its regions.
+// teardown runs on the receive loop once it has stopped reading: it ends
+// every stream and drops the session's references on its regions.
 func (s *Session) teardown() {
 	s.mu.Lock()
 	streams := make([]*Stream, 0, len(s.streams))

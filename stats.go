@@ -85,15 +85,21 @@ func (s *Session) Stats() Stats {
 		return st
 	}
 	defer s.queueRegion.release()
-	st.SendQueueDepth = s.sendQ.depth()
-	st.RecvQueueDepth = s.recvQ.depth()
-	if s.buf.region.acquire() {
-		defer s.buf.region.release()
-		free := s.buf.freeCounts()
-		st.Lists = make([]ListStats, len(s.buf.lists))
-		for i, l := range s.buf.lists {
-			st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i]}
+	err := s.access(func() error {
+		st.SendQueueDepth = s.sendQ.depth()
+		st.RecvQueueDepth = s.recvQ.depth()
+		if s.buf.region.acquire() {
+			defer s.buf.region.release()
+			free := s.buf.freeCounts()
+			st.Lists = make([]ListStats, len(s.buf.lists))
+			for i, l := range s.buf.lists {
+				st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i]}
+			}
 		}
+		return nil
+	})
+	if err != nil { // a fault ended the session: its gauges are zero
+		st.ActiveStreams, st.SendQueueDepth, st.RecvQueueDepth, st.Lists = 0, 0, 0, nil
 	}
 	return st
 }

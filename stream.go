@@ -3,7 +3,6 @@ package shmipc
 import (
 	"io"
 	"net"
-	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,9 +37,10 @@ type Stream struct {
 	writer    streamWriter
 	wDeadline atomic.Pointer[time.Time]
 
-	writeClosed atomic.Bool // writes fail: closed here or by the peer
-	fallback    atomic.Bool // once set, every message goes as FallbackData
-	refDropped  atomic.Bool // the stream's reference on the buffer region is gone
+	writeClosed  atomic.Bool  // writes fail: closed here or by the peer
+	fallback     atomic.Bool  // once set, every message goes as FallbackData
+	refDropped   atomic.Bool  // the stream's reference on the buffer region is gone
+	heldFallback atomic.Int64 // received fallback bytes not yet released
 }
 
 var _ net.Conn = (*Stream)(nil)
@@ -75,23 +75,24 @@ func (st *Stream) notify() {
 // shared memory it has read to the buffer region at once; that also releases
 // what earlier BufferReader calls returned, so their slices are invalid
 // afterwards.
-func (st *Stream) Read(p []byte) (_ int, err error) {
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	r := &st.reader
+func (st *Stream) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	r := &st.reader
 	if err := st.waitReadable(1); err != nil {
 		return 0, err
 	}
 	n := min(len(p), r.unread)
-	r.copyOut(p[:n])
-	r.advance(n)
-	if err := r.release(); err != nil {
-		st.s.closeWithError(err)
-		return n, st.s.closedErr()
+	err := st.s.access(func() error {
+		r.copyOut(p[:n])
+		r.advance(n)
+		return r.release()
+	})
+	if err != nil {
+		return 0, err
 	}
 	if r.unread > 0 {
 		st.notify() // another reader may be waiting
@@ -100,7 +101,7 @@ func (st *Stream) Read(p []byte) (_ int, err error) {
 }
 
 // waitReadable blocks until n bytes are unread. It is called and returns
-// with st.mu held.
+// with st.mu held. It touches no shared memory: the receive loop delivers.
 func (st *Stream) waitReadable(n int) error {
 	r := &st.reader
 	for r.unread < n {
@@ -123,9 +124,7 @@ func (st *Stream) waitReadable(n int) error {
 			return ErrTimeout
 		}
 		st.mu.Unlock()
-		if !st.s.pollFor(st.readNotify) {
-			st.s.wait(st.readNotify, deadline)
-		}
+		st.s.wait(st.readNotify, deadline)
 		st.mu.Lock()
 	}
 	return nil
@@ -159,32 +158,35 @@ func (st *Stream) peerClose() {
 }
 
 // Write writes p as one message and flushes it.
-func (st *Stream) Write(p []byte) (_ int, err error) {
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+func (st *Stream) Write(p []byte) (int, error) {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
 	if err := st.writeDeadlineErr(); err != nil {
 		return 0, err
 	}
-	n, err := writeTo(&st.writer, p)
-	if err == nil {
-		err = st.flushLocked()
-	}
+	err := st.s.access(func() error {
+		_, err := writeTo(&st.writer, p)
+		if err == nil {
+			err = st.flushLocked()
+		}
+		if err != nil {
+			_ = st.writer.discard()
+		}
+		return err
+	})
 	if err != nil {
-		_ = st.writer.discard()
 		return 0, err
 	}
-	return n, nil
+	return len(p), nil
 }
 
 // Flush sends the message built with BufferWriter (and anything Write left).
 // endStream has no effect on the wire; it is accepted for compatibility.
 // On error the message is discarded.
-func (st *Stream) Flush(endStream bool) (err error) {
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+func (st *Stream) Flush(endStream bool) error {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
-	return st.flushLocked()
+	return st.s.access(st.flushLocked)
 }
 
 func (st *Stream) writeDeadlineErr() error {
@@ -194,7 +196,8 @@ func (st *Stream) writeDeadlineErr() error {
 	return nil
 }
 
-// flushLocked sends the pending message; st.wmu is held.
+// flushLocked sends the pending message; st.wmu is held and it runs inside
+// an access.
 func (st *Stream) flushLocked() error {
 	w := &st.writer
 	if w.size == 0 {
@@ -253,7 +256,7 @@ func (st *Stream) sendShm() error {
 // queueFullGiveUp tells a writer waiting for space to stop: the stream was
 // closed, or its write deadline passed.
 func (st *Stream) queueFullGiveUp() error {
-	if err := st.s.aliveErr(); err != nil {
+	if err := st.s.Err(); err != nil {
 		return err
 	}
 	if st.writeClosed.Load() {
@@ -303,8 +306,7 @@ func (st *Stream) sendFallback() error {
 // Close closes the stream in both directions. If the peer had not closed
 // it, the peer is told (PROTOCOL.md §6.4). Slices returned by reads and
 // Reserve become invalid. Close is idempotent.
-func (st *Stream) Close() (err error) {
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
+func (st *Stream) Close() error {
 	first, tellPeer, err := st.closeReader()
 	if !first {
 		return nil
@@ -316,7 +318,10 @@ func (st *Stream) Close() (err error) {
 	}
 	st.s.forgetStream(st)
 	if tellPeer {
-		st.s.sendStreamClose(st.id, st.fallback.Load())
+		_ = st.s.access(func() error {
+			st.s.sendStreamClose(st.id, st.fallback.Load())
+			return nil
+		})
 	}
 	st.dropRef()
 	return err
@@ -332,14 +337,14 @@ func (st *Stream) closeReader() (first, tellPeer bool, err error) {
 		return false, false, nil
 	}
 	st.closed = true
-	return true, !st.peerClosed, st.reader.releaseAll()
+	return true, !st.peerClosed, st.s.access(st.reader.releaseAll)
 }
 
 // discardWriter frees the slices of an unsent message.
 func (st *Stream) discardWriter() error {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
-	return st.writer.discard()
+	return st.s.access(st.writer.discard)
 }
 
 // sessionEnded is called for each stream when its session ends. Unread data
@@ -365,7 +370,7 @@ func (st *Stream) releaseUnexposed(local bool) bool {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if local && !st.reader.exposed() {
-		_ = st.reader.releaseAll()
+		_ = st.s.access(st.reader.releaseAll)
 	}
 	return !st.reader.exposed() && st.reader.unread == 0
 }
@@ -416,41 +421,50 @@ func (st *Stream) SetWriteDeadline(t time.Time) error {
 // bufferWriter is the BufferWriter of a stream.
 type bufferWriter Stream
 
-func (b *bufferWriter) Reserve(n int) (_ []byte, err error) {
+func (b *bufferWriter) Reserve(n int) (p []byte, err error) {
 	st := (*Stream)(b)
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
-	return st.writer.reserve(n)
-}
-
-func (b *bufferWriter) WriteBytes(p []byte) (_ int, err error) {
-	st := (*Stream)(b)
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
-	return writeTo(&st.writer, p)
-}
-
-func (b *bufferWriter) WriteString(s string) (_ int, err error) {
-	st := (*Stream)(b)
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
-	return writeTo(&st.writer, s)
-}
-
-func (b *bufferWriter) WriteByte(c byte) (err error) {
-	st := (*Stream)(b)
-	defer st.s.recoverFault(&err, debug.SetPanicOnFault(true))
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
-	p, err := st.writer.reserve(1)
-	if err != nil {
+	err = st.s.access(func() (err error) {
+		p, err = st.writer.reserve(n)
 		return err
-	}
-	p[0] = c
-	return nil
+	})
+	return p, err
+}
+
+func (b *bufferWriter) WriteBytes(p []byte) (n int, err error) {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	err = st.s.access(func() (err error) {
+		n, err = writeTo(&st.writer, p)
+		return err
+	})
+	return n, err
+}
+
+func (b *bufferWriter) WriteString(s string) (n int, err error) {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	err = st.s.access(func() (err error) {
+		n, err = writeTo(&st.writer, s)
+		return err
+	})
+	return n, err
+}
+
+func (b *bufferWriter) WriteByte(c byte) error {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return st.s.access(func() error {
+		p, err := st.writer.reserve(1)
+		if err == nil {
+			p[0] = c
+		}
+		return err
+	})
 }
 
 func (b *bufferWriter) Len() int {

@@ -19,8 +19,9 @@ type eventConn struct {
 	conn net.Conn
 	unix *net.UnixConn // nil over TCP
 
-	rbuf []byte // receive buffer; rbuf[r:w] is unread
-	r, w int
+	rbuf     []byte // receive buffer; rbuf[r:w] is unread
+	r, w     int
+	consumed uint64 // bytes of the running phase's frames handed out so far
 
 	wmu          sync.Mutex
 	writeTimeout time.Duration
@@ -121,6 +122,7 @@ func (c *eventConn) readFrame(limit uint32) (wire.Header, []byte, error) {
 	}
 	f := c.rbuf[c.r : c.r+n]
 	c.r += n
+	c.consumed += uint64(n)
 	return wire.Header(f[:wire.HeaderSize]), f[wire.HeaderSize:], nil
 }
 
