@@ -1,0 +1,634 @@
+package shmipc
+
+// Isolation: a peer can hurt only its own session. Each test plays a hostile
+// client (hostile_test.go's raw peer) against a real server and checks that
+// the server process survives, that the victim session ends with an error
+// naming what went wrong, and that a well-behaved session of the same
+// process keeps working.
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/goshm/shmipc/internal/proctest"
+)
+
+// isoServer is a server whose streams are handled by handle, with a good
+// client session for checking that the process still serves others.
+type isoServer struct {
+	conf    *Config
+	ln      *Listener
+	addr    string
+	good    *Session
+	goodSrv atomic.Pointer[Session] // the server side of good
+}
+
+func isoStartServer(t *testing.T, conf *Config, handle func(*Stream)) *isoServer {
+	t.Helper()
+	ln, err := Listen("unix", filepath.Join(t.TempDir(), "iso.sock"), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	e := &isoServer{conf: conf, ln: ln, addr: ln.Addr().String()}
+	go func() {
+		for {
+			st, err := ln.AcceptStream()
+			if err != nil {
+				return
+			}
+			if st.Session() == e.goodSrv.Load() {
+				go echoHandler(st)
+			} else {
+				go handle(st)
+			}
+		}
+	}()
+	return e
+}
+
+// echoHandler echoes a stream until it ends.
+func echoHandler(st *Stream) {
+	defer st.Close()
+	io.Copy(st, st)
+}
+
+// dialGood opens the well-behaved session, whose streams the server
+// echoes.
+func (e *isoServer) dialGood(t *testing.T) {
+	t.Helper()
+	env := &hpServerEnv{conf: e.conf, ln: e.ln, addr: e.addr}
+	before := env.sessionSet()
+	good, err := Dial("unix", e.addr, hpConfig(t, MemMapTypeMemFd, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { good.Close() })
+	e.good = good
+	e.goodSrv.Store(env.waitSession(t, before))
+}
+
+// checkGood requires an echo on the good session within hpTimeout.
+func (e *isoServer) checkGood(t *testing.T) {
+	t.Helper()
+	if err := hpEcho(e.good, "still fine after "+t.Name()); err != nil {
+		t.Errorf("the other session stopped working: %v", err)
+	}
+}
+
+// connect makes a hostile client of mode with valid regions and returns it
+// with its regions and the server session it got.
+func (e *isoServer) connect(t *testing.T, mode MemMapType) (*hpPeer, *hpRegions, *Session) {
+	t.Helper()
+	env := &hpServerEnv{conf: e.conf, ln: e.ln, addr: e.addr}
+	conf := hpConfig(t, mode, 0)
+	r := hpCreate(t, conf, mode, hpLayout{})
+	before := env.sessionSet()
+	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: e.addr, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	v, err := r.handshake(c, mode)
+	if err != nil {
+		t.Fatalf("raw client handshake: %v", err)
+	}
+	victim := env.waitSession(t, before)
+	bm, err := newBufferManager(r.buf, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	half := len(r.queue.mem) / 2
+	p := &hpPeer{
+		t: t, conn: c, version: v, buf: r.buf.mem, bm: bm,
+		send: hpQueue{mem: r.queue.mem[:half], cap: conf.QueueCap},
+		recv: hpQueue{mem: r.queue.mem[half:], cap: conf.QueueCap},
+	}
+	return p, r, victim
+}
+
+// publish puts an element on the victim's receive queue and wakes it if
+// its working flag was clear, as a correct producer does.
+func isoPublish(p *hpPeer, id, off, status uint32) {
+	p.send.put(id, off, status)
+	if p.send.casFlag() {
+		p.poll()
+	}
+}
+
+// waitClosed waits for s to end and returns its error.
+func waitClosed(t *testing.T, s *Session, within time.Duration) error {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !s.IsClosed() {
+		if time.Now().After(deadline) {
+			t.Fatalf("the victim session is still open after %v", within)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return s.Err()
+}
+
+// closeWithin closes s and fails the test if Close does not return.
+func closeWithin(t *testing.T, s *Session, within time.Duration) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() { s.Close(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(within):
+		t.Fatalf("Session.Close still blocked after %v", within)
+	}
+}
+
+// isoReadMethods are the ways an application can wait for data. Each reads
+// the 5-byte greeting, then waits for more and returns that wait's error.
+var isoReadMethods = map[string]func(st *Stream) error{
+	"Read": func(st *Stream) error {
+		p := make([]byte, 5)
+		if _, err := io.ReadFull(st, p); err != nil {
+			return fmt.Errorf("greeting: %w", err)
+		}
+		_, err := st.Read(p)
+		return err
+	},
+	"ReadBytes": func(st *Stream) error {
+		r := st.BufferReader()
+		if _, err := r.ReadBytes(5); err != nil {
+			return fmt.Errorf("greeting: %w", err)
+		}
+		_, err := r.ReadBytes(1)
+		return err
+	},
+	"Peek": func(st *Stream) error {
+		r := st.BufferReader()
+		if _, err := r.ReadBytes(5); err != nil {
+			return fmt.Errorf("greeting: %w", err)
+		}
+		_, err := r.Peek(1)
+		return err
+	},
+	"Discard": func(st *Stream) error {
+		r := st.BufferReader()
+		if _, err := r.Discard(5); err != nil {
+			return fmt.Errorf("greeting: %w", err)
+		}
+		_, err := r.Discard(1)
+		return err
+	},
+	"ReadByte": func(st *Stream) error {
+		r := st.BufferReader()
+		if _, err := r.Discard(5); err != nil {
+			return fmt.Errorf("greeting: %w", err)
+		}
+		_, err := r.ReadByte()
+		return err
+	},
+	"netpoll.Until": func(st *Stream) error {
+		r := st.NetpollReader()
+		if err := r.Skip(5); err != nil {
+			return fmt.Errorf("greeting: %w", err)
+		}
+		_, err := r.Until('\n')
+		return err
+	},
+	"netpoll.ReadBinary": func(st *Stream) error {
+		r := st.NetpollReader()
+		if err := r.Skip(5); err != nil {
+			return fmt.Errorf("greeting: %w", err)
+		}
+		_, err := r.ReadBinary(1)
+		return err
+	},
+	"netpoll.ReadString": func(st *Stream) error {
+		r := st.NetpollReader()
+		if err := r.Skip(5); err != nil {
+			return fmt.Errorf("greeting: %w", err)
+		}
+		_, err := r.ReadString(1)
+		return err
+	},
+	"netpoll.Slice": func(st *Stream) error {
+		r := st.NetpollReader()
+		if err := r.Skip(5); err != nil {
+			return fmt.Errorf("greeting: %w", err)
+		}
+		_, err := r.Slice(1)
+		return err
+	},
+	"netpoll.Skip": func(st *Stream) error {
+		r := st.NetpollReader()
+		if err := r.Skip(5); err != nil {
+			return fmt.Errorf("greeting: %w", err)
+		}
+		return r.Skip(1)
+	},
+}
+
+// A client shrinks its buffer region file while a server-side reader waits
+// for data, then publishes a message in the part that is gone. Whatever the
+// reader waits in, the fault must end that session only, with an error, and
+// Close must not hang.
+func TestIsolationFaultWhileReaderWaits(t *testing.T) {
+	for name, read := range isoReadMethods {
+		t.Run(name, func(t *testing.T) {
+			conf := hpConfig(t, MemMapTypeMemFd, hpReaderSpin)
+			readErr := make(chan error, 1)
+			srv := isoStartServer(t, conf, func(st *Stream) {
+				defer st.Close()
+				readErr <- read(st)
+			})
+			srv.dialGood(t)
+			p, r, victim := srv.connect(t, MemMapTypeDevShmFile)
+			isoPublish(p, 2, p.msg("hello"), statusOpened)
+			// A slice near the end of the region, for the message that will
+			// lie beyond the file's new end.
+			var far uint32
+			for {
+				li, off, err := p.bm.alloc(100, false)
+				if err != nil || li < 0 {
+					t.Fatalf("no slice to spare: %d %v", li, err)
+				}
+				if off > 64<<10 {
+					far = off
+					break
+				}
+			}
+			copy(p.bm.sliceData(0, far), "lost")
+			p.bm.linkSlice(far, 4, 0)
+			time.Sleep(20 * time.Millisecond) // let the reader consume the greeting and wait
+			if err := os.Truncate(r.bufPath, 4096); err != nil {
+				t.Fatal(err)
+			}
+			isoPublish(p, 2, far, statusOpened)
+			select {
+			case err := <-readErr:
+				if err == nil || !errors.Is(err, ErrSessionClosed) {
+					t.Fatalf("the waiting %s returned %v, want the session's error", name, err)
+				}
+			case <-time.After(hpTimeout):
+				t.Fatalf("the waiting %s did not return within %v", name, hpTimeout)
+			}
+			err := waitClosed(t, victim, hpTimeout)
+			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "memory fault") {
+				t.Errorf("victim session error %v, want a memory fault wrapping ErrProtocol", err)
+			}
+			closeWithin(t, victim, hpTimeout)
+			srv.checkGood(t)
+		})
+	}
+}
+
+// Stats (and so AggregateStats, Monitor, PublishExpvar) reads the queue
+// counters in shared memory: a truncated queue file must end that session,
+// not the process.
+func TestIsolationFaultDuringStats(t *testing.T) {
+	conf := hpConfig(t, MemMapTypeMemFd, 0)
+	srv := isoStartServer(t, conf, echoHandler)
+	srv.dialGood(t)
+	_, r, victim := srv.connect(t, MemMapTypeDevShmFile)
+	if err := os.Truncate(r.queuePath, 0); err != nil {
+		t.Fatal(err)
+	}
+	st := victim.Stats()
+	if st.SendQueueDepth != 0 || st.RecvQueueDepth != 0 || st.Lists != nil {
+		t.Errorf("Stats of a session whose queue vanished: %+v, want zero gauges", st)
+	}
+	_ = AggregateStats()
+	err := waitClosed(t, victim, hpTimeout)
+	if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "memory fault") {
+		t.Errorf("victim session error %v, want a memory fault wrapping ErrProtocol", err)
+	}
+	closeWithin(t, victim, hpTimeout)
+	srv.checkGood(t)
+}
+
+// Once Close has returned, nothing more is taken from the queue or handed
+// to a stream, however busy the peer and the readers are.
+func TestIsolationNoDeliveryAfterClose(t *testing.T) {
+	conf := hpConfig(t, MemMapTypeMemFd, hpReaderSpin)
+	var got bytes.Buffer
+	var gotMu sync.Mutex
+	readDone := make(chan struct{})
+	srv := isoStartServer(t, conf, func(st *Stream) {
+		defer close(readDone)
+		defer st.Close()
+		p := make([]byte, 4096)
+		for {
+			n, err := st.Read(p)
+			gotMu.Lock()
+			got.Write(p[:n])
+			gotMu.Unlock()
+			if err != nil {
+				return
+			}
+		}
+	})
+	victimPeer, _, victim := srv.connect(t, MemMapTypeMemFd)
+	stop := make(chan struct{})
+	var sent atomic.Int64
+	flooding := make(chan struct{})
+	go func() { // publish "abcd" messages as fast as the region and queue allow
+		defer close(flooding)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			li, off, err := victimPeer.bm.alloc(4, false)
+			if err != nil || li < 0 || victimPeer.send.tail()-victimPeer.send.head() >= int64(victimPeer.send.cap) {
+				if li >= 0 && err == nil {
+					victimPeer.bm.push(li, off)
+				}
+				time.Sleep(10 * time.Microsecond)
+				continue
+			}
+			copy(victimPeer.bm.sliceData(li, off), "abcd")
+			victimPeer.bm.linkSlice(off, 4, 0)
+			isoPublish(victimPeer, 2, off, statusOpened)
+			sent.Add(1)
+		}
+	}()
+	deadline := time.Now().Add(hpTimeout)
+	for sent.Load() < 200 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	closeWithin(t, victim, hpTimeout)
+	after := victim.Stats().MessagesIn
+	time.Sleep(100 * time.Millisecond)
+	if later := victim.Stats().MessagesIn; later != after {
+		t.Errorf("%d more messages were taken from the queue after Close returned", later-after)
+	}
+	close(stop)
+	<-flooding
+	select {
+	case <-readDone:
+	case <-time.After(hpTimeout):
+		t.Fatal("the reader still runs after Close")
+	}
+	gotMu.Lock()
+	defer gotMu.Unlock()
+	if b := got.Bytes(); !bytes.Equal(b, bytes.Repeat([]byte("abcd"), len(b)/4)) || len(b)%4 != 0 {
+		t.Errorf("the reader got %d bytes that are not the messages sent: %.64q", len(b), b)
+	}
+}
+
+// A chain that links a slice to itself is refused; its slices are freed at
+// most once (not once per link followed), so the list never counts more
+// free slices than it has.
+func TestIsolationCyclicChainFreesNothingTwice(t *testing.T) {
+	conf := hpConfig(t, MemMapTypeMemFd, 0)
+	srv := isoStartServer(t, conf, echoHandler)
+	srv.dialGood(t)
+	for _, size := range []int{0, 3} {
+		t.Run(fmt.Sprintf("size%d", size), func(t *testing.T) {
+			p, _, victim := srv.connect(t, MemMapTypeMemFd)
+			li, off, err := p.bm.alloc(4, false)
+			if err != nil || li < 0 {
+				t.Fatal("no slice")
+			}
+			p.bm.linkSlice(off, size, 0)
+			p.link(off, off) // next = itself, HAS_NEXT
+			l := p.list(li)
+			isoPublish(p, 2, off, statusOpened)
+			err = waitClosed(t, victim, hpTimeout)
+			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "twice") {
+				t.Errorf("victim session error %v, want ErrProtocol naming the slice linked twice", err)
+			}
+			closeWithin(t, victim, hpTimeout)
+			free := p.bm.freeCounts()[li]
+			if free > int32(l.count) {
+				t.Errorf("list of %d-byte slices counts %d free slices, it has %d: a slice was freed more than once", l.sliceCap, free, l.count)
+			}
+			srv.checkGood(t)
+		})
+	}
+}
+
+// A client that opens stream after stream is cut off at Config.MaxStreams,
+// with an error naming it.
+func TestIsolationStreamFlood(t *testing.T) {
+	conf := hpConfig(t, MemMapTypeMemFd, 0)
+	conf.MaxStreams = 500
+	srv := isoStartServer(t, conf, func(st *Stream) {}) // accepted, never closed
+	srv.dialGood(t)
+	p, _, victim := srv.connect(t, MemMapTypeMemFd)
+	var frames []byte
+	for id := uint32(2); id < 200_002; id++ {
+		frames = append(frames, hpFallback(p.version, 17, id, 0, "x")...)
+		if len(frames) >= 64<<10 {
+			p.conn.SetWriteDeadline(time.Now().Add(hpTimeout))
+			if _, err := p.conn.Write(frames); err != nil {
+				break // the server cut the session off
+			}
+			frames = frames[:0]
+		}
+	}
+	err := waitClosed(t, victim, hpTimeout)
+	if !errors.Is(err, ErrLimitExceeded) || !strings.Contains(err.Error(), "MaxStreams") {
+		t.Errorf("victim session error %v, want ErrLimitExceeded naming Config.MaxStreams", err)
+	}
+	if n := len(victim.streams); n > conf.MaxStreams {
+		t.Errorf("the victim session held %d streams, the bound is %d", n, conf.MaxStreams)
+	}
+	closeWithin(t, victim, hpTimeout)
+	srv.checkGood(t)
+}
+
+// rssBytes returns this process's resident set size.
+func rssBytes(t *testing.T) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) >= 2 && f[0] == "VmRSS:" {
+			kb, _ := strconv.ParseInt(f[1], 10, 64)
+			return kb << 10
+		}
+	}
+	t.Fatal("no VmRSS in /proc/self/status")
+	return 0
+}
+
+// A client that floods a stream the application does not read with
+// FallbackData is held back at Config.MaxFallbackBufferedPerStream and then
+// cut off with an error naming the bound; the server's memory grows by about
+// the bound, and other sessions are served meanwhile.
+func TestIsolationFallbackFlood(t *testing.T) {
+	conf := hpConfig(t, MemMapTypeMemFd, 0)
+	conf.MaxFallbackBufferedPerStream = 8 << 20
+	conf.FallbackStallTimeout = time.Second
+	srv := isoStartServer(t, conf, func(st *Stream) {}) // accepted, never read
+	srv.dialGood(t)
+	p, _, victim := srv.connect(t, MemMapTypeMemFd)
+	frame := hpFallback(p.version, conf.MaxFallbackFrameSize, 2, 0, strings.Repeat("f", int(conf.MaxFallbackFrameSize)-16))
+	runtime.GC()
+	heapBefore, rssBefore := heapInUse(), rssBytes(t)
+	flooded := make(chan int)
+	go func() {
+		n := 0
+		for ; n < 255; n++ { // 255 MiB, as in the report
+			p.conn.SetWriteDeadline(time.Now().Add(hpTimeout))
+			if _, err := p.conn.Write(frame); err != nil {
+				break
+			}
+		}
+		flooded <- n
+	}()
+	// While the victim is held back, the server serves others.
+	time.Sleep(200 * time.Millisecond)
+	srv.checkGood(t)
+	var peak, peakRSS int64
+	deadline := time.Now().Add(hpTimeout)
+	for !victim.IsClosed() && time.Now().Before(deadline) {
+		peak = max(peak, heapInUse()-heapBefore)
+		peakRSS = max(peakRSS, rssBytes(t)-rssBefore)
+		time.Sleep(5 * time.Millisecond)
+	}
+	err := waitClosed(t, victim, hpTimeout)
+	if !errors.Is(err, ErrLimitExceeded) || !strings.Contains(err.Error(), "MaxFallbackBufferedPerStream") {
+		t.Errorf("victim session error %v, want ErrLimitExceeded naming Config.MaxFallbackBufferedPerStream", err)
+	}
+	n := <-flooded
+	// The bound plus one frame held, the frame being read into the receive
+	// buffer, and garbage not yet collected: well under the 255 MiB sent.
+	// (RSS is logged, not checked: under -race it includes the race
+	// detector's shadow of every allocation.)
+	limit := int64(2*(conf.MaxFallbackBufferedPerStream+int(conf.MaxFallbackFrameSize)) + 4<<20)
+	t.Logf("flooded %d MiB before the cut-off; peak heap growth %.1f MiB (test limit %.1f MiB), peak RSS growth %.1f MiB",
+		n, float64(peak)/(1<<20), float64(limit)/(1<<20), float64(peakRSS)/(1<<20))
+	if peak > limit {
+		t.Errorf("the heap grew by %.1f MiB under the flood, more than %.1f MiB", float64(peak)/(1<<20), float64(limit)/(1<<20))
+	}
+	closeWithin(t, victim, hpTimeout)
+	srv.checkGood(t)
+}
+
+// heapInUse returns the bytes in in-use heap spans.
+func heapInUse() int64 {
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return int64(m.HeapInuse)
+}
+
+// procCPU returns the user+system CPU time of process pid.
+func procCPU(t *testing.T, pid int) time.Duration {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+2:]))
+	utime, _ := strconv.ParseInt(f[11], 10, 64)
+	stime, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(utime+stime) * 10 * time.Millisecond // USER_HZ is 100 on Linux
+}
+
+// TestIsolationChild is the server process of the cross-process isolation
+// tests.
+func TestIsolationChild(t *testing.T) {
+	switch proctest.Role() {
+	case "":
+		t.Skip("helper process for the isolation tests")
+	case "echo-server":
+		conf := DefaultConfig()
+		conf.ConsumerSpinTime = 200 * time.Microsecond
+		ln, err := Listen("unix", proctest.Arg("SOCK"), conf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			for {
+				st, err := ln.AcceptStream()
+				if err != nil {
+					return
+				}
+				go echoHandler(st)
+			}
+		}()
+		proctest.Ready()
+		<-proctest.StdinClosed()
+		ln.Close()
+	}
+}
+
+// A client sends 100,000 Polling frames on an empty queue. Each must cost
+// the server microseconds, not a spin, and afterwards the server must be
+// idle again.
+func TestIsolationPollingStorm(t *testing.T) {
+	if proctest.IsChild() {
+		t.Skip("parent-only test")
+	}
+	sock := filepath.Join(t.TempDir(), "storm.sock")
+	c := proctest.Start(t, proctest.Config{TestName: "TestIsolationChild", Role: "echo-server", Args: map[string]string{"SOCK": sock}})
+	if _, err := c.WaitReady(10 * time.Second); err != nil {
+		t.Fatalf("server did not start: %v\n%s", err, c.Output())
+	}
+	defer c.Stop(10 * time.Second)
+	conf := hpConfig(t, MemMapTypeMemFd, 0)
+	r := hpCreate(t, conf, MemMapTypeMemFd, hpLayout{})
+	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	v, err := r.handshake(conn, MemMapTypeMemFd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bm, err := newBufferManager(r.buf, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	half := len(r.queue.mem) / 2
+	p := &hpPeer{t: t, conn: conn, version: v, buf: r.buf.mem, bm: bm,
+		send: hpQueue{mem: r.queue.mem[:half], cap: conf.QueueCap},
+		recv: hpQueue{mem: r.queue.mem[half:], cap: conf.QueueCap}}
+	echo := func(msg string) {
+		t.Helper()
+		isoPublish(p, 2, p.msg(msg), statusOpened)
+		e, err := p.waitElem()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, err := p.readMsg(e.offset); err != nil || got != msg {
+			t.Fatalf("echo %q, %v; want %q", got, err, msg)
+		}
+	}
+	echo("before the storm") // the server has spun on this session: the worst case
+	cpu0 := procCPU(t, c.Pid())
+	storm := bytes.Repeat(hpFrame(8, hpMagic, v, 1), 100_000)
+	conn.SetWriteDeadline(time.Now().Add(30 * time.Second))
+	if _, err := conn.Write(storm); err != nil {
+		t.Fatal(err)
+	}
+	echo("after the storm") // answered only once every Polling frame was read
+	stormCPU := procCPU(t, c.Pid()) - cpu0
+	time.Sleep(100 * time.Millisecond)
+	cpu1 := procCPU(t, c.Pid())
+	const idleFor = 2 * time.Second
+	time.Sleep(idleFor)
+	idle := float64(procCPU(t, c.Pid())-cpu1) / float64(idleFor) * 100
+	t.Logf("100,000 Polling frames cost the server %v of CPU; idle afterwards: %.1f%% of a core", stormCPU, idle)
+	if stormCPU >= time.Second {
+		t.Errorf("the Polling storm cost the server %v of CPU, want < 1s", stormCPU)
+	}
+	if idle >= 5 {
+		t.Errorf("after the storm the idle server uses %.1f%% of a core", idle)
+	}
+}
