@@ -294,7 +294,7 @@ func (s *Session) mapFromFds(h wire.Header) error {
 	defer closeFds(fds...)
 	peer, err := peerOf(s.ec.conn)
 	if err != nil {
-		return err
+		return fmt.Errorf("memfd regions: %w", err)
 	}
 	if s.conf.RequireSealedMemory {
 		for i, fd := range fds {
