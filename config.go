@@ -19,6 +19,11 @@ const (
 	// MemMapTypeDevShmFile creates files under ShareMemoryPathPrefix
 	// (normally in /dev/shm) and sends their paths (protocol version 2). It
 	// works over TCP loopback too. The files are removed when the session ends.
+	// A server maps only regular files directly inside its own prefix
+	// directory that are owned by the connecting client's user id (from
+	// SO_PEERCRED, or from /proc/net/tcp over TCP; a client whose user id
+	// cannot be established is refused), and shares a mapping it has cached
+	// only with sessions of the same client process.
 	MemMapTypeDevShmFile
 )
 

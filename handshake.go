@@ -7,7 +7,6 @@ import (
 	"net"
 	"path/filepath"
 	"runtime/debug"
-	"sync"
 	"time"
 
 	"github.com/goshm/shmipc/internal/wire"
@@ -250,7 +249,9 @@ func (s *Session) readPaths(h wire.Header) (queuePath, bufPath string, err error
 	return wire.DecodePaths(payload)
 }
 
-// mapFromPaths opens and maps the region files a client named.
+// mapFromPaths opens and maps the region files a client named. The client
+// may name only files it owns (openRegionFile), so the server must learn
+// the client's user id; if it cannot, file mode is refused.
 func (s *Session) mapFromPaths(h wire.Header) error {
 	queuePath, bufPath, err := s.readPaths(h)
 	if err != nil {
@@ -259,18 +260,22 @@ func (s *Session) mapFromPaths(h wire.Header) error {
 	if s.conf.RequireSealedMemory {
 		return errors.New("file-mode regions cannot be sealed and RequireSealedMemory is set")
 	}
+	peer, err := peerOf(s.ec.conn)
+	if err != nil {
+		return fmt.Errorf("file-mode regions need the client's user id: %w", err)
+	}
 	dir := filepath.Dir(s.conf.ShareMemoryPathPrefix)
-	bufFd, err := openRegionFile(bufPath, dir)
+	bufFd, err := openRegionFile(bufPath, dir, peer.uid)
 	if err != nil {
 		return err
 	}
 	defer closeFds(bufFd)
-	queueFd, err := openRegionFile(queuePath, dir)
+	queueFd, err := openRegionFile(queuePath, dir, peer.uid)
 	if err != nil {
 		return err
 	}
 	defer closeFds(queueFd)
-	return s.mapRegions(queuePath, bufPath, queueFd, bufFd, true)
+	return s.mapRegions(queuePath, bufPath, queueFd, bufFd, peer, true)
 }
 
 // mapFromFds receives the memfds after AckReadyRecvFD and maps them.
@@ -287,6 +292,10 @@ func (s *Session) mapFromFds(h wire.Header) error {
 		return fmt.Errorf("receive region fds: %w", err)
 	}
 	defer closeFds(fds...)
+	peer, err := peerOf(s.ec.conn)
+	if err != nil {
+		return fmt.Errorf("memfd regions: %w", err)
+	}
 	if s.conf.RequireSealedMemory {
 		for i, fd := range fds {
 			if err := checkSealed(fd); err != nil {
@@ -294,7 +303,7 @@ func (s *Session) mapFromFds(h wire.Header) error {
 			}
 		}
 	}
-	return s.mapRegions(queuePath, bufPath, fds[1], fds[0], false)
+	return s.mapRegions(queuePath, bufPath, fds[1], fds[0], peer, false)
 }
 
 // Size bounds for regions a client hands to a server.
@@ -303,11 +312,12 @@ const (
 	maxPeerBufferSize = 1<<32 - 1
 )
 
-// mapRegions maps the client's regions. In file mode the server removes the
-// files when it is done with them, as the other implementations' servers do.
-func (s *Session) mapRegions(queuePath, bufPath string, queueFd, bufFd int, files bool) error {
+// mapRegions maps the regions of the client peer. In file mode the server
+// removes the files when it is done with them, as the other
+// implementations' servers do.
+func (s *Session) mapRegions(queuePath, bufPath string, queueFd, bufFd int, peer peerID, files bool) error {
 	var err error
-	if s.buf, err = mapServerBuffer(bufPath, bufFd, files); err != nil {
+	if s.buf, err = mapServerBuffer(bufPath, bufFd, files, peer); err != nil {
 		return err
 	}
 	q, err := mapRegion(queueFd, queuePath, int64(queueRegionSize(16)), int64(queueRegionSize(maxQueueCap)))
@@ -322,48 +332,6 @@ func (s *Session) mapRegions(queuePath, bufPath string, queueFd, bufFd int, file
 		return fmt.Errorf("queue region %s: %w", queuePath, err)
 	}
 	return nil
-}
-
-// serverBuffers caches the buffer regions servers in this process have
-// mapped, by path, as the other implementations do: every session of one
-// client names the same buffer region. A cached mapping is reused only if
-// the new descriptor is the same file.
-var serverBuffers = struct {
-	sync.Mutex
-	m map[string]*bufferManager
-}{m: make(map[string]*bufferManager)}
-
-func mapServerBuffer(path string, fd int, file bool) (*bufferManager, error) {
-	_, dev, ino, err := fdInfo(fd)
-	if err != nil {
-		return nil, fmt.Errorf("buffer region %s: %w", path, err)
-	}
-	serverBuffers.Lock()
-	defer serverBuffers.Unlock()
-	if m := serverBuffers.m[path]; m != nil && m.region.dev == dev && m.region.ino == ino && m.region.acquire() {
-		return m, nil
-	}
-	r, err := mapRegion(fd, path, minPeerBufferSize, maxPeerBufferSize)
-	if err != nil {
-		return nil, err
-	}
-	m, err := newBufferManager(r, false)
-	if err != nil {
-		r.release()
-		return nil, fmt.Errorf("buffer region %s: %w", path, err)
-	}
-	if file {
-		r.file = path
-	}
-	r.onLastRelease = func() {
-		serverBuffers.Lock()
-		if serverBuffers.m[path] == m {
-			delete(serverBuffers.m, path)
-		}
-		serverBuffers.Unlock()
-	}
-	serverBuffers.m[path] = m
-	return m, nil
 }
 
 // releaseRegions drops the session's references on its regions.

@@ -2,8 +2,12 @@ package shmipc
 
 import (
 	"errors"
+	"fmt"
+	"net"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -106,5 +110,116 @@ func TestShareMemoryFileMode(t *testing.T) {
 		if got := fi.Mode().Perm(); got != 0o600 {
 			t.Errorf("%s: mode %v, want 0600", f, got)
 		}
+	}
+}
+
+// TestPeerOf checks the identity a server gets for its peer: uid and pid
+// over a Unix socket, the uid alone over TCP loopback (IPv4, IPv6, and an
+// IPv4 client of a dual-stack listener: our end is an IPv6 socket with a
+// mapped address, the client's end is in /proc/net/tcp), and an error for a
+// connection that is no socket.
+func TestPeerOf(t *testing.T) {
+	self := peerID{uid: uint32(os.Getuid()), pid: int32(os.Getpid())}
+	for _, tc := range []struct {
+		name, network, listen, dial string
+		want                        peerID
+	}{
+		{"unix", "unix", filepath.Join(t.TempDir(), "p.sock"), "", self},
+		{"tcp4", "tcp4", "127.0.0.1:0", "", peerID{uid: self.uid}},
+		{"tcp6", "tcp6", "[::1]:0", "", peerID{uid: self.uid}},
+		{"dual-stack", "tcp", "[::]:0", "127.0.0.1", peerID{uid: self.uid}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ln, err := net.Listen(tc.network, tc.listen)
+			if err != nil {
+				if tc.network != "unix" {
+					t.Skipf("no %s loopback here: %v", tc.network, err)
+				}
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			addr := ln.Addr().String()
+			if tc.dial != "" {
+				addr = net.JoinHostPort(tc.dial, strconv.Itoa(ln.Addr().(*net.TCPAddr).Port))
+			}
+			c, err := net.Dial(ln.Addr().Network(), addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			sc, err := ln.Accept()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer sc.Close()
+			got, err := peerOf(sc)
+			if err != nil || got != tc.want {
+				t.Errorf("peerOf(%v <- %v) = %v, %v; want %v", sc.LocalAddr(), sc.RemoteAddr(), got, err, tc.want)
+			}
+		})
+	}
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	if got, err := peerOf(a); !errors.Is(err, errNoPeerID) {
+		t.Errorf("peerOf(net.Pipe) = %v, %v; want an error wrapping errNoPeerID", got, err)
+	}
+}
+
+// TestFileModeNeedsPeerUID checks that a server refuses file-mode regions on
+// a connection that cannot tell who the client is, even when the files are
+// valid, with a handshake error that says why.
+func TestFileModeNeedsPeerUID(t *testing.T) {
+	conf := hpConfig(t, MemMapTypeDevShmFile, 0)
+	r := hpCreate(t, conf, MemMapTypeDevShmFile, hpLayout{})
+	client, server := net.Pipe()
+	defer client.Close()
+	go func() { _, _ = client.Write(hpPaths(2, 0, r.queuePath, r.bufPath)) }()
+	s, err := Server(server, conf)
+	if err == nil {
+		s.Close()
+		t.Fatal("the server mapped file-mode regions for a client it cannot identify")
+	}
+	if !errors.Is(err, ErrHandshake) || !errors.Is(err, errNoPeerID) || !strings.Contains(err.Error(), "file-mode regions need the client's user id") {
+		t.Errorf("Server error %q; want ErrHandshake wrapping errNoPeerID, naming file mode", err)
+	}
+}
+
+// TestRegionFileChecks checks what the server accepts as a region file a
+// client names: a file the client's user owns, still under the name it was
+// opened by. A file of another user is refused, and so is a file whose name
+// was taken over by another file between the open and the check.
+func TestRegionFileChecks(t *testing.T) {
+	dir := t.TempDir()
+	self := uint32(os.Getuid())
+	path := filepath.Join(dir, "region")
+	if err := os.WriteFile(path, make([]byte, 64), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	fd, err := openRegionFile(path, dir, self)
+	if err != nil {
+		t.Fatalf("own file refused: %v", err)
+	}
+	closeFds(fd)
+
+	if _, err := openRegionFile(path, dir, self+1); !errors.Is(err, errRegionNotOwned) ||
+		!strings.Contains(err.Error(), fmt.Sprintf("region file %s is owned by uid %d, the peer is uid %d", path, self, self+1)) {
+		t.Errorf("file of uid %d named by uid %d: error %v, want one wrapping errRegionNotOwned that names both", self, self+1, err)
+	}
+
+	fd, err = openRegionFile(path, dir, self)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeFds(fd)
+	other := filepath.Join(dir, "other")
+	if err := os.WriteFile(other, make([]byte, 64), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(other, path); err != nil {
+		t.Fatal(err)
+	}
+	if err := checkRegionFile(fd, path, self); err == nil || !strings.Contains(err.Error(), "was replaced") {
+		t.Errorf("a name taken over after the open: error %v, want one saying the file was replaced", err)
 	}
 }

@@ -123,11 +123,16 @@ func createRegionPerm(mode MemMapType, path string, size int, perm uint32) (*reg
 	return r, fd, nil
 }
 
-// openRegionFile opens a region file named by a client in file mode. Only a
-// regular file directly inside allowedDir is accepted, and symbolic links are
-// not followed, so a client cannot make the server map (and later remove)
-// some other file.
-func openRegionFile(path, allowedDir string) (int, error) {
+// errRegionNotOwned is wrapped by the error for a region file that the
+// client naming it does not own.
+var errRegionNotOwned = errors.New("a client may name only region files it owns")
+
+// openRegionFile opens a region file named by a client in file mode, whose
+// user id is owner. Only a regular file directly inside allowedDir, owned by
+// owner, is accepted, and symbolic links are not followed, so a client
+// cannot make the server map (and later remove) a file that is not its own:
+// the names in /dev/shm are public, but another user's region is not.
+func openRegionFile(path, allowedDir string, owner uint32) (int, error) {
 	clean := filepath.Clean(path)
 	if clean != path || !filepath.IsAbs(path) || filepath.Dir(path) != filepath.Clean(allowedDir) {
 		return -1, fmt.Errorf("region path %q is not a file directly inside %s", path, allowedDir)
@@ -136,18 +141,56 @@ func openRegionFile(path, allowedDir string) (int, error) {
 	if err != nil {
 		return -1, fmt.Errorf("open %s: %w", path, err)
 	}
+	if err := checkRegionFile(fd, path, owner); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
 	return fd, nil
+}
+
+// checkRegionFile checks the file open at fd, opened as path: it must be a
+// regular file owned by owner, and path must still name it.
+//
+// The owner is read from the open descriptor, so it is the owner of what
+// will be mapped, whatever happens to the name. The second check, an lstat
+// of path after the open, defends the name: the open follows no final
+// symbolic link, but a path can be renamed or replaced between the open and
+// now, and the server records the path with the mapping (for its cache, its
+// errors and the removal of the file at the end). Requiring the name to
+// still lead to the same (device, inode) means a file swapped in under the
+// name is refused instead of being taken for the one that was opened.
+func checkRegionFile(fd int, path string, owner uint32) error {
+	st, err := statRegular(fd)
+	if err != nil {
+		return fmt.Errorf("region file %s: %w", path, err)
+	}
+	if st.Uid != owner {
+		return fmt.Errorf("region file %s is owned by uid %d, the peer is uid %d: %w", path, st.Uid, owner, errRegionNotOwned)
+	}
+	if !sameFile(path, st.Dev, st.Ino) {
+		return fmt.Errorf("region file %s was replaced while the server opened it", path)
+	}
+	return nil
+}
+
+// statRegular fstats fd, which must be a regular file (memfds are).
+func statRegular(fd int) (unix.Stat_t, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return st, fmt.Errorf("fstat: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return st, fmt.Errorf("region is not a regular file (mode %#o)", st.Mode)
+	}
+	return st, nil
 }
 
 // fdInfo returns the size and identity of a region file descriptor, which must
 // be a regular file (memfds are).
 func fdInfo(fd int) (size int64, dev, ino uint64, err error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return 0, 0, 0, fmt.Errorf("fstat: %w", err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return 0, 0, 0, fmt.Errorf("region is not a regular file (mode %#o)", st.Mode)
+	st, err := statRegular(fd)
+	if err != nil {
+		return 0, 0, 0, err
 	}
 	return st.Size, st.Dev, st.Ino, nil
 }

@@ -58,6 +58,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -170,6 +171,12 @@ type Config struct {
 	// Timeout is the child's self-destruct timeout (-test.timeout). Zero
 	// means DefaultTimeout.
 	Timeout time.Duration
+	// Credential, if set, runs the child as that user and group (the parent
+	// must be root). The test binary usually lies in a build directory only
+	// its owner can enter, so Start then runs a copy of it from a fresh
+	// directory anyone may read, which is also the child's working
+	// directory, and removes it when the test ends.
+	Credential *syscall.Credential
 }
 
 // Child is a running (or finished) child process.
@@ -208,6 +215,12 @@ func Start(t testing.TB, cfg Config) *Child {
 	if err != nil {
 		exe = os.Args[0]
 	}
+	var dir string
+	if cfg.Credential != nil {
+		if dir, exe, err = publicCopy(t, exe); err != nil {
+			t.Fatalf("proctest: %v", err)
+		}
+	}
 	cmd := exec.Command(exe,
 		"-test.run=^"+cfg.TestName+"$",
 		"-test.count=1",
@@ -225,6 +238,10 @@ func Start(t testing.TB, cfg Config) *Child {
 		env = append(env, ArgEnvPrefix+k+"="+v)
 	}
 	cmd.Env = append(env, cfg.Env...)
+	if cfg.Credential != nil {
+		cmd.Dir = dir
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cfg.Credential}
+	}
 
 	c := &Child{t: t, cfg: cfg, cmd: cmd, done: make(chan struct{}), changed: make(chan struct{})}
 	cmd.Stdout = stdoutWriter{c}
@@ -262,6 +279,37 @@ func Start(t testing.TB, cfg Config) *Child {
 		}
 	})
 	return c
+}
+
+// publicCopy copies the executable exe into a new directory that every user
+// may enter and returns both; the directory is removed when the test ends.
+func publicCopy(t testing.TB, exe string) (dir, copied string, err error) {
+	dir, err = os.MkdirTemp("", "proctest-")
+	if err != nil {
+		return "", "", err
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	if err := os.Chmod(dir, 0o755); err != nil {
+		return "", "", err
+	}
+	src, err := os.Open(exe)
+	if err != nil {
+		return "", "", err
+	}
+	defer src.Close()
+	copied = filepath.Join(dir, filepath.Base(exe))
+	dst, err := os.OpenFile(copied, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o755)
+	if err != nil {
+		return "", "", err
+	}
+	if _, err := io.Copy(dst, src); err != nil {
+		dst.Close()
+		return "", "", fmt.Errorf("copy %s: %w", exe, err)
+	}
+	if err := dst.Close(); err != nil {
+		return "", "", err
+	}
+	return dir, copied, nil
 }
 
 type stdoutWriter struct{ c *Child }
