@@ -93,11 +93,19 @@ func (s *Session) consume() error {
 		if n > 0 {
 			// Let the readers just served run before looking again.
 			runtime.Gosched()
-			if s.spin() {
+			switch s.spin() {
+			case spinFound:
 				if n, err = s.drain(); err != nil {
 					return err
 				}
 				continue
+			case spinFramesWaiting:
+				// Frames wait on the socket (fallback data, closes): let the
+				// receive loop read them, and come back here after the next
+				// one. The working flag stays set meanwhile, so the peer
+				// sends no wake-up and nothing published is missed.
+				s.resume = true
+				return nil
 			}
 		}
 		s.recvQ.setWorking(false)
@@ -128,11 +136,19 @@ func (s *Session) drain() (int, error) {
 	}
 }
 
+// What a spin ended with.
+const (
+	spinGaveUp        = iota // nothing came within the budget, or no spinning now
+	spinFound                // the queue has an element
+	spinFramesWaiting        // frames arrived on the socket
+)
+
 // spin looks at the queue for up to the session's spin budget, if the
-// process lets it spin now. It reports whether the queue has an element.
-func (s *Session) spin() bool {
+// process lets it spin now. It stops early when frames arrive on the socket,
+// which the receive loop must not leave unread however busy the queue is.
+func (s *Session) spin() int {
 	if s.cons.budget <= 0 || !spinning.enter() {
-		return false
+		return spinGaveUp
 	}
 	defer spinning.exit()
 	start := time.Now()
@@ -141,7 +157,7 @@ func (s *Session) spin() bool {
 		for range pollCheckEvery {
 			if !s.recvQ.isEmpty() {
 				s.cons.hit()
-				return true
+				return spinFound
 			}
 			cpuRelax()
 		}
@@ -150,17 +166,20 @@ func (s *Session) spin() bool {
 			// Descheduled between two looks: the CPU has more work than
 			// cores, and spinning only takes a core from someone.
 			spinning.pressure(now)
-			return false
+			return spinGaveUp
 		}
 		last = now
 		if now.Sub(start) >= time.Duration(s.cons.budget) {
 			s.cons.miss()
-			return false
+			return spinGaveUp
 		}
 		if s.IsClosed() {
-			return false
+			return spinGaveUp
 		}
 		if now.Sub(lastYield) >= yieldEvery {
+			if s.ec.framesWaiting() {
+				return spinFramesWaiting
+			}
 			runtime.Gosched()
 			last, lastYield = time.Now(), now
 		}

@@ -57,7 +57,9 @@ type Session struct {
 	// Receive loop only.
 	cons    consumer
 	scratch []shmSlice
+	handled uint64         // bytes of the socket's byte stream acted on
 	closing []pendingClose // close elements waiting for the socket to catch up
+	resume  bool           // consume again after the next frame: the working flag is still set
 
 	// Fallback data received and not yet released by the streams.
 	fallbackHeld atomic.Int64
@@ -226,12 +228,7 @@ func (s *Session) recvLoop() {
 		if h, payload, err = s.ec.readFrame(s.conf.MaxFallbackFrameSize); err != nil {
 			break
 		}
-		err = s.access(func() error {
-			if err := s.handleFrame(h, payload); err != nil {
-				return err
-			}
-			return s.closeCaughtUp()
-		})
+		err = s.access(func() error { return s.handleFrameInOrder(h, payload) })
 		s.ec.shrink()
 	}
 	if !s.IsClosed() {
@@ -247,6 +244,35 @@ func (s *Session) recvLoop() {
 	}
 	s.closeWithError(err)
 	_ = s.access(func() error { s.teardown(); return nil })
+}
+
+// handleFrameInOrder handles a frame, keeps count of how far into the
+// socket's byte stream the session has acted, applies the closes that were
+// waiting for that (closeAfterSocket), and goes back to consuming if a spin
+// left off to let this frame in.
+//
+// A frame that carries data counts as acted on only once its data has been
+// delivered, so that a close published after it was sent is applied after
+// it, even if the drain that precedes the data finds the close.
+func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
+	resume := s.resume && h.Type() != wire.TypePolling // a Polling frame consumes anyway
+	s.resume = false
+	size := uint64(wire.HeaderSize + len(payload))
+	data := h.Type() == wire.TypeFallbackData
+	if !data {
+		s.handled += size
+	}
+	if err := s.handleFrame(h, payload); err != nil {
+		return err
+	}
+	if data {
+		s.handled += size
+	}
+	s.closeCaughtUp()
+	if resume {
+		return s.consume()
+	}
+	return nil
 }
 
 // handleFrame acts on one running-phase frame (PROTOCOL.md §2.2).
@@ -356,7 +382,7 @@ func (s *Session) closeAfterSocket(id uint32) error {
 	if err != nil {
 		return fmt.Errorf("order the close of stream %d: %w", id, err)
 	}
-	if at <= s.ec.consumed && len(s.closing) == 0 {
+	if at <= s.handled && len(s.closing) == 0 {
 		s.peerClosed(id)
 		return nil
 	}
@@ -369,10 +395,10 @@ func (s *Session) closeAfterSocket(id uint32) error {
 
 // closeCaughtUp applies the pending closes the socket has caught up with,
 // in the order they were published.
-func (s *Session) closeCaughtUp() error {
+func (s *Session) closeCaughtUp() {
 	n := 0
 	for _, c := range s.closing {
-		if c.at > s.ec.consumed {
+		if c.at > s.handled {
 			break
 		}
 		s.peerClosed(c.id)
@@ -382,7 +408,6 @@ func (s *Session) closeCaughtUp() error {
 		k := copy(s.closing, s.closing[n:])
 		s.closing = s.closing[:k]
 	}
-	return nil
 }
 
 // peerClosed ends a stream the peer closed. A close for a stream that is not

@@ -19,9 +19,9 @@ type eventConn struct {
 	conn net.Conn
 	unix *net.UnixConn // nil over TCP
 
-	rbuf     []byte // receive buffer; rbuf[r:w] is unread
-	r, w     int
-	consumed uint64 // bytes of the running phase's frames handed out so far
+	rbuf []byte // receive buffer; rbuf[r:w] is unread
+	r, w int
+	read uint64 // bytes read into rbuf so far (the running phase)
 
 	wmu          sync.Mutex
 	writeTimeout time.Duration
@@ -122,7 +122,6 @@ func (c *eventConn) readFrame(limit uint32) (wire.Header, []byte, error) {
 	}
 	f := c.rbuf[c.r : c.r+n]
 	c.r += n
-	c.consumed += uint64(n)
 	return wire.Header(f[:wire.HeaderSize]), f[wire.HeaderSize:], nil
 }
 
@@ -149,6 +148,7 @@ func (c *eventConn) fill(n int) error {
 	for c.w-c.r < n {
 		m, err := c.conn.Read(c.rbuf[c.w:])
 		c.w += m
+		c.read += uint64(m)
 		if err != nil {
 			if c.w-c.r >= n {
 				return nil

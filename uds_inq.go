@@ -7,29 +7,46 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// receivedSoFar returns the position in the running phase's byte stream up
-// to which the peer's writes have reached this side: what the receive loop
-// has consumed, what it has read ahead, and what the kernel holds for it
-// now (SIOCINQ). The receive loop calls it between reads, so the three add
-// up exactly. Connections that are not sockets hold nothing in a kernel
-// buffer we can see; for them it is what has been read.
-func (c *eventConn) receivedSoFar() (uint64, error) {
-	n := c.consumed + uint64(c.w-c.r)
+// inq returns how many received bytes the kernel holds for the connection
+// (SIOCINQ). Connections that are not sockets report 0.
+func (c *eventConn) inq() (int, error) {
 	sc, ok := c.conn.(syscall.Conn)
 	if !ok {
-		return n, nil
+		return 0, nil
 	}
 	raw, err := sc.SyscallConn()
 	if err != nil {
 		return 0, err
 	}
-	var inq int
+	var n int
 	var ierr error
-	if err := raw.Control(func(fd uintptr) { inq, ierr = unix.IoctlGetInt(int(fd), unix.SIOCINQ) }); err != nil {
+	if err := raw.Control(func(fd uintptr) { n, ierr = unix.IoctlGetInt(int(fd), unix.SIOCINQ) }); err != nil {
 		return 0, err
 	}
 	if ierr != nil {
 		return 0, fmt.Errorf("SIOCINQ: %w", ierr)
 	}
-	return n + uint64(inq), nil
+	return n, nil
+}
+
+// receivedSoFar returns the position in the running phase's byte stream up
+// to which the peer's writes have reached this side: what has been read
+// into the receive buffer plus what the kernel holds now. Only the receive
+// loop reads, and it calls this between reads, so the sum is exact.
+func (c *eventConn) receivedSoFar() (uint64, error) {
+	n, err := c.inq()
+	if err != nil {
+		return 0, err
+	}
+	return c.read + uint64(n), nil
+}
+
+// framesWaiting reports whether frames have arrived that the receive loop
+// has not handled: bytes read ahead into the buffer, or held by the kernel.
+func (c *eventConn) framesWaiting() bool {
+	if c.w > c.r {
+		return true
+	}
+	n, err := c.inq()
+	return n > 0 || err != nil
 }
