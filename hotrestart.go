@@ -535,17 +535,6 @@ func (sl *smSlot) replace(s *Session) (old *Session, idle []idleStream, installe
 	return old, idle, true
 }
 
-// hotRestartState returns the epoch of the last finished hot restart, the
-// counts of completed and failed restarts, whether one is running, and a
-// channel closed at the next change (for tests).
-func (m *SessionManager) hotRestartState() (lastEpoch uint64, completed, failed int, running bool, changed <-chan struct{}) {
-	m.hr.mu.Lock()
-	defer m.hr.mu.Unlock()
-	if m.hr.changed == nil {
-		m.hr.changed = make(chan struct{})
-	}
-	return m.hr.lastEpoch, m.hr.completed, m.hr.failed, m.hr.running, m.hr.changed
-}
 
 // HotRestarts returns how many hot restarts the manager has completed
 // (every session replaced and acknowledged) and how many timed out.
