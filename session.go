@@ -404,8 +404,8 @@ func (s *Session) streamFor(id uint32) *Stream {
 	}
 	if s.onAccept != nil {
 		s.onAccept(st)
-	} else {
-		s.accepted.push(st)
+	} else if s.accepted.push(st, 0) != nil {
+		st.Close()
 	}
 	return st
 }
