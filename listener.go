@@ -57,6 +57,15 @@ var _ net.Listener = (*Listener)(nil)
 // A nil conf means DefaultConfig(); the server side uses its
 // ShareMemoryPathPrefix directory as the only place file-mode regions may
 // come from, and its timeouts.
+//
+// A Unix socket file left behind by a server that died without closing its
+// listener (killed, or crashed) is taken over: when address is a socket
+// that nobody listens on (connecting to it is refused), Listen removes it
+// and binds anew. A socket a live server listens on is left alone, and
+// Listen fails with an error wrapping syscall.EADDRINUSE; so it does for a
+// file at address that is not a socket. Two servers started at the same
+// moment on the same stale socket may both succeed, the later one replacing
+// the earlier's socket file; start one server per address.
 func Listen(network, address string, conf *Config) (*Listener, error) {
 	if conf == nil {
 		conf = DefaultConfig()
@@ -65,6 +74,9 @@ func Listen(network, address string, conf *Config) (*Listener, error) {
 		return nil, err
 	}
 	ln, err := net.Listen(network, address)
+	if err != nil && errors.Is(err, syscall.EADDRINUSE) && isUnixPath(network, address) {
+		ln, err = listenOverStale(network, address, err, conf.ConnectionWriteTimeout)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("shmipc: listen %s %s: %w", network, address, err)
 	}
@@ -75,6 +87,42 @@ func Listen(network, address string, conf *Config) (*Listener, error) {
 		}
 	}
 	return NewListener(ln, conf), nil
+}
+
+// isUnixPath reports whether address names a Unix socket file (not an
+// abstract socket).
+func isUnixPath(network, address string) bool {
+	return strings.HasPrefix(network, "unix") && address != "" && address[0] != '@'
+}
+
+// listenOverStale handles a bind to the socket file address that failed
+// with bindErr (EADDRINUSE). If the file is a socket whose server is gone,
+// it removes it and binds again; otherwise it returns an error wrapping
+// bindErr that says why the file stays.
+func listenOverStale(network, address string, bindErr error, timeout time.Duration) (net.Listener, error) {
+	fi, err := os.Lstat(address)
+	if err != nil {
+		return nil, bindErr // gone meanwhile, or unreadable: nothing to take over
+	}
+	if fi.Mode().Type() != os.ModeSocket {
+		return nil, fmt.Errorf("%w (%s is not a socket; left alone)", bindErr, address)
+	}
+	c, err := net.DialTimeout(network, address, timeout)
+	if err == nil {
+		c.Close()
+		return nil, fmt.Errorf("%w: a live server listens on %s", bindErr, address)
+	}
+	if !errors.Is(err, syscall.ECONNREFUSED) {
+		return nil, fmt.Errorf("%w (connecting to the socket to see whether it is stale: %w)", bindErr, err)
+	}
+	// Nobody listens. Remove the file only if it is still the one probed.
+	if now, err := os.Lstat(address); err != nil || !os.SameFile(fi, now) {
+		return nil, fmt.Errorf("%w (the socket file changed while it was probed)", bindErr)
+	}
+	if err := os.Remove(address); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("%w (removing the stale socket file: %w)", bindErr, err)
+	}
+	return net.Listen(network, address)
 }
 
 // NewListener serves shmipc on an existing listener, which it takes over.
@@ -95,23 +143,40 @@ func NewListener(ln net.Listener, conf *Config) *Listener {
 	return l
 }
 
+// Pauses of the accept loop after a failed Accept: the first, and the
+// longest (as net/http's Server does).
+const (
+	minAcceptBackoff = 5 * time.Millisecond
+	maxAcceptBackoff = time.Second
+)
+
+// acceptLoop accepts connections and serves each on its own goroutine. A
+// failed Accept is logged and retried with growing pauses: errors such as
+// EMFILE, ENFILE or ECONNABORTED pass. Only a closed listener ends the loop.
 func (l *Listener) acceptLoop() {
 	defer close(l.done)
 	var backoff time.Duration
 	for {
 		conn, err := l.ln.Accept()
 		if err != nil {
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, errTooManyFiles) {
-				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-				select {
-				case <-time.After(backoff):
-					continue
-				case <-l.closed:
-					return
-				}
+			if l.isClosed() {
+				return
 			}
-			return
+			if errors.Is(err, net.ErrClosed) {
+				l.conf.logger().Warn("shmipc: listening socket closed under the listener; no more sessions are accepted",
+					"addr", l.ln.Addr(), "err", err)
+				return
+			}
+			backoff = min(max(2*backoff, minAcceptBackoff), maxAcceptBackoff)
+			l.conf.logger().Warn("shmipc: accept failed; retrying", "addr", l.ln.Addr(), "err", err, "retry_in", backoff)
+			t := time.NewTimer(backoff)
+			select {
+			case <-t.C:
+				continue
+			case <-l.closed:
+				t.Stop()
+				return
+			}
 		}
 		backoff = 0
 		l.mu.Lock()
@@ -129,10 +194,7 @@ func (l *Listener) acceptLoop() {
 // serve runs the handshake of one connection and registers its session.
 // A failed handshake closes the connection and nothing else.
 func (l *Listener) serve(conn net.Conn) {
-	s, err := handshakeServer(conn, l.conf, func(s *Session) {
-		s.onAccept = l.streams.push
-		s.onTeardown = l.forget
-	})
+	s, err := handshakeServer(conn, l.conf, l.adopt)
 	l.mu.Lock()
 	delete(l.pending, conn)
 	if err == nil {
@@ -149,6 +211,18 @@ func (l *Listener) serve(conn net.Conn) {
 			s.Close()
 		}
 	}
+}
+
+// adopt makes the listener the home of a session whose handshake is done
+// and whose receive loop has not started: its new streams go to the
+// listener's queue, and its end is noticed.
+func (l *Listener) adopt(s *Session) {
+	s.onAccept = func(st *Stream) {
+		if l.streams.push(st, 0) != nil {
+			st.Close()
+		}
+	}
+	s.onTeardown = l.forget
 }
 
 func (l *Listener) forget(s *Session) {
@@ -205,8 +279,6 @@ func (l *Listener) Close() error {
 	})
 	return err
 }
-
-var errTooManyFiles = syscall.EMFILE
 
 // Addr returns the listening address.
 func (l *Listener) Addr() net.Addr { return l.ln.Addr() }

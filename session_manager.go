@@ -55,8 +55,10 @@ type SessionManagerConfig struct {
 
 	// MinReconnectBackoff and MaxReconnectBackoff bound the delay between
 	// attempts to re-dial a session that died: it starts at the minimum and
-	// doubles after each failed attempt up to the maximum (defaults
-	// DefaultMinReconnectBackoff and DefaultMaxReconnectBackoff).
+	// doubles after each attempt up to the maximum (defaults
+	// DefaultMinReconnectBackoff and DefaultMaxReconnectBackoff). A dial
+	// whose session dies again within MaxReconnectBackoff does not reset it;
+	// a session that lived longer does.
 	MinReconnectBackoff time.Duration
 	MaxReconnectBackoff time.Duration
 }
@@ -417,9 +419,18 @@ func (sl *smSlot) putBack(st *Stream) bool {
 
 // watch waits for the slot's session to die, then drops its pool and
 // re-dials it with backoff, until the manager closes.
+//
+// The backoff goes on growing across sessions that die young: a server that
+// completes the handshake and then drops the session at once (it refuses
+// the client, or crashes on start) must not be re-dialed in a storm, each
+// dial creating and removing a buffer region. It starts again from
+// MinReconnectBackoff only after a session stayed up for
+// MaxReconnectBackoff.
 func (sl *smSlot) watch(s *Session) {
 	m := sl.m
 	defer m.wg.Done()
+	backoff := m.conf.MinReconnectBackoff
+	born := time.Now()
 	for {
 		select {
 		case <-s.closed:
@@ -435,15 +446,17 @@ func (sl *smSlot) watch(s *Session) {
 		}
 		sl.mu.Unlock()
 		if cur != s && cur != nil { // a hot restart replaced s: watch its successor
-			s = cur
+			s, born = cur, time.Now()
 			continue
 		}
 		for _, is := range idle {
 			is.st.Close()
 		}
 		s.Close() // wait for its receive loop
+		if time.Since(born) >= m.conf.MaxReconnectBackoff {
+			backoff = m.conf.MinReconnectBackoff // it was healthy
+		}
 
-		backoff := m.conf.MinReconnectBackoff
 		for {
 			t := time.NewTimer(backoff)
 			select {
@@ -452,6 +465,7 @@ func (sl *smSlot) watch(s *Session) {
 				t.Stop()
 				return
 			}
+			backoff = min(2*backoff, m.conf.MaxReconnectBackoff)
 			ns, err := m.dial()
 			if err == nil {
 				cur := sl.attach(ns)
@@ -462,7 +476,7 @@ func (sl *smSlot) watch(s *Session) {
 				if cur != ns { // a hot restart installed a session meanwhile
 					ns.Close()
 				}
-				s = cur
+				s, born = cur, time.Now()
 				break
 			}
 			if m.ctx.Err() != nil {
@@ -471,7 +485,6 @@ func (sl *smSlot) watch(s *Session) {
 			sl.mu.Lock()
 			sl.lastErr = err
 			sl.mu.Unlock()
-			backoff = min(2*backoff, m.conf.MaxReconnectBackoff)
 		}
 	}
 }
