@@ -632,3 +632,50 @@ func TestIsolationPollingStorm(t *testing.T) {
 		t.Errorf("after the storm the idle server uses %.1f%% of a core", idle)
 	}
 }
+
+// A client that opens streams faster than the application accepts them is
+// cut off at Config.MaxPendingAccepts, with an error naming it; the
+// application then accepts on as usual.
+func TestIsolationAcceptFlood(t *testing.T) {
+	conf := hpConfig(t, MemMapTypeMemFd, 0)
+	conf.MaxPendingAccepts = 100
+	ln, err := Listen("unix", filepath.Join(t.TempDir(), "iso.sock"), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	srv := &isoServer{conf: conf, ln: ln, addr: ln.Addr().String()} // nothing accepts yet
+	p, _, victim := srv.connect(t, MemMapTypeMemFd)
+	var frames []byte
+	for id := uint32(2); id < 2002; id++ {
+		frames = append(frames, hpFallback(p.version, 17, id, 0, "x")...)
+	}
+	go func() {
+		p.conn.SetWriteDeadline(time.Now().Add(hpTimeout))
+		p.conn.Write(frames)
+	}()
+	err = waitClosed(t, victim, hpTimeout)
+	if !errors.Is(err, ErrLimitExceeded) || !strings.Contains(err.Error(), "MaxPendingAccepts") {
+		t.Errorf("victim session error %v, want ErrLimitExceeded naming Config.MaxPendingAccepts", err)
+	}
+	closeWithin(t, victim, hpTimeout)
+	// The application starts accepting: it gets the victim's streams (ended)
+	// and then serves a good session.
+	go func() {
+		for {
+			st, err := ln.AcceptStream()
+			if err != nil {
+				return
+			}
+			go echoHandler(st)
+		}
+	}()
+	good, err := Dial("unix", srv.addr, hpConfig(t, MemMapTypeMemFd, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer good.Close()
+	if err := hpEcho(good, "after the flood"); err != nil {
+		t.Errorf("a new session after the flood: %v", err)
+	}
+}

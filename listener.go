@@ -217,11 +217,7 @@ func (l *Listener) serve(conn net.Conn) {
 // and whose receive loop has not started: its new streams go to the
 // listener's queue, and its end is noticed.
 func (l *Listener) adopt(s *Session) {
-	s.onAccept = func(st *Stream) {
-		if l.streams.push(st, 0) != nil {
-			st.Close()
-		}
-	}
+	s.onAccept = l.streams.push
 	s.onTeardown = l.forget
 }
 

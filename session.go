@@ -38,7 +38,7 @@ type Session struct {
 	streams  map[uint32]*Stream
 	nextID   uint32
 	accepted streamQueue
-	onAccept func(*Stream) // where new streams go; set before start
+	onAccept func(st *Stream, limit int) error // where new streams go (streamQueue.push); set before start
 
 	closeOnce  sync.Once
 	closed     chan struct{}
@@ -519,10 +519,15 @@ func (s *Session) streamFor(id uint32) (*Stream, error) {
 	if err != nil {
 		return nil, nil
 	}
-	if s.onAccept != nil {
-		s.onAccept(st)
-	} else if s.accepted.push(st, 0) != nil {
-		st.Close()
+	accept := s.onAccept
+	if accept == nil {
+		accept = s.accepted.push
+	}
+	if err := accept(st, s.conf.MaxPendingAccepts); err != nil {
+		if errors.Is(err, errTooManyPending) {
+			return nil, fmt.Errorf("%w: %w, the limit set by Config.MaxPendingAccepts", ErrLimitExceeded, err)
+		}
+		return nil, nil // nobody accepts streams any more; push closed it
 	}
 	return st, nil
 }
