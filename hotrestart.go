@@ -535,7 +535,6 @@ func (sl *smSlot) replace(s *Session) (old *Session, idle []idleStream, installe
 	return old, idle, true
 }
 
-
 // HotRestarts returns how many hot restarts the manager has completed
 // (every session replaced and acknowledged) and how many timed out.
 func (m *SessionManager) HotRestarts() (completed, failed int) {
