@@ -143,6 +143,17 @@ func (q *ioQueue) put(e queueElem) (bool, error) {
 // pop removes the oldest element. It reports false when the queue is empty.
 // Only one goroutine at a time may consume.
 func (q *ioQueue) pop() (queueElem, bool, error) {
+	e, ok, err := q.peek()
+	if ok {
+		q.skip()
+	}
+	return e, ok, err
+}
+
+// peek returns the oldest element without removing it; skip then removes
+// it. The element is read once: what skip removes is what peek returned,
+// whatever the peer writes into the slot meanwhile.
+func (q *ioQueue) peek() (queueElem, bool, error) {
 	h := q.chead.Load()
 	t := atomic.LoadInt64(q.tail)
 	if n := t - h; n < 0 || n > int64(q.cap) {
@@ -156,9 +167,14 @@ func (q *ioQueue) pop() (queueElem, bool, error) {
 		offset: binary.LittleEndian.Uint32(s[elemOffsetOff:]),
 		status: binary.LittleEndian.Uint32(s[elemStatusOff:]),
 	}
-	q.chead.Store(h + 1)
-	atomic.StoreInt64(q.head, h+1)
 	return e, true, nil
+}
+
+// skip removes the element peek returned.
+func (q *ioQueue) skip() {
+	h := q.chead.Load() + 1
+	q.chead.Store(h)
+	atomic.StoreInt64(q.head, h)
 }
 
 // depth is the number of elements published and not yet taken, as far as
