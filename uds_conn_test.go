@@ -41,20 +41,20 @@ func ucStoppedPeer(t *testing.T, conf *Config) (*Session, *Stream, *proctest.Chi
 	return sess, st, c
 }
 
-// ucBlockingWrite runs write, a write on st, and returns its error and how
-// long it took, or fails the test if it has not returned within bound.
-func ucBlockingWrite(t *testing.T, st *Stream, bound time.Duration, write func() error) (error, time.Duration) {
+// ucBlockingWrite runs write, a write on st, and returns how long it took
+// and its error, or fails the test if it has not returned within bound.
+func ucBlockingWrite(t *testing.T, st *Stream, bound time.Duration, write func() error) (time.Duration, error) {
 	t.Helper()
 	start := time.Now()
 	done := make(chan error, 1)
 	go func() { done <- write() }()
 	select {
 	case err := <-done:
-		return err, time.Since(start)
+		return time.Since(start), err
 	case <-time.After(bound):
 		st.Session().Close() // unblocks the write, so that the test can end
 		t.Fatalf("a fallback write to a peer that does not read still blocks after %v", bound)
-		return nil, 0
+		return 0, nil
 	}
 }
 
@@ -69,7 +69,7 @@ func TestFallbackWriteTimeoutRightAfterHandshake(t *testing.T) {
 	conf.ConnectionWriteTimeout = time.Second
 	sess, st, _ := ucStoppedPeer(t, conf)
 
-	err, took := ucBlockingWrite(t, st, 10*time.Second, func() error {
+	took, err := ucBlockingWrite(t, st, 10*time.Second, func() error {
 		_, err := st.Write(make([]byte, ucFallbackSize))
 		return err
 	})
@@ -96,7 +96,7 @@ func TestStreamWriteDeadlineBoundsFallbackWrite(t *testing.T) {
 		t.Fatal(err)
 	}
 	st.SetWriteDeadline(time.Now().Add(300 * time.Millisecond))
-	err, took := ucBlockingWrite(t, st, 10*time.Second, func() error { return st.Flush(false) })
+	took, err := ucBlockingWrite(t, st, 10*time.Second, func() error { return st.Flush(false) })
 	t.Logf("the write returned after %v: %v", took, err)
 	var ne net.Error
 	if !errors.As(err, &ne) || !ne.Timeout() || !errors.Is(err, ErrTimeout) || !errors.Is(err, os.ErrDeadlineExceeded) {
