@@ -49,7 +49,7 @@ func (q *streamQueue) push(st *Stream, limit int) error {
 	}
 	if n := q.pending[st.s]; limit > 0 && n >= limit {
 		q.mu.Unlock()
-		return fmt.Errorf("%w: peer opened more than %d streams not yet accepted (stream %d)", errTooManyPending, limit, st.id)
+		return fmt.Errorf("%w: the peer opened more than %d (stream %d)", errTooManyPending, limit, st.id)
 	}
 	q.items = append(q.items, st)
 	q.pending[st.s]++

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"path/filepath"
 	"testing"
 	"time"
@@ -155,31 +154,21 @@ func aqSmallRegion(c *Config) {
 func TestListenerStreamAfterClose(t *testing.T) {
 	prefix := clPrefix(t, "aq")
 	conf := clConfig(MemMapTypeMemFd, prefix)
-	dir := t.TempDir()
-	ln, err := Listen("unix", filepath.Join(dir, "listener.sock"), conf)
+	ln, err := Listen("unix", filepath.Join(t.TempDir(), "s.sock"), conf)
 	if err != nil {
 		t.Fatal(err)
 	}
-	raw, err := net.Listen("unix", filepath.Join(dir, "late.sock"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer raw.Close()
+	clientConn, serverConn := ucConnPair(t)
 	type result struct {
 		s   *Session
 		err error
 	}
 	ch := make(chan result, 1)
 	go func() {
-		c, err := raw.Accept()
-		if err != nil {
-			ch <- result{nil, err}
-			return
-		}
-		s, err := handshakeServer(c, conf, ln.adopt)
+		s, err := handshakeServer(serverConn, conf, ln.adopt)
 		ch <- result{s, err}
 	}()
-	client, err := Dial("unix", raw.Addr().String(), conf)
+	client, err := Client(clientConn, conf)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -56,7 +56,7 @@ func handshake(conn net.Conn, conf *Config, client bool, setup func(*Session)) (
 	}
 	err := s.runHandshake(client)
 	if err == nil {
-		err = conn.SetDeadline(time.Time{})
+		err = s.ec.clearDeadlines()
 	}
 	if err != nil {
 		conn.Close()

@@ -545,19 +545,31 @@ func TestNetpollMallocAck(t *testing.T) {
 	free0 := client.s.buf.freeCounts()
 	w := client.NetpollWriter()
 	var bufs [][]byte
-	for i, c := range []byte("abc") {
+	for _, c := range []byte("abc") {
 		p, err := w.Malloc(3000) // one 4096-byte slice each
 		if err != nil {
 			t.Fatal(err)
+		}
+		if len(p) != 3000 {
+			t.Fatalf("Malloc(3000) returned %d bytes", len(p))
 		}
 		for j := range p {
 			p[j] = c
 		}
 		bufs = append(bufs, p)
-		_ = i
 	}
 	if n := len(client.writer.segs); n != 3 {
 		t.Fatalf("%d segments, want 3", n)
+	}
+	// Each buffer is shared memory of its own: none was overwritten by a
+	// later Malloc's bytes.
+	for i, p := range bufs {
+		if !npInShm(client, p) {
+			t.Errorf("buffer %d is not in shared memory", i)
+		}
+		if want := bytes.Repeat([]byte{"abc"[i]}, len(p)); !bytes.Equal(p, want) {
+			t.Errorf("buffer %d holds other bytes than the %q written to it", i, "abc"[i])
+		}
 	}
 	if w.MallocLen() != 9000 {
 		t.Fatalf("MallocLen %d", w.MallocLen())

@@ -627,13 +627,17 @@ func (w *spaceWait) pause(s *Session, st *Stream) error {
 
 func (w *spaceWait) waited() time.Duration { return time.Since(w.start).Round(time.Millisecond) }
 
-// sendFallbackFrame sends one FallbackData frame; a failed write ends the
-// session.
-func (s *Session) sendFallbackFrame(id uint32, data [][]byte) error {
+// sendFallbackFrame sends one FallbackData frame, bounded by the stream's
+// write deadline (zero: none) too. A failed write ends the session, unless
+// the deadline passed before any of the frame was written.
+func (s *Session) sendFallbackFrame(id uint32, data [][]byte, deadline time.Time) error {
 	if err := s.Err(); err != nil {
 		return err
 	}
-	if err := s.ec.writeFallback(s.version, id, data); err != nil {
+	if err := s.ec.writeFallback(s.version, id, data, deadline); err != nil {
+		if errors.Is(err, ErrTimeout) && !errors.Is(err, errFrameTorn) {
+			return err // nothing of the frame was written: only this write fails
+		}
 		s.closeWithError(fmt.Errorf("send fallback data: %w", err))
 		return s.closedErr()
 	}

@@ -272,6 +272,10 @@ func (st *Stream) sendFallback() error {
 	s, w := st.s, &st.writer
 	st.fallback.Store(true)
 	limit := int(min(s.conf.MaxFallbackFrameSize, maxFallbackFrameSent)) - 16
+	var deadline time.Time // bounds the socket writes too
+	if d := st.wDeadline.Load(); d != nil {
+		deadline = *d
+	}
 	var frame [][]byte
 	size := 0
 	var err error
@@ -283,13 +287,13 @@ func (st *Stream) sendFallback() error {
 			size += c
 			data = data[c:]
 			if size == limit {
-				err = s.sendFallbackFrame(st.id, frame)
+				err = s.sendFallbackFrame(st.id, frame, deadline)
 				frame, size = frame[:0], 0
 			}
 		}
 	}
 	if err == nil && size > 0 {
-		err = s.sendFallbackFrame(st.id, frame)
+		err = s.sendFallbackFrame(st.id, frame, deadline)
 	}
 	if err == nil {
 		s.counters.messagesOut.Add(1)
@@ -412,7 +416,19 @@ func (st *Stream) SetReadDeadline(t time.Time) error {
 }
 
 // SetWriteDeadline sets the time after which writes and flushes fail with a
-// timeout error, including one waiting for space in the IO queue.
+// timeout error, including one waiting for space in the IO queue or the
+// buffer region, and one sending fallback data over the socket. A zero time
+// means no deadline; a write then waits for at most WriteSpaceTimeout for
+// space and ConnectionWriteTimeout for the socket. The deadline a write
+// starts with applies to it.
+//
+// Fallback data (see Config.FallbackWhenFull) goes over the socket in
+// frames. A deadline that passes before a frame starts fails the write and
+// leaves the session usable; frames already sent stay sent, so a message
+// sent in several frames may arrive in part. A deadline that passes in the
+// middle of a frame leaves the socket unusable, since the peer can no longer
+// find where frames start: the write fails with a timeout error and the
+// session ends (its error says the frame was cut short).
 func (st *Stream) SetWriteDeadline(t time.Time) error {
 	st.wDeadline.Store(&t)
 	return nil

@@ -27,7 +27,7 @@ type eventConn struct {
 	writeTimeout time.Duration
 	wbuf         []byte      // scratch for small frames; guarded by wmu
 	wvec         net.Buffers // scratch for fallback writes; guarded by wmu
-	deadline     time.Time   // the write deadline set on conn; guarded by wmu
+	deadline     time.Time   // the write deadline set on conn (zero: none); guarded by wmu
 }
 
 // readBufSize is the initial receive buffer: many wake-up frames per read.
@@ -176,6 +176,16 @@ func (c *eventConn) write(b []byte) error {
 	return c.writeLocked(b)
 }
 
+// clearDeadlines removes the handshake's deadlines from the connection.
+// The write deadline the writers keep track of goes with them, so that the
+// first write after the handshake sets a fresh one.
+func (c *eventConn) clearDeadlines() error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.deadline = time.Time{}
+	return c.conn.SetDeadline(time.Time{})
+}
+
 // refreshDeadline keeps the socket's write deadline between half of and the
 // whole ConnectionWriteTimeout ahead, without touching it on every write.
 func (c *eventConn) refreshDeadline() error {
@@ -211,9 +221,17 @@ func (c *eventConn) writeStreamClose(version uint8, id uint32) error {
 	return c.writeLocked(c.wbuf)
 }
 
+// errFrameTorn is wrapped by the error of a write that stopped part way
+// through a frame: the peer can no longer tell where the next frame starts,
+// so the connection is unusable.
+var errFrameTorn = errors.New("frame cut short; the connection is unusable")
+
 // writeFallback sends data as one FallbackData frame with one writev; the
-// caller keeps each frame within the size limit.
-func (c *eventConn) writeFallback(version uint8, id uint32, data [][]byte) error {
+// caller keeps each frame within the size limit. A non-zero deadline (the
+// stream's write deadline) bounds this write if it comes before the
+// connection's own write deadline. When it passes, the error wraps
+// ErrTimeout, and errFrameTorn if part of the frame was written.
+func (c *eventConn) writeFallback(version uint8, id uint32, data [][]byte, deadline time.Time) error {
 	n := 0
 	for _, d := range data {
 		n += len(d)
@@ -223,11 +241,29 @@ func (c *eventConn) writeFallback(version uint8, id uint32, data [][]byte) error
 	if err := c.refreshDeadline(); err != nil {
 		return err
 	}
+	byStream := !deadline.IsZero() && deadline.Before(c.deadline)
+	if byStream {
+		if !time.Now().Before(deadline) {
+			return fmt.Errorf("%w: stream %d's write deadline passed before its fallback data was sent", ErrTimeout, id)
+		}
+		if err := c.conn.SetWriteDeadline(deadline); err != nil {
+			return err
+		}
+		c.deadline = deadline // the next write moves it on again
+	}
 	c.wbuf = wire.AppendFallbackHead(c.wbuf[:0], version, id, statusOpened, n)
+	total := len(c.wbuf) + n
 	c.wvec = append(append(c.wvec[:0], c.wbuf), data...)
 	bufs := c.wvec
-	_, err := bufs.WriteTo(c.conn)
+	sent, err := bufs.WriteTo(c.conn)
 	clear(c.wvec)
+	if err != nil && byStream && isTimeout(err) {
+		if sent == 0 {
+			return fmt.Errorf("%w: stream %d's write deadline passed before its fallback data was sent", ErrTimeout, id)
+		}
+		return fmt.Errorf("%w: stream %d's write deadline passed after %d of the %d bytes of a fallback frame: %w",
+			ErrTimeout, id, sent, total, errFrameTorn)
+	}
 	return err
 }
 

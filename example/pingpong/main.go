@@ -483,7 +483,7 @@ func runShm(opts options, srv *server, emit func(summary)) (*idleResult, error) 
 		if err != nil {
 			return nil, err
 		}
-		if _, err := st.BufferWriter().WriteBytes(sizeHeader(size)); err == nil {
+		if _, err = st.BufferWriter().WriteBytes(sizeHeader(size)); err == nil {
 			err = st.Flush(false)
 		}
 		if err != nil {
