@@ -9,22 +9,29 @@ import (
 // Receiving: who takes elements off the receive queue, and when the peer
 // must wake us.
 //
-// The receive loop is the session's only consumer. It alone pops elements,
-// walks their chains in the peer-writable region and hands each stream its
-// data, in queue order; readers never touch the queue, they wait for their
-// stream to be signalled. One consumer makes harvesting fair by
-// construction (every stream's data is handed over in the order it was
-// published, whoever waits for it), keeps every access to the receive queue
-// on one goroutine inside one fault-safe access (shmaccess.go), and means
-// that once the receive loop has stopped nothing can reach a stream.
+// One goroutine at a time drains the queue: whoever holds the consumer
+// token. It pops every element published so far, walks each message's chain
+// in the peer-writable region and hands every stream its data, in queue
+// order, so that harvesting is fair by construction: a stream's data is
+// handed over in the order it was published, whoever happens to drain.
+//
+// The receive loop drains when a wake-up arrives. A reader waiting for data
+// may also drain, by polling the queue itself for a short while instead of
+// sleeping and being handed its data by the receive loop: when its own data
+// arrives it is on the CPU already, which saves two goroutine hand-offs per
+// round trip. A polling reader never applies a close: when the next element
+// is a close it stops and kicks the receive loop (kick), which alone applies
+// closes, in order with the socket (Session.closeAfterSocket). Teardown
+// takes the token for good, so nothing is delivered after it begins.
 //
 // The working flag tells the peer whether to send a wake-up after it
-// publishes (PROTOCOL.md §5.5). A wake-up sets it (the peer's CAS); the
-// receive loop drains, may keep looking for a while (spinning), then clears
-// the flag and looks at the queue once more. Because the peer publishes and
-// then looks at the flag, and the consumer clears the flag and then looks at
+// publishes (PROTOCOL.md §5.5). Every goroutine that polls counts itself in
+// pollers and keeps the flag set; the last one to stop clears the flag and
+// then looks at the queue once more. Because the peer publishes and then
+// looks at the flag, and the last poller clears the flag and then looks at
 // the queue (both sequentially consistent), an element is either seen by
-// that last look or announced by a wake-up.
+// that last look or announced by a wake-up. If that look finds something,
+// the receive loop polls again; a reader instead kicks the receive loop.
 //
 // Spinning takes small-message latency far below a socket round trip, but
 // only pays while a core is free for it and the peer is answering. So it is
@@ -34,161 +41,356 @@ import (
 //   - each session adapts how long it spins to how often spinning found
 //     something (consumer below);
 //   - the whole process spins on at most spinSlots goroutines at once (half
-//     the CPUs this process may use, none on a single CPU);
-//   - a spinner that notices it was descheduled (the CPU is oversubscribed)
-//     stops, and spinning is switched off process-wide for a cool-down that
-//     doubles while the pressure lasts.
+//     the CPUs this process may use, none on a single CPU), whether receive
+//     loops or readers;
+//   - a spinner that notices it was descheduled for long (the CPU is
+//     oversubscribed) stops, and spinning is switched off process-wide for a
+//     cool-down that doubles while the pressure lasts.
 type consumer struct {
-	budget int64 // how long to spin for, in ns; adapts; receive loop only
-	max    int64 // ConsumerSpinTime in ns
-	slept  int64 // when the receive loop last went to sleep (UnixNano)
+	token   atomic.Bool  // held by the goroutine draining the queue
+	pollers atomic.Int32 // goroutines keeping the working flag set
+	budget  atomic.Int64 // how long to spin for, in ns; adapts
+	max     int64        // ConsumerSpinTime in ns
+	slept   atomic.Int64 // when the last poller stopped (UnixNano)
+	kicked  atomic.Bool  // a reader asked the receive loop to drain
 }
 
 // pollCheckEvery is how many looks at the queue a spinner makes between
 // looks at the clock and at its exit conditions.
 const pollCheckEvery = 8
 
-// yieldEvery is how often a spinning receive loop lets other goroutines on
-// its processor run.
+// yieldEvery is how often a spinning goroutine lets others on its processor
+// run, and a spinning receive loop looks for frames on the socket.
 const yieldEvery = 50 * time.Microsecond
 
 func (c *consumer) init(max time.Duration) {
 	c.max = int64(max)
-	c.budget = c.max
+	c.budget.Store(c.max)
 }
 
-// hit records a spin that found work: spin in full next time.
-func (c *consumer) hit() { c.budget = c.max }
+// hit records a spin that found what it waited for: spin in full next time.
+func (c *consumer) hit() {
+	if c.budget.Load() != c.max {
+		c.budget.Store(c.max)
+	}
+}
 
 // miss records a spin that ran out: spin half as long next time, and not at
 // all once that is under a microsecond.
 func (c *consumer) miss() {
-	c.budget /= 2
-	if c.budget < int64(time.Microsecond) {
-		c.budget = 0
+	b := c.budget.Load() / 2
+	if b < int64(time.Microsecond) {
+		b = 0
 	}
+	c.budget.Store(b)
 }
 
 // woken records a wake-up that found work. One that comes within the full
-// budget of the loop going to sleep would have been caught by spinning, so
+// budget of the last poller stopping would have been caught by spinning, so
 // spinning is worth it again.
-func (c *consumer) woken(now int64) {
-	if c.budget < c.max && now-c.slept < c.max {
-		c.budget = c.max
+func (c *consumer) woken() {
+	if c.budget.Load() < c.max && time.Now().UnixNano()-c.slept.Load() < c.max {
+		c.budget.Store(c.max)
 	}
 }
 
-// consume answers a wake-up: drain the queue, keep looking while that pays,
-// and go back to sleep by the protocol above. It runs on the receive loop,
-// inside a fault-safe access.
-func (s *Session) consume() error {
-	n, err := s.drain()
-	if err != nil {
-		return err
+// startPolling counts the caller as a poller and sets the working flag, so
+// the peer stops sending wake-ups.
+func (s *Session) startPolling() {
+	s.cons.pollers.Add(1)
+	s.recvQ.setWorking(true)
+}
+
+// stopPolling ends the caller's polling. The last poller clears the working
+// flag and looks at the queue again; it reports false when something
+// arrived in between, and the caller is then still a poller.
+func (s *Session) stopPolling() bool {
+	if s.cons.pollers.Add(-1) != 0 {
+		return true
 	}
-	if n > 0 {
-		s.cons.woken(time.Now().UnixNano())
+	s.recvQ.setWorking(false)
+	if s.recvQ.isEmpty() || s.IsClosed() { // a corrupt queue never looks empty
+		s.cons.slept.Store(time.Now().UnixNano())
+		return true
 	}
+	s.startPolling()
+	return false
+}
+
+// consumeNow is consume for a receive loop that may be resuming.
+func (s *Session) consumeNow() error {
+	resume := s.resume
+	s.resume = false
+	return s.consume(resume)
+}
+
+// consume answers a wake-up on the receive loop: drain, keep polling while
+// that pays and no reader polls, and stop by the protocol above. With
+// resume, the receive loop comes back from reading frames that arrived
+// while it spun, and is still a poller.
+func (s *Session) consume(resume bool) error {
+	if !resume {
+		s.startPolling()
+	}
+	first := true
 	for {
-		if n > 0 {
+		n, err := s.drainAll()
+		if err != nil {
+			s.stopPolling()
+			return err
+		}
+		if first && n > 0 {
+			s.cons.woken()
+		}
+		first = false
+		if n > 0 && s.cons.pollers.Load() == 1 {
 			// Let the readers just served run before looking again.
 			runtime.Gosched()
 			switch s.spin() {
 			case spinFound:
-				if n, err = s.drain(); err != nil {
-					return err
-				}
 				continue
 			case spinFramesWaiting:
 				// Frames wait on the socket (fallback data, closes): let the
-				// receive loop read them, and come back here after the next
-				// one. The working flag stays set meanwhile, so the peer
-				// sends no wake-up and nothing published is missed.
+				// receive loop read them and come back here after the next
+				// one, still a poller, so that the peer sends no wake-up
+				// and nothing published is missed.
 				s.resume = true
 				return nil
 			}
 		}
-		s.recvQ.setWorking(false)
-		if s.recvQ.isEmpty() || s.IsClosed() {
-			s.cons.slept = time.Now().UnixNano()
+		if s.stopPolling() {
 			return nil
-		}
-		s.recvQ.setWorking(true)
-		if n, err = s.drain(); err != nil {
-			return err
 		}
 	}
 }
 
-// drain pops and dispatches every element published so far and returns how
-// many it dispatched.
-func (s *Session) drain() (int, error) {
-	n := 0
+// drainAll waits for the token and drains everything, closes included: it
+// is the receive loop's drain. After it returns, every element published
+// before the call has been dispatched.
+func (s *Session) drainAll() (int, error) {
+	for !s.cons.token.CompareAndSwap(false, true) {
+		runtime.Gosched()
+	}
+	defer s.cons.token.Store(false) // deferred: also after a fault
+	n, _, err := s.drainHeld(true)
+	return n, err
+}
+
+// drainHeld pops and dispatches the elements published so far; the caller
+// holds the token. A reader (closes false) stops before a close element and
+// reports it: only the receive loop applies closes.
+func (s *Session) drainHeld(closes bool) (n int, closeAhead bool, err error) {
 	for {
-		e, ok, err := s.recvQ.pop()
+		e, ok, err := s.recvQ.peek()
 		if err != nil || !ok {
-			return n, err
+			return n, false, err
 		}
+		if !closes && e.status&statusMask == statusClosed {
+			return n, true, nil
+		}
+		s.recvQ.skip()
 		if err := s.handleElem(e); err != nil {
-			return n, err
+			return n, false, err
 		}
 		n++
 	}
 }
 
+// tryDrain drains as a reader if the queue has elements and nobody else is
+// at it.
+func (s *Session) tryDrain() (n int, closeAhead bool, err error) {
+	if s.recvQ.isEmpty() || !s.cons.token.CompareAndSwap(false, true) {
+		return 0, false, nil
+	}
+	defer s.cons.token.Store(false) // deferred: also after a fault
+	return s.drainHeld(false)
+}
+
+// sealConsumer takes the token for good: nothing is drained or delivered
+// after it returns. Teardown calls it.
+func (s *Session) sealConsumer() {
+	for !s.cons.token.CompareAndSwap(false, true) {
+		runtime.Gosched()
+	}
+}
+
+// kick makes the receive loop drain the queue: its socket read returns at
+// once (a read deadline in the past), and it consumes before reading on.
+func (s *Session) kick() {
+	s.cons.kicked.Store(true)
+	_ = s.ec.conn.SetReadDeadline(time.Unix(1, 0))
+}
+
+// pollFor lets a reader poll the queue while it waits for ready, if the
+// process lets it spin now. It reports whether ready was signalled.
+//
+// The reader holds references on both regions meanwhile, so a session that
+// ends under it cannot unmap what it is looking at; the polling runs inside
+// an access.
+func (s *Session) pollFor(ready <-chan struct{}) bool {
+	if s.cons.budget.Load() <= 0 || s.IsClosed() {
+		return false
+	}
+	if !s.queueRegion.acquire() {
+		return false
+	}
+	defer s.queueRegion.release()
+	if !s.buf.region.acquire() {
+		return false
+	}
+	defer s.buf.region.release()
+	if !spinning.enter() {
+		return false
+	}
+	defer spinning.exit()
+	// The poller count lives outside the region: it is kept right outside
+	// the accesses, so that a fault cannot leave it counting this reader.
+	var got, kick bool
+	s.cons.pollers.Add(1)
+	_ = s.access(func() error {
+		s.recvQ.setWorking(true)
+		got, kick = s.spinReader(ready)
+		return nil
+	})
+	if s.cons.pollers.Add(-1) == 0 {
+		_ = s.access(func() error {
+			s.recvQ.setWorking(false)
+			if !s.recvQ.isEmpty() {
+				kick = true // arrived meanwhile: the receive loop takes it
+			} else {
+				s.cons.slept.Store(time.Now().UnixNano())
+			}
+			return nil
+		})
+	}
+	if kick && !s.IsClosed() {
+		s.kick()
+	}
+	if !got {
+		select {
+		case <-ready:
+			got = true
+		default:
+		}
+	}
+	return got
+}
+
 // What a spin ended with.
 const (
 	spinGaveUp        = iota // nothing came within the budget, or no spinning now
-	spinFound                // the queue has an element
-	spinFramesWaiting        // frames arrived on the socket
+	spinFound                // what the spinner waited for is there
+	spinFramesWaiting        // frames arrived on the socket (receive loop only)
 )
 
-// spin looks at the queue for up to the session's spin budget, if the
-// process lets it spin now. It stops early when frames arrive on the socket,
+// spin is the receive loop's spin: it looks at the queue for up to the spin
+// budget, if the process lets it spin now. It stops when a reader starts
+// polling (one spinner is enough), and when frames arrive on the socket,
 // which the receive loop must not leave unread however busy the queue is.
 func (s *Session) spin() int {
-	if s.cons.budget <= 0 || !spinning.enter() {
+	if s.cons.budget.Load() <= 0 || !spinning.enter() {
 		return spinGaveUp
 	}
 	defer spinning.exit()
-	start := time.Now()
-	last, lastYield := start, start
+	var w spinWatch
+	w.start()
 	for {
 		for range pollCheckEvery {
 			if !s.recvQ.isEmpty() {
 				s.cons.hit()
 				return spinFound
 			}
+			if s.cons.pollers.Load() > 1 {
+				return spinGaveUp // a reader polls: leave it to that one
+			}
 			cpuRelax()
 		}
-		now := time.Now()
-		if now.Sub(last) > preemptedGap {
-			// Descheduled between two looks: the CPU has more work than
-			// cores, and spinning only takes a core from someone.
-			spinning.pressure(now)
+		switch w.check(s) {
+		case spinGaveUp:
 			return spinGaveUp
-		}
-		last = now
-		if now.Sub(start) >= time.Duration(s.cons.budget) {
-			s.cons.miss()
-			return spinGaveUp
-		}
-		if s.IsClosed() {
-			return spinGaveUp
-		}
-		if now.Sub(lastYield) >= yieldEvery {
+		case spinFramesWaiting:
 			if s.ec.framesWaiting() {
 				return spinFramesWaiting
 			}
-			runtime.Gosched()
-			last, lastYield = time.Now(), now
 		}
 	}
 }
 
-// preemptedGap is a pause between two looks of a spinner that only being
-// descheduled explains: a look takes well under a microsecond.
-const preemptedGap = 100 * time.Microsecond
+// spinReader is a reader's spin: it drains what arrives and stops when
+// ready is signalled (true), when the budget runs out, or when a close is
+// next in the queue (kick: the receive loop must apply it).
+func (s *Session) spinReader(ready <-chan struct{}) (got, kick bool) {
+	var w spinWatch
+	w.start()
+	for {
+		for range pollCheckEvery {
+			n, closeAhead, err := s.tryDrain()
+			if err != nil {
+				s.closeWithError(err)
+				return false, false
+			}
+			select {
+			case <-ready:
+				s.cons.hit()
+				return true, closeAhead
+			default:
+			}
+			if closeAhead {
+				return false, true
+			}
+			if n > 0 { // it was for other streams: let their readers run
+				runtime.Gosched()
+			}
+			cpuRelax()
+		}
+		if w.check(s) == spinGaveUp {
+			return false, false
+		}
+	}
+}
+
+// spinWatch keeps a spinner's clock: budget, preemption, yielding.
+type spinWatch struct {
+	begin, last, lastYield time.Time
+}
+
+func (w *spinWatch) start() {
+	w.begin = time.Now()
+	w.last, w.lastYield = w.begin, w.begin
+}
+
+// check looks at the clock between rounds of looks. It returns spinGaveUp
+// when the spinner must stop, spinFramesWaiting at each yield point (time to
+// look at the socket, for the receive loop), and spinFound otherwise (go
+// on).
+func (w *spinWatch) check(s *Session) int {
+	now := time.Now()
+	if now.Sub(w.last) > preemptedGap {
+		// Descheduled between two rounds: the CPU has more work than cores,
+		// and spinning only takes a core from someone.
+		spinning.pressure(now)
+		return spinGaveUp
+	}
+	w.last = now
+	if now.Sub(w.begin) >= time.Duration(s.cons.budget.Load()) {
+		s.cons.miss()
+		return spinGaveUp
+	}
+	if s.IsClosed() {
+		return spinGaveUp
+	}
+	if now.Sub(w.lastYield) >= yieldEvery {
+		runtime.Gosched()
+		w.last, w.lastYield = time.Now(), now
+		return spinFramesWaiting
+	}
+	return spinFound
+}
+
+// preemptedGap is a pause between two rounds of a spinner that only being
+// descheduled explains: a round takes well under a microsecond, and the
+// processor is yielded on purpose only at yield points.
+const preemptedGap = 500 * time.Microsecond
 
 // Cool-down after a spinner was descheduled: the first, and the longest.
 const (

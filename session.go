@@ -216,9 +216,9 @@ func (s *Session) wait(ch <-chan struct{}, deadline time.Time) {
 }
 
 // recvLoop reads event frames until the connection fails, then tears the
-// session down. It is the session's only consumer (poll.go): nothing is
-// delivered to a stream except from here, so once it has stopped, teardown
-// owns every stream and region.
+// session down. Readers may drain the queue too (poll.go), but only the
+// receive loop applies closes, and teardown seals the queue before it ends
+// the streams, so nothing reaches a stream after that.
 func (s *Session) recvLoop() {
 	defer close(s.loopDone)
 	var err error
@@ -226,7 +226,14 @@ func (s *Session) recvLoop() {
 		var h wire.Header
 		var payload []byte
 		if h, payload, err = s.ec.readFrame(s.conf.MaxFallbackFrameSize); err != nil {
-			break
+			if !isTimeout(err) || s.IsClosed() {
+				break
+			}
+			// A reader kicked us (poll.go): drain, then read on.
+			_ = s.ec.conn.SetReadDeadline(time.Time{})
+			s.cons.kicked.Store(false)
+			err = s.access(s.consumeNow)
+			continue
 		}
 		err = s.access(func() error { return s.handleFrameInOrder(h, payload) })
 		s.ec.shrink()
@@ -256,7 +263,6 @@ func (s *Session) recvLoop() {
 // it, even if the drain that precedes the data finds the close.
 func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 	resume := s.resume && h.Type() != wire.TypePolling // a Polling frame consumes anyway
-	s.resume = false
 	size := uint64(wire.HeaderSize + len(payload))
 	data := h.Type() == wire.TypeFallbackData
 	if !data {
@@ -270,7 +276,7 @@ func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 	}
 	s.closeCaughtUp()
 	if resume {
-		return s.consume()
+		return s.consumeNow()
 	}
 	return nil
 }
@@ -286,15 +292,15 @@ func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 	switch h.Type() {
 	case wire.TypePolling:
 		s.counters.wakeupsReceived.Add(1)
-		return s.consume()
+		return s.consumeNow()
 	case wire.TypeStreamClose:
-		if _, err := s.drain(); err != nil {
+		if _, err := s.drainAll(); err != nil {
 			return err
 		}
 		s.peerClosed(binary.BigEndian.Uint32(payload))
 		return nil
 	case wire.TypeFallbackData:
-		if _, err := s.drain(); err != nil {
+		if _, err := s.drainAll(); err != nil {
 			return err
 		}
 		return s.handleFallback(payload)
@@ -703,6 +709,7 @@ func (s *Session) freeSegments(segs []segment) error {
 // teardown runs on the receive loop once it has stopped reading: it ends
 // every stream and drops the session's references on its regions.
 func (s *Session) teardown() {
+	s.sealConsumer() // no polling reader delivers from here on
 	s.mu.Lock()
 	streams := make([]*Stream, 0, len(s.streams))
 	for _, st := range s.streams {

@@ -101,7 +101,7 @@ func (st *Stream) Read(p []byte) (int, error) {
 }
 
 // waitReadable blocks until n bytes are unread. It is called and returns
-// with st.mu held. It touches no shared memory: the receive loop delivers.
+// with st.mu held, which it does not hold while it waits or polls.
 func (st *Stream) waitReadable(n int) error {
 	r := &st.reader
 	for r.unread < n {
@@ -124,7 +124,9 @@ func (st *Stream) waitReadable(n int) error {
 			return ErrTimeout
 		}
 		st.mu.Unlock()
-		st.s.wait(st.readNotify, deadline)
+		if !st.s.pollFor(st.readNotify) {
+			st.s.wait(st.readNotify, deadline)
+		}
 		st.mu.Lock()
 	}
 	return nil
