@@ -62,6 +62,37 @@ var (
 	ErrTimeout error = &timeoutError{}
 )
 
+// Errors of a SessionManager.
+var (
+	// ErrSessionManagerClosed is returned by GetStream after Close.
+	ErrSessionManagerClosed = errors.New("shmipc: session manager closed")
+
+	// ErrNoHealthySession is returned (wrapped, with the last dial error) by
+	// GetStream when every session of the manager has died and is still
+	// being re-dialed.
+	ErrNoHealthySession = errors.New("shmipc: no healthy session")
+)
+
+// Errors of a hot restart.
+var (
+	// ErrHotRestartRunning is returned by HotRestart while a restart of the
+	// listener is still running.
+	ErrHotRestartRunning = errors.New("shmipc: a hot restart is already running")
+
+	// ErrHotRestartHandshaking is returned by HotRestart while a session of
+	// the listener is still handshaking; try again shortly.
+	ErrHotRestartHandshaking = errors.New("shmipc: a session is still handshaking")
+
+	// ErrHotRestartTimeout is returned (wrapped) by WaitHotRestart when not
+	// every session acknowledged within HotRestartTimeout. The sessions stay
+	// up.
+	ErrHotRestartTimeout = errors.New("shmipc: hot restart not acknowledged in time")
+
+	// ErrNoHotRestart is returned by WaitHotRestart when HotRestart was not
+	// called on the listener (or the listener has been closed since).
+	ErrNoHotRestart = errors.New("shmipc: no hot restart started")
+)
+
 type timeoutError struct{}
 
 func (*timeoutError) Error() string        { return "shmipc: i/o timeout" }

@@ -28,7 +28,6 @@ package shmipc
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -39,26 +38,6 @@ import (
 	"time"
 
 	"github.com/goshm/shmipc/internal/wire"
-)
-
-// Errors of a hot restart.
-var (
-	// ErrHotRestartRunning is returned by HotRestart while a restart of the
-	// listener is still running.
-	ErrHotRestartRunning = errors.New("shmipc: a hot restart is already running")
-
-	// ErrHotRestartHandshaking is returned by HotRestart while a session of
-	// the listener is still handshaking; try again shortly.
-	ErrHotRestartHandshaking = errors.New("shmipc: a session is still handshaking")
-
-	// ErrHotRestartTimeout is returned (wrapped) by WaitHotRestart when not
-	// every session acknowledged within HotRestartTimeout. The sessions stay
-	// up.
-	ErrHotRestartTimeout = errors.New("shmipc: hot restart not acknowledged in time")
-
-	// ErrNoHotRestart is returned by WaitHotRestart when HotRestart was not
-	// called on the listener (or the listener has been closed since).
-	ErrNoHotRestart = errors.New("shmipc: no hot restart started")
 )
 
 // HotRestartTimeout bounds a hot restart on both sides (PROTOCOL.md §7).

@@ -10,17 +10,6 @@ import (
 	"time"
 )
 
-// Errors of a SessionManager.
-var (
-	// ErrSessionManagerClosed is returned by GetStream after Close.
-	ErrSessionManagerClosed = errors.New("shmipc: session manager closed")
-
-	// ErrNoHealthySession is returned (wrapped, with the last dial error) by
-	// GetStream when every session of the manager has died and is still
-	// being re-dialed.
-	ErrNoHealthySession = errors.New("shmipc: no healthy session")
-)
-
 // Defaults of SessionManagerConfig.
 const (
 	DefaultSessionNum          = 1
