@@ -34,48 +34,31 @@ type server struct {
 	once    sync.Once
 }
 
-var (
-	serversMu sync.Mutex
-	servers   = map[*server]struct{}{}
-)
-
-func stopAllServers() {
-	serversMu.Lock()
-	all := make([]*server, 0, len(servers))
-	for s := range servers {
-		all = append(all, s)
-	}
-	serversMu.Unlock()
-	for _, s := range all {
-		s.stop()
-	}
-}
-
 // startServer starts this program as the echo server and waits until it
 // listens.
 func startServer(transports []string) (*server, error) {
-	self, err := os.Executable()
-	if err != nil {
-		return nil, err
-	}
 	dir, err := os.MkdirTemp("", "pingpong-")
 	if err != nil {
 		return nil, err
 	}
 	s := &server{dir: dir, shmSock: filepath.Join(dir, "shm.sock"), udsSock: filepath.Join(dir, "uds.sock")}
-	s.cmd = exec.Command(self, serveArg, "-dir", dir, "-transports", strings.Join(transports, ","), "-spin", spinTime.String())
-	s.cmd.Stderr = os.Stderr
+	args := []string{serveArg, "-dir", dir, "-transports", strings.Join(transports, ","), "-spin", spinTime.String()}
+	if serverProfile != "" {
+		args = append(args, "-cpuprofile", serverProfile)
+	}
 	// If this process dies, the server's standard input ends; and in case
 	// that is ever not enough, the kernel sends it SIGTERM (it cleans up on
 	// either).
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	if s.cmd, err = selfCommand(syscall.SIGTERM, args...); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	s.cmd.Stderr = os.Stderr
 	if s.stdin, err = s.cmd.StdinPipe(); err == nil {
 		var stdout io.ReadCloser
 		if stdout, err = s.cmd.StdoutPipe(); err == nil {
 			if err = s.cmd.Start(); err == nil {
-				serversMu.Lock()
-				servers[s] = struct{}{}
-				serversMu.Unlock()
+				track(s)
 				err = s.waitReady(stdout)
 			}
 		}
@@ -131,9 +114,7 @@ func (s *server) stop() {
 			}
 		}
 		os.RemoveAll(s.dir)
-		serversMu.Lock()
-		delete(servers, s)
-		serversMu.Unlock()
+		untrack(s)
 	})
 }
 
@@ -147,9 +128,17 @@ func serveMain(args []string) {
 	dir := fs.String("dir", "", "directory for the Unix sockets")
 	transports := fs.String("transports", strings.Join(allTransports, ","), "transports to serve")
 	fs.DurationVar(&spinTime, "spin", spinTime, "shmipc ConsumerSpinTime")
+	profile := fs.String("cpuprofile", "", "write a CPU profile of the server to this file")
 	fs.Parse(args)
 	if *dir == "" {
 		log.Fatal("-dir is required")
+	}
+	stopProfile := func() {}
+	if *profile != "" {
+		var err error
+		if stopProfile, err = startProfile(*profile); err != nil {
+			log.Fatal(err)
+		}
 	}
 	// Ctrl-C reaches the whole process group; the client decides when the
 	// server stops (by closing our standard input), so that it can clean up.
@@ -217,6 +206,7 @@ func serveMain(args []string) {
 		c.Close() // removes the socket files
 	}
 	os.Remove(*dir) // the client removes it too; whoever comes second fails
+	stopProfile()
 	os.Exit(0)
 }
 
