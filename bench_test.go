@@ -1,6 +1,8 @@
 package shmipc
 
 import (
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -8,92 +10,236 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
+
+	"github.com/goshm/shmipc/internal/proctest"
 )
 
-// The parallel ping-pong benchmarks: every goroutine of b.RunParallel owns
-// one stream (shm) or one connection (UDS) and sends size bytes that a
-// server goroutine echoes. Both sides run in this process; the bytes still
-// cross shared memory or the kernel exactly as between two processes.
+// The ping-pong benchmarks: a client sends size bytes on a stream (shm) or
+// a Unix socket connection (uds) and a server goroutine echoes them. Both
+// sides run in this process; the bytes still cross shared memory or the
+// kernel exactly as between two processes (example/pingpong measures that).
+//
+// BenchmarkPingPong/streams=S/size=Z/transport=T runs exactly S client
+// goroutines, each with its own stream or connection, that together do b.N
+// round trips, so ns/op is wall time per round trip of the whole group.
+// Besides ns/op, B/op and allocs/op it reports slowest/fastest: the round
+// trips of the goroutine that did fewest divided by those of the one that
+// did most (1 is perfectly fair). Compare the transports with
+//
+//	benchstat -col /transport bench.txt
+//
+// BenchmarkParallelPingPong{ByShmipc,ByUds}{64B…4MB} are the older form:
+// b.RunParallel, GOMAXPROCS goroutines.
+//
+// -hogs N (go test -run XXX -bench PingPong . -hogs 2) runs every benchmark
+// while N CPU-bound processes compete for the cores: children of the test
+// binary that spin until the benchmark ends.
 
-func BenchmarkParallelPingPongByShmipc64B(b *testing.B)   { benchmarkShmipc(b, 64) }
-func BenchmarkParallelPingPongByShmipc512B(b *testing.B)  { benchmarkShmipc(b, 512) }
-func BenchmarkParallelPingPongByShmipc1KB(b *testing.B)   { benchmarkShmipc(b, 1<<10) }
-func BenchmarkParallelPingPongByShmipc4KB(b *testing.B)   { benchmarkShmipc(b, 4<<10) }
-func BenchmarkParallelPingPongByShmipc16KB(b *testing.B)  { benchmarkShmipc(b, 16<<10) }
-func BenchmarkParallelPingPongByShmipc32KB(b *testing.B)  { benchmarkShmipc(b, 32<<10) }
-func BenchmarkParallelPingPongByShmipc64KB(b *testing.B)  { benchmarkShmipc(b, 64<<10) }
-func BenchmarkParallelPingPongByShmipc256KB(b *testing.B) { benchmarkShmipc(b, 256<<10) }
-func BenchmarkParallelPingPongByShmipc512KB(b *testing.B) { benchmarkShmipc(b, 512<<10) }
-func BenchmarkParallelPingPongByShmipc1MB(b *testing.B)   { benchmarkShmipc(b, 1<<20) }
-func BenchmarkParallelPingPongByShmipc4MB(b *testing.B)   { benchmarkShmipc(b, 4<<20) }
+var (
+	benchHogs       = flag.Int("hogs", 0, "run the ping-pong benchmarks while this many CPU-bound processes compete for the cores")
+	benchOvercommit = flag.Bool("overcommit", false, "also run the shm ping-pong benchmarks whose messages in flight need more large slices than the default region has (see shmSlotsShort)")
+)
 
-func BenchmarkParallelPingPongByUds64B(b *testing.B)   { benchmarkUds(b, 64) }
-func BenchmarkParallelPingPongByUds512B(b *testing.B)  { benchmarkUds(b, 512) }
-func BenchmarkParallelPingPongByUds1KB(b *testing.B)   { benchmarkUds(b, 1<<10) }
-func BenchmarkParallelPingPongByUds4KB(b *testing.B)   { benchmarkUds(b, 4<<10) }
-func BenchmarkParallelPingPongByUds16KB(b *testing.B)  { benchmarkUds(b, 16<<10) }
-func BenchmarkParallelPingPongByUds32KB(b *testing.B)  { benchmarkUds(b, 32<<10) }
-func BenchmarkParallelPingPongByUds64KB(b *testing.B)  { benchmarkUds(b, 64<<10) }
-func BenchmarkParallelPingPongByUds256KB(b *testing.B) { benchmarkUds(b, 256<<10) }
-func BenchmarkParallelPingPongByUds512KB(b *testing.B) { benchmarkUds(b, 512<<10) }
-func BenchmarkParallelPingPongByUds1MB(b *testing.B)   { benchmarkUds(b, 1<<20) }
-func BenchmarkParallelPingPongByUds4MB(b *testing.B)   { benchmarkUds(b, 4<<20) }
-
-func benchSocketPath(b *testing.B) string {
-	return filepath.Join(b.TempDir(), fmt.Sprintf("bench_%d_%x.sock", os.Getpid(), rand.Uint32()))
+// pingPongSizes are the message sizes of the ping-pong benchmarks.
+var pingPongSizes = []struct {
+	name string
+	size int
+}{
+	{"64B", 64}, {"512B", 512}, {"1KB", 1 << 10}, {"4KB", 4 << 10}, {"16KB", 16 << 10},
+	{"32KB", 32 << 10}, {"64KB", 64 << 10}, {"256KB", 256 << 10}, {"512KB", 512 << 10},
+	{"1MB", 1 << 20}, {"4MB", 4 << 20},
 }
 
-func benchmarkShmipc(b *testing.B, size int) {
-	sock := benchSocketPath(b)
-	conf := DefaultConfig()
-	ln, err := Listen("unix", sock, conf)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer ln.Close()
-	defer serveEach(ln, func(c net.Conn) { shmEchoServer(c.(*Stream), size) })()
-	sess, err := Dial("unix", sock, conf)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer sess.Close()
+// pingPongStreams are the client counts of BenchmarkPingPong.
+var pingPongStreams = []int{1, 8, 64}
 
+func BenchmarkPingPong(b *testing.B) {
+	startBenchHogs(b, *benchHogs)
+	for _, streams := range pingPongStreams {
+		for _, sz := range pingPongSizes {
+			for _, tr := range benchTransports {
+				name := fmt.Sprintf("streams=%d/size=%s/transport=%s", streams, sz.name, tr.name)
+				b.Run(name, func(b *testing.B) { benchmarkStreams(b, tr, streams, sz.size) })
+			}
+		}
+	}
+}
+
+func BenchmarkParallelPingPongByShmipc64B(b *testing.B)  { benchmarkParallel(b, shmTransport, 64) }
+func BenchmarkParallelPingPongByShmipc512B(b *testing.B) { benchmarkParallel(b, shmTransport, 512) }
+func BenchmarkParallelPingPongByShmipc1KB(b *testing.B)  { benchmarkParallel(b, shmTransport, 1<<10) }
+func BenchmarkParallelPingPongByShmipc4KB(b *testing.B)  { benchmarkParallel(b, shmTransport, 4<<10) }
+func BenchmarkParallelPingPongByShmipc16KB(b *testing.B) { benchmarkParallel(b, shmTransport, 16<<10) }
+func BenchmarkParallelPingPongByShmipc32KB(b *testing.B) { benchmarkParallel(b, shmTransport, 32<<10) }
+func BenchmarkParallelPingPongByShmipc64KB(b *testing.B) { benchmarkParallel(b, shmTransport, 64<<10) }
+func BenchmarkParallelPingPongByShmipc256KB(b *testing.B) {
+	benchmarkParallel(b, shmTransport, 256<<10)
+}
+func BenchmarkParallelPingPongByShmipc512KB(b *testing.B) {
+	benchmarkParallel(b, shmTransport, 512<<10)
+}
+func BenchmarkParallelPingPongByShmipc1MB(b *testing.B) { benchmarkParallel(b, shmTransport, 1<<20) }
+func BenchmarkParallelPingPongByShmipc4MB(b *testing.B) { benchmarkParallel(b, shmTransport, 4<<20) }
+
+func BenchmarkParallelPingPongByUds64B(b *testing.B)   { benchmarkParallel(b, udsTransport, 64) }
+func BenchmarkParallelPingPongByUds512B(b *testing.B)  { benchmarkParallel(b, udsTransport, 512) }
+func BenchmarkParallelPingPongByUds1KB(b *testing.B)   { benchmarkParallel(b, udsTransport, 1<<10) }
+func BenchmarkParallelPingPongByUds4KB(b *testing.B)   { benchmarkParallel(b, udsTransport, 4<<10) }
+func BenchmarkParallelPingPongByUds16KB(b *testing.B)  { benchmarkParallel(b, udsTransport, 16<<10) }
+func BenchmarkParallelPingPongByUds32KB(b *testing.B)  { benchmarkParallel(b, udsTransport, 32<<10) }
+func BenchmarkParallelPingPongByUds64KB(b *testing.B)  { benchmarkParallel(b, udsTransport, 64<<10) }
+func BenchmarkParallelPingPongByUds256KB(b *testing.B) { benchmarkParallel(b, udsTransport, 256<<10) }
+func BenchmarkParallelPingPongByUds512KB(b *testing.B) { benchmarkParallel(b, udsTransport, 512<<10) }
+func BenchmarkParallelPingPongByUds1MB(b *testing.B)   { benchmarkParallel(b, udsTransport, 1<<20) }
+func BenchmarkParallelPingPongByUds4MB(b *testing.B)   { benchmarkParallel(b, udsTransport, 4<<20) }
+
+// benchmarkStreams runs b.N round trips of size bytes on streams clients
+// at once.
+func benchmarkStreams(b *testing.B, tr benchTransport, streams, size int) {
+	if tr.name == shmTransport.name && !*benchOvercommit {
+		if err := shmSlotsShort(DefaultConfig(), streams, size); err != nil {
+			b.Skipf("%v (-overcommit runs it anyway)", err)
+		}
+	}
+	connect := tr.serve(b, size)
+	clients := make([]pingClient, streams)
+	for i := range clients {
+		c, err := connect()
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer c.Close()
+		// One checked round trip each, untimed: it opens the stream on the
+		// server side and commits the memory it uses.
+		if err := c.roundTrip(); err != nil {
+			b.Fatal(err)
+		}
+		clients[i] = c
+	}
+
+	var (
+		issued atomic.Int64 // round trips taken by the clients so far
+		start  = make(chan struct{})
+		done   sync.WaitGroup
+		counts = make([]int, streams) // round trips per client
+		total  = int64(b.N)
+	)
+	for i, c := range clients {
+		done.Add(1)
+		go func() {
+			defer done.Done()
+			<-start
+			n := 0
+			for issued.Add(1) <= total {
+				if err := c.roundTrip(); err != nil {
+					b.Error(err)
+					break
+				}
+				n++
+			}
+			counts[i] = n
+		}()
+	}
+	b.SetBytes(2 * int64(size))
+	b.ReportAllocs()
+	b.ResetTimer()
+	close(start)
+	done.Wait()
+	b.StopTimer()
+	b.ReportMetric(slowestFastest(counts), "slowest/fastest")
+}
+
+// shmSlotsShort reports whether the requests of streams clients of the
+// shm echo can hold every slice of at least size bytes that a region of
+// conf has. Every message is reserved whole, so it takes one slice of its
+// size class or a larger one, and the echo server holds a request until it
+// has reserved the reply. When the requests hold all those slices, every
+// server waits for space (back-pressure) that only its own request could
+// give back: the round trips stall until WriteSpaceTimeout.
+func shmSlotsShort(conf *Config, streams, size int) error {
+	plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
+	if err != nil {
+		return err
+	}
+	slots := 0
+	for _, p := range plans {
+		if int(p.sliceCap) >= size {
+			slots += int(p.count)
+		}
+	}
+	if streams >= slots {
+		return fmt.Errorf("the requests of %d streams × %d B can hold all %d slices of at least %d B of the default region, and then the echo stalls",
+			streams, size, slots, size)
+	}
+	return nil
+}
+
+// slowestFastest is the smallest count divided by the largest.
+func slowestFastest(counts []int) float64 {
+	lo, hi := counts[0], counts[0]
+	for _, n := range counts {
+		lo, hi = min(lo, n), max(hi, n)
+	}
+	if hi == 0 {
+		return 0
+	}
+	return float64(lo) / float64(hi)
+}
+
+// benchmarkParallel runs the round trips with b.RunParallel, a client per
+// goroutine.
+func benchmarkParallel(b *testing.B, tr benchTransport, size int) {
+	startBenchHogs(b, *benchHogs)
+	connect := tr.serve(b, size)
 	b.SetBytes(2 * int64(size))
 	b.ReportAllocs()
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
-		st, err := sess.OpenStream()
+		c, err := connect()
 		if err != nil {
 			b.Error(err)
 			return
 		}
-		defer st.Close()
-		w, r := st.BufferWriter(), st.BufferReader()
+		defer c.Close()
 		for pb.Next() {
-			p, err := w.Reserve(size)
-			if err != nil {
+			if err := c.roundTrip(); err != nil {
 				b.Error(err)
 				return
 			}
-			p[0], p[size-1] = 1, 2
-			if err := st.Flush(false); err != nil {
-				b.Error(err)
-				return
-			}
-			reply, err := r.ReadBytes(size)
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			if reply[0] != 1 || reply[size-1] != 2 {
-				b.Error("echo differs")
-				return
-			}
-			st.ReleaseReadAndReuse()
 		}
 	})
 	b.StopTimer()
+}
+
+// pingClient is one client of an echo server.
+type pingClient interface {
+	// roundTrip sends a message and waits for its echo, checking its first
+	// and last byte.
+	roundTrip() error
+	Close() error
+}
+
+// benchTransport starts echo servers of one kind.
+type benchTransport struct {
+	name string
+	// serve starts an echo server for size-byte messages that stops at the
+	// end of the benchmark, and returns how to connect a client to it.
+	serve func(b *testing.B, size int) (connect func() (pingClient, error))
+}
+
+var (
+	shmTransport    = benchTransport{"shm", serveShm}
+	udsTransport    = benchTransport{"uds", serveUds}
+	benchTransports = []benchTransport{shmTransport, udsTransport}
+)
+
+var errEchoDiffers = errors.New("the echo differs from the message")
+
+func benchSocketPath(b *testing.B) string {
+	return filepath.Join(b.TempDir(), fmt.Sprintf("bench_%d_%x.sock", os.Getpid(), rand.Uint32()))
 }
 
 // serveEach runs serve on every connection ln accepts until ln is closed.
@@ -114,6 +260,37 @@ func serveEach(ln net.Listener, serve func(net.Conn)) (wait func()) {
 		}
 	}()
 	return servers.Wait
+}
+
+// ---- shm ---------------------------------------------------------------------
+
+// serveShm listens for shmipc sessions and echoes on their streams. All
+// clients share one session, a stream each.
+func serveShm(b *testing.B, size int) func() (pingClient, error) {
+	sock := benchSocketPath(b)
+	conf := DefaultConfig()
+	ln, err := Listen("unix", sock, conf)
+	if err != nil {
+		b.Fatal(err)
+	}
+	wait := serveEach(ln, func(c net.Conn) { shmEchoServer(c.(*Stream), size) })
+	sess, err := Dial("unix", sock, conf)
+	if err != nil {
+		ln.Close()
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		sess.Close()
+		ln.Close()
+		wait()
+	})
+	return func() (pingClient, error) {
+		st, err := sess.OpenStream()
+		if err != nil {
+			return nil, err
+		}
+		return &shmClient{st: st, size: size}, nil
+	}
 }
 
 // shmEchoServer echoes size-byte messages, zero-copy in and out.
@@ -137,14 +314,46 @@ func shmEchoServer(st *Stream, size int) {
 	}
 }
 
-func benchmarkUds(b *testing.B, size int) {
+// shmClient serialises its message straight into shared memory (Reserve)
+// and reads the echo in place (ReadBytes).
+type shmClient struct {
+	st   *Stream
+	size int
+}
+
+func (c *shmClient) roundTrip() error {
+	p, err := c.st.BufferWriter().Reserve(c.size)
+	if err != nil {
+		return err
+	}
+	p[0], p[c.size-1] = 1, 2
+	if err := c.st.Flush(false); err != nil {
+		return err
+	}
+	reply, err := c.st.BufferReader().ReadBytes(c.size)
+	if err != nil {
+		return err
+	}
+	if reply[0] != 1 || reply[c.size-1] != 2 {
+		return errEchoDiffers
+	}
+	c.st.ReleaseReadAndReuse()
+	return nil
+}
+
+func (c *shmClient) Close() error { return c.st.Close() }
+
+// ---- uds ---------------------------------------------------------------------
+
+// serveUds listens on a Unix socket and echoes on every connection; each
+// client has its own connection.
+func serveUds(b *testing.B, size int) func() (pingClient, error) {
 	sock := benchSocketPath(b)
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer ln.Close()
-	defer serveEach(ln, func(c net.Conn) {
+	wait := serveEach(ln, func(c net.Conn) {
 		defer c.Close()
 		buf := make([]byte, size)
 		for {
@@ -155,34 +364,99 @@ func benchmarkUds(b *testing.B, size int) {
 				return
 			}
 		}
-	})()
-
-	b.SetBytes(2 * int64(size))
-	b.ReportAllocs()
-	b.ResetTimer()
-	b.RunParallel(func(pb *testing.PB) {
+	})
+	var (
+		mu      sync.Mutex
+		clients []net.Conn
+	)
+	b.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for _, c := range clients {
+			c.Close() // ends its server; closing twice is harmless
+		}
+		mu.Unlock()
+		wait()
+	})
+	return func() (pingClient, error) {
 		c, err := net.Dial("unix", sock)
 		if err != nil {
-			b.Error(err)
-			return
+			return nil, err
 		}
-		defer c.Close()
-		out, in := make([]byte, size), make([]byte, size)
-		for pb.Next() {
-			out[0], out[size-1] = 1, 2
-			if _, err := c.Write(out); err != nil {
-				b.Error(err)
-				return
-			}
-			if _, err := io.ReadFull(c, in); err != nil {
-				b.Error(err)
-				return
-			}
-			if in[0] != 1 || in[size-1] != 2 {
-				b.Error("echo differs")
-				return
-			}
-		}
-	})
-	b.StopTimer()
+		mu.Lock()
+		clients = append(clients, c)
+		mu.Unlock()
+		return &udsClient{c: c, out: make([]byte, size), in: make([]byte, size)}, nil
+	}
 }
+
+// udsClient copies its message into the kernel and the echo out of it.
+type udsClient struct {
+	c       net.Conn
+	out, in []byte
+}
+
+func (c *udsClient) roundTrip() error {
+	n := len(c.out)
+	c.out[0], c.out[n-1] = 1, 2
+	if _, err := c.c.Write(c.out); err != nil {
+		return err
+	}
+	if _, err := io.ReadFull(c.c, c.in); err != nil {
+		return err
+	}
+	if c.in[0] != 1 || c.in[n-1] != 2 {
+		return errEchoDiffers
+	}
+	return nil
+}
+
+func (c *udsClient) Close() error { return c.c.Close() }
+
+// ---- CPU hogs ----------------------------------------------------------------
+
+// benchHogRole is the proctest role of a CPU hog child.
+const benchHogRole = "cpu-hog"
+
+// startBenchHogs starts n CPU hogs, child processes that spin on one core
+// each, and stops them when b ends.
+func startBenchHogs(b *testing.B, n int) {
+	for range n {
+		c := proctest.Start(b, proctest.Config{
+			TestName: "TestBenchHogChild",
+			Role:     benchHogRole,
+			Timeout:  24 * time.Hour, // a full benchmark run takes long; Stop and the parent's death end it
+		})
+		if _, err := c.WaitReady(10 * time.Second); err != nil {
+			b.Fatalf("CPU hog did not start: %v\n%s", err, c.Output())
+		}
+		b.Cleanup(func() {
+			if err := c.Stop(10 * time.Second); err != nil {
+				b.Errorf("CPU hog: %v\n%s", err, c.Output())
+			}
+		})
+	}
+}
+
+// TestBenchHogChild is the CPU hog of the contended benchmarks: started by
+// startBenchHogs, it spins until its stdin closes.
+func TestBenchHogChild(t *testing.T) {
+	if proctest.Role() != benchHogRole {
+		t.Skip("helper process: a CPU hog for the ping-pong benchmarks run with -hogs")
+	}
+	stop := proctest.StdinClosed()
+	proctest.Ready()
+	for {
+		select {
+		case <-stop:
+			return
+		default:
+		}
+		for range 1 << 20 {
+			hogSink++
+		}
+	}
+}
+
+// hogSink is what the CPU hog computes, kept so that its loop stays.
+var hogSink uint64

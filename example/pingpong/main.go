@@ -5,6 +5,14 @@
 //	go run ./example/pingpong                      # all sizes and transports, about 30 s
 //	go run ./example/pingpong -quick               # a few seconds, for CI
 //	go run ./example/pingpong -sizes 64,4k,1m -transports shm,uds -n 50000 -json out.json
+//	go run ./example/pingpong -streams 64          # 64 streams × 4 KiB at once, shm and uds, 5 rounds
+//	go run ./example/pingpong -streams 64 -hogs 2  # the same while 2 CPU-bound processes compete
+//
+// With -streams N it measures many streams at once instead (streams.go):
+// throughput, latency percentiles, fairness between the streams and CPU
+// per round trip, the transports taking turns for -rounds rounds. With
+// -hogs N, in either mode, N CPU-bound child processes spin while it
+// measures (hog.go).
 //
 // It starts itself again as an echo server in a child process (the hidden
 // first argument -serve), then, in this process, sends a message of each
@@ -33,10 +41,8 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -45,14 +51,11 @@ import (
 	"math"
 	"net"
 	"os"
-	"os/exec"
 	"os/signal"
-	"path/filepath"
 	"runtime"
 	"runtime/pprof"
 	"slices"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -90,11 +93,19 @@ type options struct {
 	jsonPath   string        // "" for none, "-" for stdout
 	minRun     time.Duration // short round trips are repeated for at least this long
 	maxRun     time.Duration // cap on the timed part of one measurement
+	hogs       int           // CPU-bound processes that run alongside the measurements
+
+	// The many-streams mode (streams > 0, streams.go).
+	streams  int           // clients at once, a stream or connection each
+	duration time.Duration // timed part of one measurement
+	rounds   int           // measurements of each transport and size, alternating
 }
 
+// serverProfile is where the echo server writes a CPU profile ("" for none).
+var serverProfile string
+
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == serveArg {
-		serveMain(os.Args[2:])
+	if childMain() {
 		return
 	}
 	def := defaultOptions()
@@ -107,25 +118,24 @@ func main() {
 	flag.DurationVar(&def.minRun, "minrun", def.minRun, "repeat short round trips beyond n until a measurement has taken this long (for accurate CPU times)")
 	flag.DurationVar(&def.maxRun, "maxrun", def.maxRun, "stop a measurement's timed round trips after this long")
 	flag.DurationVar(&spinTime, "spin", spinTime, "shmipc ConsumerSpinTime on both sides (how long a waiting receiver polls before it sleeps)")
+	flag.IntVar(&def.hogs, "hogs", def.hogs, "run everything while this many CPU-bound child processes compete for the cores (the contended variant)")
+	flag.IntVar(&def.streams, "streams", def.streams, "many-streams mode: this many clients at once, each with its own stream (shm) or connection, for -duration, -rounds times (default sizes 4k, transports shm,uds)")
+	flag.DurationVar(&def.duration, "duration", def.duration, "many-streams mode: how long each measurement runs")
+	flag.IntVar(&def.rounds, "rounds", def.rounds, "many-streams mode: how often each transport is measured, alternating with the others")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the client process to this file")
-	quick := flag.Bool("quick", false, "a small run for CI: 2 sizes, 300 round trips, 0.2 s idle (other flags still apply)")
+	flag.StringVar(&serverProfile, "server-cpuprofile", "", "write a CPU profile of the echo server process to this file")
+	quick := flag.Bool("quick", false, "a small run for CI: 2 sizes, 300 round trips, 0.2 s idle; with -streams 0.2 s per measurement, 2 rounds (other flags still apply)")
 	flag.Usage = func() {
-		fmt.Fprintf(flag.CommandLine.Output(), "usage: pingpong [flags]\n\nMeasures round-trip latency between this process and an echo server child\nover shmipc, a Unix socket and TCP loopback.\n\n")
+		fmt.Fprintf(flag.CommandLine.Output(), "usage: pingpong [flags]\n\nMeasures round-trip latency between this process and an echo server child\nover shmipc, a Unix socket and TCP loopback; with -streams, throughput,\nlatency and fairness of many streams at once.\n\n")
 		flag.PrintDefaults()
 	}
 	flag.Parse()
 	if *cpuProfile != "" {
-		f, err := os.Create(*cpuProfile)
+		stop, err := startProfile(*cpuProfile)
 		if err != nil {
 			log.Fatal(err)
 		}
-		if err := pprof.StartCPUProfile(f); err != nil {
-			log.Fatal(err)
-		}
-		defer func() {
-			pprof.StopCPUProfile()
-			f.Close()
-		}()
+		defer stop()
 	}
 	if flag.NArg() > 0 {
 		flag.Usage()
@@ -140,21 +150,25 @@ func main() {
 	if opts.transports, err = parseTransports(*transports); err != nil {
 		fail(err)
 	}
+	set := map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if opts.streams > 0 {
+		opts = streamsOptions(opts, set)
+	}
 	if *quick {
-		set := map[string]bool{}
-		flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
 		opts = quickOptions(opts, set)
 	}
-	if opts.n < 1 {
-		fail(fmt.Errorf("-n %d: want at least 1", opts.n))
+	if err := opts.check(); err != nil {
+		fail(err)
 	}
 
-	// Ctrl-C: stop the server and remove its sockets before going.
+	// Ctrl-C: stop the server and the hogs, and remove the server's
+	// sockets before going.
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
 	go func() {
 		<-sig
-		stopAllServers()
+		stopChildren()
 		os.Exit(130)
 	}()
 
@@ -162,9 +176,51 @@ func main() {
 	if opts.jsonPath == "-" {
 		table = os.Stderr
 	}
-	if _, err := run(opts, table); err != nil {
+	if opts.streams > 0 {
+		if set["svg"] {
+			fmt.Fprintln(table, "pingpong: -svg is ignored with -streams")
+		}
+		_, err = runStreams(opts, table)
+	} else {
+		_, err = run(opts, table)
+	}
+	if err != nil {
 		fail(err)
 	}
+}
+
+// check reports the first option that makes no sense.
+func (o options) check() error {
+	switch {
+	case o.n < 1:
+		return fmt.Errorf("-n %d: want at least 1", o.n)
+	case o.hogs < 0:
+		return fmt.Errorf("-hogs %d: want 0 or more", o.hogs)
+	case o.streams < 0:
+		return fmt.Errorf("-streams %d: want 0 (single-stream latency) or more", o.streams)
+	case o.streams > 0 && o.duration <= 0:
+		return fmt.Errorf("-duration %v: want more than 0", o.duration)
+	case o.streams > 0 && o.rounds < 1:
+		return fmt.Errorf("-rounds %d: want at least 1", o.rounds)
+	}
+	return nil
+}
+
+// childMain runs this process as the echo server or a CPU hog if its first
+// argument says so, and reports whether it did.
+func childMain() bool {
+	if len(os.Args) < 2 {
+		return false
+	}
+	switch os.Args[1] {
+	case serveArg:
+		serveMain(os.Args[2:])
+	case hogArg:
+		hogMain()
+	default:
+		return false
+	}
+	return true
 }
 
 func defaultOptions() options {
@@ -176,14 +232,22 @@ func defaultOptions() options {
 		idle:       2 * time.Second,
 		minRun:     time.Second,
 		maxRun:     4 * time.Second,
+		duration:   2 * time.Second,
+		rounds:     5,
 	}
 }
 
 // quickOptions turns o into the -quick run, except for what the flags in
 // set chose explicitly.
 func quickOptions(o options, set map[string]bool) options {
-	if !set["sizes"] {
+	if !set["sizes"] && o.streams == 0 {
 		o.sizes = []int{64, 256 << 10} // one small, one large
+	}
+	if !set["duration"] {
+		o.duration = 200 * time.Millisecond
+	}
+	if !set["rounds"] {
+		o.rounds = 2
 	}
 	if !set["n"] {
 		o.n = 300
@@ -198,6 +262,22 @@ func quickOptions(o options, set map[string]bool) options {
 		o.maxRun = time.Second
 	}
 	return o
+}
+
+// startProfile starts writing a CPU profile of this process to path.
+func startProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}, nil
 }
 
 func fail(err error) {
@@ -225,15 +305,65 @@ func parseTransports(s string) ([]string, error) {
 
 // report is everything a run measured.
 type report struct {
-	Machine   string      `json:"machine"`
-	Go        string      `json:"go"`
-	Time      time.Time   `json:"time"`
-	ClientPID int         `json:"client_pid"`
-	ServerPID int         `json:"server_pid"`
-	Results   []summary   `json:"results"`
-	Idle      *idleResult `json:"idle_shm_session,omitempty"`
+	runEnv
+	Results []summary   `json:"results"`
+	Idle    *idleResult `json:"idle_shm_session,omitempty"`
+}
+
+// runEnv is what a run records about where it ran.
+type runEnv struct {
+	Machine   string    `json:"machine"`
+	Go        string    `json:"go"`
+	Time      time.Time `json:"time"`
+	ClientPID int       `json:"client_pid"`
+	ServerPID int       `json:"server_pid"`
+	Load      string    `json:"load_average"` // 1, 5 and 15 min, before the run
+	LoadAfter string    `json:"load_average_after"`
+	Hogs      int       `json:"cpu_hogs"`
+	HogPIDs   []int     `json:"cpu_hog_pids,omitempty"`
+	HogsCores float64   `json:"cpu_hogs_cores_used"` // CPU time the hogs got, in cores
 
 	dir string // the server's socket directory, removed by now
+}
+
+// startRun starts the echo server for the transports of opts and the CPU
+// hogs. The caller stops both.
+func startRun(opts options) (*server, *contention, runEnv, error) {
+	srv, err := startServer(opts.transports)
+	if err != nil {
+		return nil, nil, runEnv{}, err
+	}
+	load := loadAverage()
+	hogs, err := startContention(opts.hogs)
+	if err != nil {
+		srv.stop()
+		return nil, nil, runEnv{}, err
+	}
+	return srv, hogs, runEnv{
+		Machine:   machine(),
+		Go:        goVersion(),
+		Time:      time.Now().UTC().Truncate(time.Second),
+		ClientPID: os.Getpid(),
+		ServerPID: srv.pid(),
+		Load:      load,
+		Hogs:      opts.hogs,
+		HogPIDs:   hogs.pids(),
+		dir:       srv.dir,
+	}, nil
+}
+
+// platform is the line under a run's title: machine, Go, load and hogs.
+func (e *runEnv) platform(hogs *contention) string {
+	return fmt.Sprintf("%s · %s · GOMAXPROCS %d · load average %s · %s", e.Machine, e.Go, runtime.GOMAXPROCS(0), e.Load, hogs.describe())
+}
+
+// finish stops the hogs and records what they got and the load after the
+// run, and returns the line that says so.
+func (e *runEnv) finish(hogs *contention) string {
+	e.HogsCores = hogs.cores()
+	hogs.stop()
+	e.LoadAfter = loadAverage()
+	return "load average after: " + e.LoadAfter + hogs.summary(e.HogsCores)
 }
 
 // idleResult is the CPU an open, unused shm session costs each process.
@@ -246,21 +376,15 @@ type idleResult struct {
 // run starts the echo server, measures every transport and size, prints the
 // table to out as rows complete, and writes the chart and the JSON file.
 func run(opts options, out io.Writer) (*report, error) {
-	srv, err := startServer(opts.transports)
+	srv, hogs, env, err := startRun(opts)
 	if err != nil {
 		return nil, err
 	}
 	defer srv.stop()
-	rep := &report{
-		Machine:   machine(),
-		Go:        fmt.Sprintf("%s %s/%s", runtime.Version(), runtime.GOOS, runtime.GOARCH),
-		Time:      time.Now().UTC().Truncate(time.Second),
-		ClientPID: os.Getpid(),
-		ServerPID: srv.pid(),
-		dir:       srv.dir,
-	}
+	defer hogs.stop()
+	rep := &report{runEnv: env}
 	fmt.Fprintf(out, "pingpong: round trips between two processes (client pid %d, echo server pid %d)\n", rep.ClientPID, rep.ServerPID)
-	fmt.Fprintf(out, "%s · %s · GOMAXPROCS %d\n\n", rep.Machine, rep.Go, runtime.GOMAXPROCS(0))
+	fmt.Fprintf(out, "%s\n\n", rep.platform(hogs))
 	fmt.Fprintf(out, rowFormat, "transport", "size", "n", "p50", "p99", "p99.9", "mean", "MB/s", "client CPU/op", "server CPU/op")
 	emit := func(s summary) {
 		rep.Results = append(rep.Results, s)
@@ -294,6 +418,7 @@ func run(opts options, out io.Writer) (*report, error) {
 		fmt.Fprintf(out, "idle: one open shm session, unused for %.1f s: client %.2f %%, server %.2f %% of a core\n",
 			rep.Idle.Seconds, rep.Idle.ClientPct, rep.Idle.ServerPct)
 	}
+	fmt.Fprintln(out, rep.finish(hogs))
 	srv.stop() // before writing files, so that a crash there leaves nothing behind
 
 	if opts.svg != "" {
@@ -303,17 +428,7 @@ func run(opts options, out io.Writer) (*report, error) {
 		fmt.Fprintf(out, "chart: %s\n", opts.svg)
 	}
 	if opts.jsonPath != "" {
-		b, err := json.MarshalIndent(rep, "", "  ")
-		if err != nil {
-			return nil, err
-		}
-		b = append(b, '\n')
-		if opts.jsonPath == "-" {
-			_, err = os.Stdout.Write(b)
-		} else {
-			err = os.WriteFile(opts.jsonPath, b, 0o644)
-		}
-		if err != nil {
+		if err := writeJSON(opts.jsonPath, rep); err != nil {
 			return nil, err
 		}
 	}
@@ -469,6 +584,26 @@ func (p *shmPinger) roundTrip(verify bool) error {
 	return nil
 }
 
+// openShm opens a stream on sess and announces the message size.
+func openShm(sess *shmipc.Session, conf *shmipc.Config, size int) (*shmPinger, error) {
+	st, err := sess.OpenStream()
+	if err != nil {
+		return nil, err
+	}
+	_, err = st.BufferWriter().WriteBytes(sizeHeader(size))
+	if err == nil {
+		err = st.Flush(false)
+	}
+	if err != nil {
+		st.Close()
+		return nil, err
+	}
+	return &shmPinger{st: st, payload: newPayload(size), chunk: sliceChunk(conf)}, nil
+}
+
+// Close closes the stream.
+func (p *shmPinger) Close() error { return p.st.Close() }
+
 // runShm measures every size on one session, a stream per size, then
 // watches the session sit idle.
 func runShm(opts options, srv *server, emit func(summary)) (*idleResult, error) {
@@ -478,22 +613,8 @@ func runShm(opts options, srv *server, emit func(summary)) (*idleResult, error) 
 		return nil, err
 	}
 	defer sess.Close()
-	open := func(size int) (*shmPinger, error) {
-		st, err := sess.OpenStream()
-		if err != nil {
-			return nil, err
-		}
-		if _, err = st.BufferWriter().WriteBytes(sizeHeader(size)); err == nil {
-			err = st.Flush(false)
-		}
-		if err != nil {
-			st.Close()
-			return nil, err
-		}
-		return &shmPinger{st: st, payload: newPayload(size), chunk: sliceChunk(conf)}, nil
-	}
 	for _, size := range opts.sizes {
-		p, err := open(size)
+		p, err := openShm(sess, conf, size)
 		if err != nil {
 			return nil, err
 		}
@@ -509,7 +630,7 @@ func runShm(opts options, srv *server, emit func(summary)) (*idleResult, error) 
 	}
 	// An open session with an open stream that has just been used, then
 	// nothing: what does it cost to keep it?
-	p, err := open(64)
+	p, err := openShm(sess, conf, 64)
 	if err != nil {
 		return nil, err
 	}
@@ -553,289 +674,35 @@ func (p *connPinger) roundTrip(verify bool) error {
 	return nil
 }
 
+// openConn connects to addr and announces the message size.
+func openConn(network, addr string, size int) (*connPinger, error) {
+	c, err := net.Dial(network, addr) // TCP_NODELAY is Go's default
+	if err != nil {
+		return nil, err
+	}
+	if _, err := c.Write(sizeHeader(size)); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return &connPinger{c: c, payload: newPayload(size), buf: make([]byte, size)}, nil
+}
+
+// Close closes the connection.
+func (p *connPinger) Close() error { return p.c.Close() }
+
 // runConn measures every size over a plain socket, a connection per size.
 func runConn(opts options, srv *server, network, addr, name string, emit func(summary)) error {
 	for _, size := range opts.sizes {
-		c, err := net.Dial(network, addr) // TCP_NODELAY is Go's default
+		p, err := openConn(network, addr, size)
 		if err != nil {
 			return err
 		}
-		p := &connPinger{c: c, payload: newPayload(size), buf: make([]byte, size)}
-		_, err = c.Write(sizeHeader(size))
-		var s summary
-		if err == nil {
-			s, err = measure(name, size, p, opts, srv.pid())
-		}
-		c.Close()
+		s, err := measure(name, size, p, opts, srv.pid())
+		p.Close()
 		if err != nil {
 			return err
 		}
 		emit(s)
 	}
 	return nil
-}
-
-// ---- the server process ----------------------------------------------------
-
-// server is the echo server child process.
-type server struct {
-	cmd     *exec.Cmd
-	stdin   io.WriteCloser
-	dir     string
-	shmSock string
-	udsSock string
-	tcpAddr string
-	once    sync.Once
-}
-
-var (
-	serversMu sync.Mutex
-	servers   = map[*server]struct{}{}
-)
-
-func stopAllServers() {
-	serversMu.Lock()
-	all := make([]*server, 0, len(servers))
-	for s := range servers {
-		all = append(all, s)
-	}
-	serversMu.Unlock()
-	for _, s := range all {
-		s.stop()
-	}
-}
-
-// startServer starts this program as the echo server and waits until it
-// listens.
-func startServer(transports []string) (*server, error) {
-	self, err := os.Executable()
-	if err != nil {
-		return nil, err
-	}
-	dir, err := os.MkdirTemp("", "pingpong-")
-	if err != nil {
-		return nil, err
-	}
-	s := &server{dir: dir, shmSock: filepath.Join(dir, "shm.sock"), udsSock: filepath.Join(dir, "uds.sock")}
-	s.cmd = exec.Command(self, serveArg, "-dir", dir, "-transports", strings.Join(transports, ","), "-spin", spinTime.String())
-	s.cmd.Stderr = os.Stderr
-	// If this process dies, the server's standard input ends; and in case
-	// that is ever not enough, the kernel sends it SIGTERM (it cleans up on
-	// either).
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
-	if s.stdin, err = s.cmd.StdinPipe(); err == nil {
-		var stdout io.ReadCloser
-		if stdout, err = s.cmd.StdoutPipe(); err == nil {
-			if err = s.cmd.Start(); err == nil {
-				serversMu.Lock()
-				servers[s] = struct{}{}
-				serversMu.Unlock()
-				err = s.waitReady(stdout)
-			}
-		}
-	}
-	if err != nil {
-		s.stop()
-		return nil, fmt.Errorf("starting the echo server: %w", err)
-	}
-	return s, nil
-}
-
-// waitReady reads the server's "ready <tcp address>" line.
-func (s *server) waitReady(stdout io.Reader) error {
-	type line struct {
-		text string
-		err  error
-	}
-	ch := make(chan line, 1)
-	go func() {
-		br := bufio.NewReader(stdout)
-		text, err := br.ReadString('\n')
-		ch <- line{text, err}
-		io.Copy(io.Discard, br) // until the server exits
-	}()
-	select {
-	case l := <-ch:
-		f := strings.Fields(l.text)
-		if l.err != nil || len(f) != 2 || f[0] != "ready" {
-			return fmt.Errorf("it did not report ready (%q, %v)", l.text, l.err)
-		}
-		s.tcpAddr = f[1]
-		return nil
-	case <-time.After(10 * time.Second):
-		return errors.New("it did not report ready within 10 s")
-	}
-}
-
-func (s *server) pid() int { return s.cmd.Process.Pid }
-
-// stop closes the server's standard input, which makes it exit, waits for
-// it (killing it if it takes more than 3 s) and removes its directory.
-func (s *server) stop() {
-	s.once.Do(func() {
-		if s.cmd.Process != nil {
-			s.stdin.Close()
-			done := make(chan struct{})
-			go func() { s.cmd.Wait(); close(done) }()
-			select {
-			case <-done:
-			case <-time.After(3 * time.Second):
-				s.cmd.Process.Kill()
-				<-done
-			}
-		}
-		os.RemoveAll(s.dir)
-		serversMu.Lock()
-		delete(servers, s)
-		serversMu.Unlock()
-	})
-}
-
-// serveMain is the echo server: it listens on the transports asked for,
-// prints "ready <tcp address or ->" and echoes until its standard input
-// ends.
-func serveMain(args []string) {
-	log.SetFlags(0)
-	log.SetPrefix("pingpong server: ")
-	fs := flag.NewFlagSet("pingpong "+serveArg, flag.ExitOnError)
-	dir := fs.String("dir", "", "directory for the Unix sockets")
-	transports := fs.String("transports", strings.Join(allTransports, ","), "transports to serve")
-	fs.DurationVar(&spinTime, "spin", spinTime, "shmipc ConsumerSpinTime")
-	fs.Parse(args)
-	if *dir == "" {
-		log.Fatal("-dir is required")
-	}
-	// Ctrl-C reaches the whole process group; the client decides when the
-	// server stops (by closing our standard input), so that it can clean up.
-	// SIGTERM (also sent by the kernel if the client dies) stops it at once.
-	signal.Ignore(syscall.SIGINT)
-	stop := make(chan struct{}, 2)
-	term := make(chan os.Signal, 1)
-	signal.Notify(term, syscall.SIGTERM)
-	go func() {
-		<-term
-		stop <- struct{}{}
-	}()
-
-	var closers []io.Closer
-	tcpAddr := "-"
-	chunk := sliceChunk(shmipc.DefaultConfig())
-	for _, t := range strings.Split(*transports, ",") {
-		switch t {
-		case "shm":
-			ln, err := shmipc.Listen("unix", filepath.Join(*dir, "shm.sock"), shmConfig())
-			if err != nil {
-				log.Fatal(err)
-			}
-			closers = append(closers, ln)
-			go func() {
-				for {
-					st, err := ln.AcceptStream()
-					if err != nil {
-						return
-					}
-					go echoShm(st, chunk)
-				}
-			}()
-		case "uds", "tcp":
-			network, addr := "unix", filepath.Join(*dir, "uds.sock")
-			if t == "tcp" {
-				network, addr = "tcp", "127.0.0.1:0"
-			}
-			ln, err := net.Listen(network, addr)
-			if err != nil {
-				log.Fatal(err)
-			}
-			if t == "tcp" {
-				tcpAddr = ln.Addr().String()
-			}
-			closers = append(closers, ln)
-			go func() {
-				for {
-					c, err := ln.Accept()
-					if err != nil {
-						return
-					}
-					go echoConn(c)
-				}
-			}()
-		}
-	}
-	fmt.Printf("ready %s\n", tcpAddr)
-	go func() {
-		io.Copy(io.Discard, os.Stdin) // returns when the client closes the pipe or dies
-		stop <- struct{}{}
-	}()
-	<-stop
-	for _, c := range closers {
-		c.Close() // removes the socket files
-	}
-	os.Remove(*dir) // the client removes it too; whoever comes second fails
-	os.Exit(0)
-}
-
-// echoShm echoes messages of the announced size, reading them in place
-// from shared memory and copying them into the reply's shared memory.
-func echoShm(st *shmipc.Stream, chunk int) {
-	defer st.Close()
-	r, w := st.BufferReader(), st.BufferWriter()
-	head, err := r.ReadBytes(4)
-	if err != nil {
-		return
-	}
-	size := int(binary.BigEndian.Uint32(head))
-	st.ReleaseReadAndReuse()
-	if size > maxSize {
-		log.Printf("shm stream %d: message size %d is too large", st.ID(), size)
-		return
-	}
-	for {
-		for off := 0; off < size; {
-			c := min(chunk, size-off)
-			b, err := r.ReadBytes(c)
-			if err != nil {
-				if off > 0 || !errors.Is(err, io.EOF) {
-					log.Printf("shm stream %d: %v", st.ID(), err)
-				}
-				return
-			}
-			if _, err := w.WriteBytes(b); err != nil {
-				log.Printf("shm stream %d: %v", st.ID(), err)
-				return
-			}
-			off += c
-		}
-		st.ReleaseReadAndReuse()
-		if err := st.Flush(false); err != nil {
-			log.Printf("shm stream %d: %v", st.ID(), err)
-			return
-		}
-	}
-}
-
-// echoConn echoes messages of the announced size on a plain connection.
-func echoConn(c net.Conn) {
-	defer c.Close()
-	var head [4]byte
-	if _, err := io.ReadFull(c, head[:]); err != nil {
-		return
-	}
-	size := int(binary.BigEndian.Uint32(head[:]))
-	if size > maxSize {
-		log.Printf("%s: message size %d is too large", c.LocalAddr().Network(), size)
-		return
-	}
-	buf := make([]byte, size)
-	for {
-		if _, err := io.ReadFull(c, buf); err != nil {
-			if !errors.Is(err, io.EOF) {
-				log.Printf("%s: %v", c.LocalAddr().Network(), err)
-			}
-			return
-		}
-		if _, err := c.Write(buf); err != nil {
-			log.Printf("%s: %v", c.LocalAddr().Network(), err)
-			return
-		}
-	}
 }

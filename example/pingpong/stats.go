@@ -230,3 +230,19 @@ func parseSizes(s string) ([]int, error) {
 	slices.Sort(out)
 	return slices.Compact(out), nil
 }
+
+// loadAverage is the system's 1, 5 and 15 minute load average, as
+// uptime(1) prints it, or "?" where /proc/loadavg cannot be read.
+func loadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	f := strings.Fields(string(b))
+	if err != nil || len(f) < 3 {
+		return "?"
+	}
+	return strings.Join(f[:3], " ")
+}
+
+// goVersion is the Go release and platform this program runs on.
+func goVersion() string {
+	return fmt.Sprintf("%s %s/%s", runtime.Version(), runtime.GOOS, runtime.GOARCH)
+}
