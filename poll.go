@@ -40,9 +40,11 @@ import (
 //     spurious wake-ups cost microseconds;
 //   - each session adapts how long it spins to how often spinning found
 //     something (consumer below);
-//   - the whole process spins on at most spinSlots goroutines at once (half
-//     the CPUs this process may use, none on a single CPU), whether receive
-//     loops or readers;
+//   - the whole process spins on at most half the CPUs it may use at once
+//     (none on a single CPU), whether receive loops or readers, leaving the
+//     other half to the peer process's spinner; a session whose peer is this
+//     very process (both ends in one program) may take every CPU, since its
+//     peer's spinner is counted here too;
 //   - a spinner that notices it was descheduled for long (the CPU is
 //     oversubscribed) stops, and spinning is switched off process-wide for a
 //     cool-down that doubles while the pressure lasts.
@@ -134,10 +136,16 @@ func (s *Session) consume(resume bool) error {
 	}
 	first := true
 	for {
-		n, err := s.drainAll()
+		n, paused, err := s.drainAll()
 		if err != nil {
 			s.stopPolling()
 			return err
+		}
+		if paused {
+			// A close waits for frames on the socket: read them, then come
+			// back here, still a poller (as for spinFramesWaiting).
+			s.resume = true
+			return nil
 		}
 		if first && n > 0 {
 			s.cons.woken()
@@ -166,21 +174,26 @@ func (s *Session) consume(resume bool) error {
 
 // drainAll waits for the token and drains everything, closes included: it
 // is the receive loop's drain. After it returns, every element published
-// before the call has been dispatched.
-func (s *Session) drainAll() (int, error) {
+// before the call has been dispatched, unless paused: a close waits for the
+// socket to catch up (Session.closeAfterSocket), and what follows it waits
+// too.
+func (s *Session) drainAll() (n int, paused bool, err error) {
 	for !s.cons.token.CompareAndSwap(false, true) {
 		runtime.Gosched()
 	}
 	defer s.cons.token.Store(false) // deferred: also after a fault
-	n, _, err := s.drainHeld(true)
-	return n, err
+	return s.drainHeld(true)
 }
 
 // drainHeld pops and dispatches the elements published so far; the caller
-// holds the token. A reader (closes false) stops before a close element and
-// reports it: only the receive loop applies closes.
-func (s *Session) drainHeld(closes bool) (n int, closeAhead bool, err error) {
+// holds the token. It stops (stopped) while a close is pending. A reader
+// (closes false) also stops before a close element: only the receive loop
+// applies closes.
+func (s *Session) drainHeld(closes bool) (n int, stopped bool, err error) {
 	for {
+		if s.closesPending.Load() {
+			return n, true, nil
+		}
 		e, ok, err := s.recvQ.peek()
 		if err != nil || !ok {
 			return n, false, err
@@ -196,9 +209,13 @@ func (s *Session) drainHeld(closes bool) (n int, closeAhead bool, err error) {
 	}
 }
 
-// tryDrain drains as a reader if the queue has elements and nobody else is
-// at it.
+// tryDrain drains as a reader if the queue has elements, no close is
+// pending and nobody else is at it. closeAhead reports that the receive
+// loop must go on (a close is next or pending).
 func (s *Session) tryDrain() (n int, closeAhead bool, err error) {
+	if s.closesPending.Load() {
+		return 0, true, nil
+	}
 	if s.recvQ.isEmpty() || !s.cons.token.CompareAndSwap(false, true) {
 		return 0, false, nil
 	}
@@ -239,7 +256,7 @@ func (s *Session) pollFor(ready <-chan struct{}) bool {
 		return false
 	}
 	defer s.buf.region.release()
-	if !spinning.enter() {
+	if !spinning.enter(s.localPeer) {
 		return false
 	}
 	defer spinning.exit()
@@ -288,7 +305,7 @@ const (
 // polling (one spinner is enough), and when frames arrive on the socket,
 // which the receive loop must not leave unread however busy the queue is.
 func (s *Session) spin() int {
-	if s.cons.budget.Load() <= 0 || !spinning.enter() {
+	if s.cons.budget.Load() <= 0 || !spinning.enter(s.localPeer) {
 		return spinGaveUp
 	}
 	defer spinning.exit()
@@ -400,7 +417,8 @@ const (
 
 // spinGovernor rations spinning for the whole process.
 type spinGovernor struct {
-	slots    int32        // how many goroutines may spin at once
+	slots    int32        // how many goroutines may spin at once for sessions with another process
+	local    int32        // the same, counting sessions whose peer is this process
 	active   atomic.Int32 // how many do
 	offUntil atomic.Int64 // no spinning before this time (UnixNano)
 	cooldown atomic.Int64 // the next cool-down, in ns
@@ -411,19 +429,27 @@ var spinning = newSpinGovernor(runtime.NumCPU())
 
 func newSpinGovernor(cpus int) *spinGovernor {
 	g := &spinGovernor{slots: int32(cpus / 2)}
+	if cpus > 1 {
+		g.local = int32(cpus)
+	}
 	g.cooldown.Store(int64(minSpinCooldown))
 	return g
 }
 
-// enter takes a spinning slot if one is free and no cool-down is running.
-func (g *spinGovernor) enter() bool {
-	if g.slots <= 0 {
+// enter takes a spinning slot if one is free and no cool-down is running;
+// local says the session's peer is this process.
+func (g *spinGovernor) enter(local bool) bool {
+	slots := g.slots
+	if local {
+		slots = g.local
+	}
+	if slots <= 0 {
 		return false
 	}
 	if until := g.offUntil.Load(); until != 0 && time.Now().UnixNano() < until {
 		return false
 	}
-	if g.active.Add(1) > g.slots {
+	if g.active.Add(1) > slots {
 		g.active.Add(-1)
 		return false
 	}

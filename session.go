@@ -61,6 +61,10 @@ type Session struct {
 	closing []pendingClose // close elements waiting for the socket to catch up
 	resume  bool           // consume again after the next frame: the working flag is still set
 
+	closesPending atomic.Bool // len(closing) > 0: draining pauses
+
+	localPeer bool // the peer is this process (both ends in one program)
+
 	// Fallback data received and not yet released by the streams.
 	fallbackHeld atomic.Int64
 	fallbackRoom chan struct{} // signalled when fallback data is released
@@ -84,6 +88,9 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 
 // start runs the receive loop of a session whose handshake is done.
 func (s *Session) start() {
+	if id, err := peerOf(s.ec.conn); err == nil && int(id.pid) == pid {
+		s.localPeer = true
+	}
 	register(s)
 	s.conf.logger().Debug("shmipc: session started", "role", s.role(), "version", s.version,
 		"local", s.LocalAddr(), "remote", s.RemoteAddr())
@@ -267,14 +274,15 @@ func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 	data := h.Type() == wire.TypeFallbackData
 	if !data {
 		s.handled += size
+		s.closeCaughtUp()
 	}
 	if err := s.handleFrame(h, payload); err != nil {
 		return err
 	}
 	if data {
 		s.handled += size
+		s.closeCaughtUp()
 	}
-	s.closeCaughtUp()
 	if resume {
 		return s.consumeNow()
 	}
@@ -294,13 +302,13 @@ func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 		s.counters.wakeupsReceived.Add(1)
 		return s.consumeNow()
 	case wire.TypeStreamClose:
-		if _, err := s.drainAll(); err != nil {
+		if _, _, err := s.drainAll(); err != nil {
 			return err
 		}
 		s.peerClosed(binary.BigEndian.Uint32(payload))
 		return nil
 	case wire.TypeFallbackData:
-		if _, err := s.drainAll(); err != nil {
+		if _, _, err := s.drainAll(); err != nil {
 			return err
 		}
 		return s.handleFallback(payload)
@@ -383,6 +391,9 @@ type pendingClose struct {
 // then, in this side's socket buffer: the close is applied once the receive
 // loop has consumed everything received so far plus what the kernel holds
 // now. When nothing is pending on the socket, that is at once.
+//
+// Elements take effect in queue order: while a close waits, draining pauses
+// behind it (drainHeld), and the receive loop reads the frames it waits for.
 func (s *Session) closeAfterSocket(id uint32) error {
 	at, err := s.ec.receivedSoFar()
 	if err != nil {
@@ -392,10 +403,8 @@ func (s *Session) closeAfterSocket(id uint32) error {
 		s.peerClosed(id)
 		return nil
 	}
-	if len(s.closing) >= s.conf.MaxStreams {
-		return fmt.Errorf("%w: more than %d stream closes waiting for the socket", ErrProtocol, s.conf.MaxStreams)
-	}
 	s.closing = append(s.closing, pendingClose{id: id, at: at})
+	s.closesPending.Store(true)
 	return nil
 }
 
@@ -413,6 +422,7 @@ func (s *Session) closeCaughtUp() {
 	if n > 0 {
 		k := copy(s.closing, s.closing[n:])
 		s.closing = s.closing[:k]
+		s.closesPending.Store(k > 0)
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/goshm/shmipc/internal/wire"
@@ -22,6 +23,12 @@ type eventConn struct {
 	rbuf []byte // receive buffer; rbuf[r:w] is unread
 	r, w int
 	read uint64 // bytes read into rbuf so far (the running phase)
+
+	// SIOCINQ, set up on first use (uds_inq.go); receive loop only.
+	raw    syscall.RawConn
+	inqFn  func(fd uintptr)
+	inqN   int
+	inqErr error
 
 	wmu          sync.Mutex
 	writeTimeout time.Duration

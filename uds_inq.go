@@ -8,25 +8,28 @@ import (
 )
 
 // inq returns how many received bytes the kernel holds for the connection
-// (SIOCINQ). Connections that are not sockets report 0.
+// (SIOCINQ). Connections that are not sockets report 0. Only the receive
+// loop calls it; it allocates nothing after the first call.
 func (c *eventConn) inq() (int, error) {
-	sc, ok := c.conn.(syscall.Conn)
-	if !ok {
-		return 0, nil
+	if c.inqFn == nil {
+		sc, ok := c.conn.(syscall.Conn)
+		if !ok {
+			return 0, nil
+		}
+		raw, err := sc.SyscallConn()
+		if err != nil {
+			return 0, err
+		}
+		c.raw = raw
+		c.inqFn = func(fd uintptr) { c.inqN, c.inqErr = unix.IoctlGetInt(int(fd), unix.SIOCINQ) }
 	}
-	raw, err := sc.SyscallConn()
-	if err != nil {
+	if err := c.raw.Control(c.inqFn); err != nil {
 		return 0, err
 	}
-	var n int
-	var ierr error
-	if err := raw.Control(func(fd uintptr) { n, ierr = unix.IoctlGetInt(int(fd), unix.SIOCINQ) }); err != nil {
-		return 0, err
+	if c.inqErr != nil {
+		return 0, fmt.Errorf("SIOCINQ: %w", c.inqErr)
 	}
-	if ierr != nil {
-		return 0, fmt.Errorf("SIOCINQ: %w", ierr)
-	}
-	return n, nil
+	return c.inqN, nil
 }
 
 // receivedSoFar returns the position in the running phase's byte stream up
