@@ -2,11 +2,16 @@ package shmipc
 
 import (
 	"bufio"
+	"bytes"
+	"fmt"
 	"io"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -351,4 +356,226 @@ func TestThousandIdleSessions(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// fpLoad is one client session of the kill test with its echo workers.
+type fpLoad struct {
+	sess   *Session
+	server int // index of its server process
+	killed atomic.Bool
+	errs   chan error
+	rounds atomic.Int64
+	wg     sync.WaitGroup
+}
+
+// run echoes random messages on fresh streams until stop is closed or the
+// session fails.
+func (l *fpLoad) run(stop <-chan struct{}, seed uint64) {
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		rng := rand.New(rand.NewPCG(seed, 11))
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if err := l.round(rng); err != nil {
+				if !l.killed.Load() {
+					l.errs <- err
+				}
+				return
+			}
+			l.rounds.Add(1)
+		}
+	}()
+}
+
+func (l *fpLoad) round(rng *rand.Rand) error {
+	st, err := l.sess.OpenStream()
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	st.SetDeadline(time.Now().Add(30 * time.Second))
+	msg := make([]byte, 1+rng.IntN(300<<10))
+	for i := range msg {
+		msg[i] = byte(i * 7)
+	}
+	if _, err := st.Write(msg); err != nil {
+		return err
+	}
+	got := make([]byte, len(msg))
+	if _, err := io.ReadFull(st, got); err != nil {
+		return err
+	}
+	if !bytes.Equal(got, msg) {
+		return fmt.Errorf("echo of %d bytes differs", len(msg))
+	}
+	return nil
+}
+
+// TestSharedRegionKills runs echo traffic on several sessions per server
+// process, all sessions to one server sharing one buffer region, and kills
+// 100 times at random points: a session closed by this side, a session
+// closed by the server, or a whole server process (SIGKILL, then a new
+// one). Sessions not killed must see no error, and once traffic stops every
+// slice of every shared region must be free again. Regions of killed servers
+// must be gone.
+func TestSharedRegionKills(t *testing.T) {
+	const servers, perServer, workers, kills = 2, 3, 2, 100
+	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 5))
+	stop := make(chan struct{})
+	procs := make([]*proctest.Child, servers)
+	socks := make([]string, servers)
+	for i := range procs {
+		procs[i], socks[i] = fpStartServer(t)
+	}
+	var loads []*fpLoad
+	dial := func(server int) {
+		sess, err := Dial("unix", socks[server], DefaultConfig())
+		if err != nil {
+			t.Fatalf("dial server %d: %v", server, err)
+		}
+		l := &fpLoad{sess: sess, server: server, errs: make(chan error, workers)}
+		for range workers {
+			l.run(stop, rng.Uint64())
+		}
+		loads = append(loads, l)
+	}
+	for i := range servers {
+		for range perServer {
+			dial(i)
+		}
+	}
+	var byClient, byServer, procKills int
+	for range kills {
+		time.Sleep(time.Duration(rng.IntN(20)) * time.Millisecond)
+		live := loads[:0]
+		for _, l := range loads {
+			if !l.killed.Load() {
+				live = append(live, l)
+			}
+		}
+		loads = live
+		victim := loads[rng.IntN(len(loads))]
+		switch r := rng.IntN(10); {
+		case r < 6:
+			byClient++
+			victim.killed.Store(true)
+			victim.sess.Close()
+			dial(victim.server)
+		case r < 9:
+			byServer++
+			victim.killed.Store(true)
+			st, err := victim.sess.OpenStream()
+			if err == nil {
+				st.Write([]byte(fpKillSession))
+			}
+			dial(victim.server)
+		default:
+			procKills++
+			srv := victim.server
+			for _, l := range loads {
+				if l.server == srv {
+					l.killed.Store(true)
+				}
+			}
+			procs[srv].Kill()
+			procs[srv], socks[srv] = fpStartServer(t)
+			for range perServer {
+				dial(srv)
+			}
+		}
+	}
+	close(stop)
+	var rounds int64
+	for _, l := range loads {
+		l.wg.Wait()
+		rounds += l.rounds.Load()
+		close(l.errs)
+		for err := range l.errs {
+			t.Errorf("a session that was not killed failed: %v", err)
+		}
+	}
+	t.Logf("%d kills (%d sessions closed here, %d by the server, %d server processes killed); %d echoes on the surviving sessions", kills, byClient, byServer, procKills, rounds)
+
+	// Every slice of each server's shared region is free again, seen from a
+	// surviving session on it.
+	seen := make(map[*bufferManager]bool)
+	for _, l := range loads {
+		if l.killed.Load() || seen[l.sess.buf] {
+			continue
+		}
+		seen[l.sess.buf] = true
+		fpWaitFull(t, l.sess)
+	}
+	if len(seen) != servers {
+		t.Errorf("surviving sessions use %d buffer regions; want one per server process (%d)", len(seen), servers)
+	}
+	for _, l := range loads {
+		l.sess.Close()
+	}
+	// Regions of killed server processes are unmapped once their sessions
+	// have ended: no region is left mapped in this process.
+	deadline := time.Now().Add(5 * time.Second)
+	for n := fpMappedRegions(t); n != 0; n = fpMappedRegions(t) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d shared regions still mapped 5 s after every session closed", n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// fpMappedRegions counts the memfd regions this process has mapped.
+func fpMappedRegions(t testing.TB) int {
+	maps, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Count(string(maps), "memfd:"+memfdNamePrefix)
+}
+
+// TestGiveBackAfterQuiet checks that the data pages of large messages are
+// given back once traffic stops, and that the region works as before after
+// that (pages fault back in, zero-filled, and carry the data).
+func TestGiveBackAfterQuiet(t *testing.T) {
+	old := giveBackPeriod
+	giveBackPeriod = 50 * time.Millisecond
+	defer func() { giveBackPeriod = old }()
+	conf := DefaultConfig()
+	ln := fpEchoListener(t, conf)
+	sess, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+	fpEcho(t, sess, []byte("hello")).Close()
+	idle := sess.Stats().Buffer.Committed
+	msg := make([]byte, 6<<20)
+	for i := range msg {
+		msg[i] = byte(i>>12) + 1
+	}
+	for range 4 {
+		fpEcho(t, sess, msg).Close()
+	}
+	busy := sess.Stats().Buffer.Committed
+	if busy < idle+uint64(len(msg)) {
+		t.Fatalf("Committed %d after echoing %d bytes, from %d idle: the traffic did not commit its pages", busy, len(msg), idle)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		now := sess.Stats().Buffer.Committed
+		if now <= idle+(256<<10) {
+			t.Logf("committed: %.1f MiB idle, %.1f MiB after the traffic, %.1f MiB once quiet", float64(idle)/(1<<20), float64(busy)/(1<<20), float64(now)/(1<<20))
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("Committed %d bytes 5 s after traffic stopped; %d when idle before it", now, idle)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	fpEcho(t, sess, msg).Close()
+	fpWaitFull(t, sess)
 }

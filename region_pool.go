@@ -111,6 +111,7 @@ func createBuffer(conf *Config, bufPath string) (*bufferManager, error) {
 		r.release()
 		return nil, err
 	}
+	m.startGiveBack()
 	return m, nil
 }
 
