@@ -172,15 +172,16 @@ var reclaimSweeps = []time.Duration{10 * time.Millisecond, 100 * time.Millisecon
 // a buffer region that outlives the session when it is shared.
 //
 // The peer may still publish for a moment, from a writer that checked its
-// session just before it ended; so when the region is a memfd (which
-// sessions share), the queue is swept again after each of reclaimSweeps.
-// (File regions are not swept late: their files must go when the session
-// ends.)
+// session just before it ended; so when other sessions still use the
+// buffer region, the queue is swept again after each of reclaimSweeps. (A
+// region used by this session alone goes when the session's references do,
+// with everything in it; file regions are not shared, and their files must
+// go when the session ends.)
 func (s *Session) reclaimUnconsumed() {
 	if s.recvQ == nil || s.buf == nil {
 		return
 	}
-	if s.freeUnconsumed() != nil || s.buf.region.file != "" || s.queueRegion.file != "" {
+	if s.freeUnconsumed() != nil || s.buf.region.file != "" || s.queueRegion.file != "" || s.buf.sessions.Load() < 2 {
 		return
 	}
 	if !s.queueRegion.acquire() {
