@@ -4,7 +4,6 @@ import (
 	"runtime/debug"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -81,7 +80,7 @@ func (m *bufferManager) giveBackQuiet(last []listSample) {
 			continue
 		}
 		if resident == nil {
-			resident = m.residentPages()
+			resident = residentPages(m.mem)
 			if resident == nil {
 				return
 			}
@@ -90,17 +89,6 @@ func (m *bufferManager) giveBackQuiet(last []listSample) {
 			last[li] = m.sample(li) // our own pops and pushes are not traffic
 		}
 	}
-}
-
-// residentPages returns one byte per page of the region, bit 0 set for a
-// page in memory (mincore), or nil.
-func (m *bufferManager) residentPages() []byte {
-	vec := make([]byte, (len(m.mem)+pageSize-1)/pageSize)
-	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m.mem[0])), uintptr(len(m.mem)), uintptr(unsafe.Pointer(&vec[0])))
-	if errno != 0 {
-		return nil
-	}
-	return vec
 }
 
 // dataPages returns the range of whole pages inside the data of the slice

@@ -301,18 +301,23 @@ var pageSize = os.Getpagesize()
 // them. Pages reserved with fallocate and never touched are not counted. It
 // is for statistics; it allocates.
 func committedBytes(mem []byte) uint64 {
-	if len(mem) == 0 {
-		return 0
-	}
-	page := pageSize
-	vec := make([]byte, (len(mem)+page-1)/page)
-	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&mem[0])), uintptr(len(mem)), uintptr(unsafe.Pointer(&vec[0])))
-	if errno != 0 {
-		return 0
-	}
 	var n uint64
-	for _, v := range vec {
+	for _, v := range residentPages(mem) {
 		n += uint64(v & 1)
 	}
-	return n * uint64(page)
+	return n * uint64(pageSize)
+}
+
+// residentPages returns one byte per page of mem, bit 0 set for a page in
+// memory (mincore), or nil.
+func residentPages(mem []byte) []byte {
+	if len(mem) == 0 {
+		return nil
+	}
+	vec := make([]byte, (len(mem)+pageSize-1)/pageSize)
+	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&mem[0])), uintptr(len(mem)), uintptr(unsafe.Pointer(&vec[0])))
+	if errno != 0 {
+		return nil
+	}
+	return vec
 }
