@@ -27,7 +27,8 @@ import (
 // is paid once after traffic stops.
 
 // giveBackPeriod is how long a list must be quiet before the data pages of
-// its free slices are given back, and how often lists are looked at.
+// its free slices are given back, and how often lists are looked at. A
+// region takes the value when it is created.
 var giveBackPeriod = time.Second
 
 // listSample is what a list's header said at one look: its free count and
@@ -37,6 +38,7 @@ type listSample struct{ free, creator, mapper int32 }
 // startGiveBack watches m, a region this process created, until it is
 // unmapped.
 func (m *bufferManager) startGiveBack() {
+	period := giveBackPeriod
 	last := make([]listSample, len(m.lists))
 	var tick func()
 	tick = func() {
@@ -45,9 +47,9 @@ func (m *bufferManager) startGiveBack() {
 		}
 		m.giveBackQuiet(last)
 		m.region.release()
-		time.AfterFunc(giveBackPeriod, tick)
+		time.AfterFunc(period, tick)
 	}
-	time.AfterFunc(giveBackPeriod, tick)
+	time.AfterFunc(period, tick)
 }
 
 // sample reads list li's header words.

@@ -163,7 +163,7 @@ func retireLocked(key poolKey, p *pooledBuffer) {
 
 // reclaimSweeps are the pauses before the sweeps of a receive queue after a
 // session's teardown (reclaimUnconsumed).
-var reclaimSweeps = []time.Duration{10 * time.Millisecond, 100 * time.Millisecond, time.Second}
+var reclaimSweeps = []time.Duration{10 * time.Millisecond, 100 * time.Millisecond}
 
 // reclaimUnconsumed frees the messages the peer published on this side's
 // receive queue that were never consumed. It runs at teardown, inside an
