@@ -63,12 +63,13 @@ func (l *sliceList) validRelative(rel uint32) bool {
 type bufferManager struct {
 	region   *region
 	mem      []byte
-	lists    []sliceList // in region order, which is ascending offset
-	bySize   []int       // indexes into lists, ascending sliceCap
-	slices   uint32      // total slices in all lists: the longest possible chain
-	capacity uint64      // data bytes of all slices that can be handed out
-	usable   uint32      // the largest slice size that can be handed out
-	counter  uint32      // offset of our counter word in a list header
+	lists    []sliceList  // in region order, which is ascending offset
+	bySize   []int        // indexes into lists, ascending sliceCap
+	slices   uint32       // total slices in all lists: the longest possible chain
+	capacity uint64       // data bytes of all slices that can be handed out
+	usable   uint32       // the largest slice size that can be handed out
+	counter  uint32       // offset of our counter word in a list header
+	sessions atomic.Int32 // sessions of this process using the region
 }
 
 // initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"unsafe"
 )
 
 // BufferReader reads a stream's received bytes, zero-copy where it can.
@@ -385,9 +386,27 @@ func (w *streamWriter) reserve(n int) ([]byte, error) {
 		l = w.last()
 	}
 	p := l.data[l.n : l.n+n : l.n+n]
+	if l.list != heapSegment {
+		commitPages(p)
+	}
 	l.n += n
 	w.size += n
 	return p, nil
+}
+
+// commitPages writes a zero to every page of p, a piece of a slice about to
+// be handed to the application. Regions are sparse, and a page that cannot
+// be committed (a full tmpfs) faults on its first write: here that happens
+// inside the caller's access and becomes an error, instead of a crash in
+// application code. On committed pages it costs one store per page.
+func commitPages(p []byte) {
+	if len(p) == 0 {
+		return
+	}
+	p[0] = 0
+	for i := pageSize - int(uintptr(unsafe.Pointer(&p[0]))%uintptr(pageSize)); i < len(p); i += pageSize {
+		p[i] = 0
+	}
 }
 
 // writeTo appends a copy of p, taking slices as it goes.

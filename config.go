@@ -208,8 +208,10 @@ const (
 // The other Shmipc implementations default to 32 MiB of 8, 32 and 128 KiB
 // slices (ReferenceSliceSizes); their peers accept any layout. The larger
 // classes let a message of up to 4 MiB sit in one slice, so Reserve and
-// ReadBytes stay zero-copy for it, at the cost of 64 MiB of shared memory per
-// client session, reserved when the session starts.
+// ReadBytes stay zero-copy for it. The 64 MiB are address space: a region is
+// sparse, and its pages are committed only when written (the slice headers,
+// about 11 MiB for this layout, when the region is created; data pages as
+// traffic needs them).
 func DefaultConfig() *Config {
 	return &Config{
 		InitializeTimeout:      defaultInitializeTimeout,

@@ -3,7 +3,6 @@ package shmipc
 import (
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"net"
 	"path/filepath"
 	"runtime/debug"
@@ -106,31 +105,12 @@ func (s *Session) clientHandshake() error {
 	if memfd && s.ec.unix == nil {
 		return fmt.Errorf("memfd regions need a Unix socket, not %T; use MemMapTypeDevShmFile over TCP", s.ec.conn)
 	}
-	prefix := fmt.Sprintf("%s_%d_%016x", conf.ShareMemoryPathPrefix, pid, rand.Uint64())
-	bufPath, queuePath := prefix+"_buffer", prefix+"_queue_0"
-	plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
+	queuePath, err := s.clientBuffer()
 	if err != nil {
 		return err
 	}
-	queueSize := queueRegionSize(conf.QueueCap)
-	if !memfd {
-		need := uint64(conf.ShareMemoryBufferCap) + uint64(queueSize)
-		if err := checkFreeSpace(filepath.Dir(prefix), need); err != nil {
-			return err
-		}
-	}
-
-	bufRegion, bufFd, err := createRegionPerm(conf.MemMapType, bufPath, int(conf.ShareMemoryBufferCap), uint32(conf.ShareMemoryFileMode))
-	if err != nil {
-		return err
-	}
-	defer closeFds(bufFd)
-	initBufferRegion(bufRegion.mem, plans)
-	if s.buf, err = newBufferManager(bufRegion, true); err != nil {
-		bufRegion.release()
-		return err
-	}
-	queueRegion, queueFd, err := createRegionPerm(conf.MemMapType, queuePath, queueSize, uint32(conf.ShareMemoryFileMode))
+	bufPath, bufFd := s.buf.region.path, s.buf.region.fd
+	queueRegion, queueFd, err := createRegionPerm(conf.MemMapType, queuePath, queueRegionSize(conf.QueueCap), uint32(conf.ShareMemoryFileMode))
 	if err != nil {
 		return err
 	}
@@ -175,6 +155,36 @@ func (s *Session) clientHandshake() error {
 	}
 	_, err = s.expect(wire.TypeAckShareMemory)
 	return err
+}
+
+// clientBuffer gives a client session its buffer region, s.buf, and names
+// its queue region, queuePath: a region shared with the process's other
+// sessions to the same server (region_pool.go), or a new one of its own.
+func (s *Session) clientBuffer() (queuePath string, err error) {
+	conf := s.conf
+	if conf.MemMapType == MemMapTypeMemFd {
+		if peer, err := peerOf(s.ec.conn); err == nil {
+			if key, ok := poolKeyFor(conf, peer); ok {
+				if s.buf, queuePath, err = sharedBuffer(conf, key); err != nil {
+					return "", err
+				}
+				s.buf.sessions.Add(1)
+				return queuePath, nil
+			}
+		}
+	}
+	prefix := newRegionPrefix(conf)
+	if conf.MemMapType == MemMapTypeDevShmFile {
+		need := uint64(conf.ShareMemoryBufferCap) + uint64(queueRegionSize(conf.QueueCap))
+		if err := checkFreeSpace(filepath.Dir(prefix), need); err != nil {
+			return "", err
+		}
+	}
+	if s.buf, err = createBuffer(conf, prefix+"_buffer"); err != nil {
+		return "", err
+	}
+	s.buf.sessions.Add(1)
+	return prefix + "_queue_0", nil
 }
 
 // expect reads the next handshake frame, which must be an 8-byte frame of
@@ -320,6 +330,7 @@ func (s *Session) mapRegions(queuePath, bufPath string, queueFd, bufFd int, peer
 	if s.buf, err = mapServerBuffer(bufPath, bufFd, files, peer); err != nil {
 		return err
 	}
+	s.buf.sessions.Add(1)
 	q, err := mapRegion(queueFd, queuePath, int64(queueRegionSize(16)), int64(queueRegionSize(maxQueueCap)))
 	if err != nil {
 		return err
@@ -337,6 +348,7 @@ func (s *Session) mapRegions(queuePath, bufPath string, queueFd, bufFd int, peer
 // releaseRegions drops the session's references on its regions.
 func (s *Session) releaseRegions() {
 	if s.buf != nil {
+		s.buf.sessions.Add(-1)
 		s.buf.region.release()
 	}
 	if s.queueRegion != nil {

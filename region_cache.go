@@ -53,6 +53,10 @@ func mapServerBuffer(path string, fd int, file bool, peer peerID) (*bufferManage
 	if err != nil {
 		return nil, err
 	}
+	if err := r.keepFd(fd); err != nil {
+		r.release()
+		return nil, err
+	}
 	m, err := newBufferManager(r, false)
 	if err != nil {
 		r.release()

@@ -730,6 +730,7 @@ func (s *Session) teardown() {
 		st.sessionEnded(s.localClose)
 	}
 	s.accepted.close()
+	s.reclaimUnconsumed()
 	s.releaseRegions()
 	unregister(s)
 	if log := s.conf.logger(); s.localClose {

@@ -122,8 +122,11 @@ func smRoundTrip(st *Stream, payload []byte) error {
 
 func smNewManager(t testing.TB, sock string, sessions int) *SessionManager {
 	t.Helper()
+	conf := smTestConfig()
+	// The sessions share one buffer region: size it for all of them.
+	conf.ShareMemoryBufferCap *= uint32(max(sessions, 1))
 	m, err := NewSessionManager(SessionManagerConfig{
-		Config:              smTestConfig(),
+		Config:              conf,
 		Network:             "unix",
 		Address:             sock,
 		SessionNum:          sessions,

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -26,6 +27,10 @@ type region struct {
 	file     string // file to remove on the last release, or ""
 	dev, ino uint64 // identity of the backing file, for the mapping cache
 	refs     atomic.Int32
+	// fd is a descriptor of the region kept open (see keepFd), valid when
+	// hasFd is set: for statistics, and for giving memory back.
+	fd    int
+	hasFd bool
 	// onLastRelease runs under no lock before unmapping (cache removal).
 	onLastRelease func()
 }
@@ -56,10 +61,39 @@ func (r *region) release() {
 	}
 	_ = unix.Munmap(r.mem)
 	r.mem = nil
+	if r.hasFd {
+		unix.Close(r.fd)
+		r.hasFd = false
+	}
 }
 
-// createRegion creates a zero-filled shared region of size bytes: a memfd, or
-// a new file at path. It returns the region (one reference) and the open fd,
+// keepFd keeps a duplicate of fd, the region's descriptor, open until the
+// region is unmapped.
+func (r *region) keepFd(fd int) error {
+	kept, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("keep region %s open: %w", r.path, err)
+	}
+	r.fd, r.hasFd = kept, true
+	return nil
+}
+
+// committed returns how many bytes of the region are backed by memory now.
+// With a kept descriptor that is the allocated size of the file (what
+// Shmem in /proc/meminfo counts, pages reserved but not yet touched
+// included); otherwise the pages present in the page cache (mincore).
+func (r *region) committed() uint64 {
+	if r.hasFd {
+		var st unix.Stat_t
+		if unix.Fstat(r.fd, &st) == nil {
+			return uint64(st.Blocks) * 512
+		}
+	}
+	return committedBytes(r.mem)
+}
+
+// createRegion creates a zero-filled, sparse shared region of size bytes: a
+// memfd, or a new file at path. No page is committed until it is written. It returns the region (one reference) and the open fd,
 // which the caller closes once it has been passed to the peer.
 func createRegion(mode MemMapType, path string, size int) (*region, int, error) {
 	return createRegionPerm(mode, path, size, 0o600)
@@ -99,11 +133,11 @@ func createRegionPerm(mode MemMapType, path string, size int, perm uint32) (*reg
 	if err := unix.Ftruncate(fd, int64(size)); err != nil {
 		return fail(fmt.Errorf("size %s to %d bytes: %w", path, size, err))
 	}
-	// Reserve the pages now, so that a full tmpfs fails here with a clear
-	// error rather than with SIGBUS on first touch.
-	if err := unix.Fallocate(fd, 0, 0, int64(size)); err != nil && !errors.Is(err, unix.EOPNOTSUPP) {
-		return fail(fmt.Errorf("reserve %d bytes for %s: %w", size, path, err))
-	}
+	// The region is sparse: a page is committed when it is first written,
+	// so memory follows traffic rather than the number of sessions. A page
+	// that cannot be committed then (a full tmpfs) faults inside
+	// Session.access and becomes the session's error; slices handed to the
+	// application are committed before they are handed out (commitPages).
 	if mode == MemMapTypeMemFd {
 		seals := unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
 		if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, seals); err != nil {
@@ -258,3 +292,32 @@ func checkFreeSpace(dir string, size uint64) error {
 }
 
 var pid = os.Getpid()
+
+// pageSize is the size of a memory page.
+var pageSize = os.Getpagesize()
+
+// committedBytes returns how many bytes of mem are in memory now: pages of
+// the region's file present in the page cache (mincore), whoever touched
+// them. Pages reserved with fallocate and never touched are not counted. It
+// is for statistics; it allocates.
+func committedBytes(mem []byte) uint64 {
+	var n uint64
+	for _, v := range residentPages(mem) {
+		n += uint64(v & 1)
+	}
+	return n * uint64(pageSize)
+}
+
+// residentPages returns one byte per page of mem, bit 0 set for a page in
+// memory (mincore), or nil.
+func residentPages(mem []byte) []byte {
+	if len(mem) == 0 {
+		return nil
+	}
+	vec := make([]byte, (len(mem)+pageSize-1)/pageSize)
+	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&mem[0])), uintptr(len(mem)), uintptr(unsafe.Pointer(&vec[0])))
+	if errno != 0 {
+		return nil
+	}
+	return vec
+}

@@ -32,6 +32,31 @@ type Stats struct {
 	RecvQueueDepth int64 // elements the peer published that this side has not yet taken
 
 	Lists []ListStats // the buffer region by size class (one session only)
+
+	// Buffer and Queue describe the shared regions: for one session, the
+	// buffer region it uses (which sessions of one client process may
+	// share) and its own queue region; for AggregateStats, the sum over the
+	// distinct regions of the live sessions.
+	Buffer RegionStats
+	Queue  RegionStats
+}
+
+// RegionStats describes the memory of one shared region (or a sum of them).
+type RegionStats struct {
+	// Size is the length of the region: address space, not memory.
+	Size uint64
+	// Committed is how much of the region is backed by memory now (pages
+	// that have been written and not given back). This memory is shared:
+	// both processes of a session see the same pages, and it shows under
+	// Shmem in /proc/meminfo, counted once.
+	Committed uint64
+	// InUse is the data capacity of the slices handed out and not yet
+	// freed, by either process (buffer regions only). What one session
+	// holds of a shared region is not told apart from what the others hold.
+	InUse uint64
+	// Sessions is the number of this process's sessions using the region
+	// (or, for AggregateStats, the number of regions summed).
+	Sessions int
 }
 
 // ListStats describes one size class of a buffer region.
@@ -95,13 +120,28 @@ func (s *Session) Stats() Stats {
 			for i, l := range s.buf.lists {
 				st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i]}
 			}
+			st.Buffer = s.buf.regionStats(free)
 		}
+		st.Queue = RegionStats{Size: uint64(len(s.queueRegion.mem)), Committed: s.queueRegion.committed(), Sessions: 1}
 		return nil
 	})
 	if err != nil { // a fault ended the session: its gauges are zero
 		st.ActiveStreams, st.SendQueueDepth, st.RecvQueueDepth, st.Lists = 0, 0, 0, nil
+		st.Buffer, st.Queue = RegionStats{}, RegionStats{}
 	}
 	return st
+}
+
+// regionStats describes the buffer region, given the free counts of its
+// lists.
+func (m *bufferManager) regionStats(free []int32) RegionStats {
+	rs := RegionStats{Size: uint64(len(m.mem)), Committed: m.region.committed(), Sessions: int(m.sessions.Load())}
+	for i, l := range m.lists {
+		if held := int64(l.count) - int64(free[i]); held > 0 {
+			rs.InUse += uint64(held) * uint64(l.sliceCap)
+		}
+	}
+	return rs
 }
 
 // registry holds the live sessions, and the counts of ended ones, for
@@ -127,7 +167,9 @@ func unregister(s *Session) {
 }
 
 // AggregateStats sums the counters of every session this process has had,
-// and the gauges of the live ones. Lists is left empty.
+// and the gauges of the live ones. Lists is left empty; Buffer and Queue sum
+// the distinct regions of the live sessions (a buffer region that sessions
+// share is counted once), with Sessions holding the number of regions.
 func AggregateStats() Stats {
 	registry.Lock()
 	total := registry.ended
@@ -136,14 +178,28 @@ func AggregateStats() Stats {
 		live = append(live, s)
 	}
 	registry.Unlock()
+	buffers := make(map[*bufferManager]bool)
 	for _, s := range live {
 		st := s.Stats()
 		s.counters.addTo(&total)
 		total.ActiveStreams += st.ActiveStreams
 		total.SendQueueDepth += st.SendQueueDepth
 		total.RecvQueueDepth += st.RecvQueueDepth
+		total.Queue.add(st.Queue)
+		if st.Buffer.Size != 0 && !buffers[s.buf] {
+			buffers[s.buf] = true
+			total.Buffer.add(st.Buffer)
+		}
 	}
 	return total
+}
+
+// add sums r into t, counting regions in Sessions.
+func (t *RegionStats) add(r RegionStats) {
+	t.Size += r.Size
+	t.Committed += r.Committed
+	t.InUse += r.InUse
+	t.Sessions++
 }
 
 // Monitor calls report with AggregateStats every interval until ctx is done.

@@ -1,0 +1,235 @@
+package shmipc
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Sharing buffer regions between a client's sessions.
+//
+// The Shmipc design gives a client process one buffer region that all its
+// sessions use, each with a queue region of its own; servers recognise a
+// region they have mapped by its path (PROTOCOL.md §3, region_cache.go).
+// clientBuffers is that pool. Sessions share a region when they have the
+// same layout (size and slice sizes), prefix and mapping mode, and talk to
+// the same server process.
+//
+// Only memfd regions are shared. In file mode a server removes the buffer
+// file when its last session on it ends (PROTOCOL.md §8, trap 12), and the
+// version 2 handshake has no acknowledgement, so a client could not tell a
+// server that had already removed the file from one that had mapped it.
+//
+// Why per server process: slices of a shared region can be lost only with a
+// process that held them. Every slice a session held is back in the region
+// once both ends of the session are done with it: each side frees what its
+// streams held when they close, frees the messages left unconsumed on its
+// receive queue at teardown (reclaimUnconsumed), and frees what it never
+// published. A killed server frees nothing, and what it held cannot be told
+// apart from what other servers hold. So a region serves one server process,
+// and when that process is gone the region is retired: new sessions get a
+// new region, and the old one is unmapped when its last session has ended,
+// taking whatever the dead process held with it.
+var clientBuffers = struct {
+	sync.Mutex
+	m map[poolKey]*pooledBuffer
+}{m: make(map[poolKey]*pooledBuffer)}
+
+// poolKey says which sessions may share a buffer region.
+type poolKey struct {
+	size   uint32
+	layout string // the sorted slice sizes and percentages
+	prefix string
+	server int32 // the server's pid
+}
+
+// pooledBuffer is a shared client buffer region.
+type pooledBuffer struct {
+	m      *bufferManager
+	prefix string // the region's names: prefix+"_buffer", prefix+"_queue_<n>"
+	queues int    // queue regions named so far
+	server int    // pidfd of the server process, to notice its death
+}
+
+// serverGone reports whether the process behind pidfd has exited.
+func serverGone(pidfd int) bool {
+	fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+	n, err := unix.Poll(fds, 0)
+	return err == nil && n > 0
+}
+
+// poolKeyFor returns the pool key of a client session, or false when its
+// region is not to be shared.
+func poolKeyFor(conf *Config, peer peerID) (poolKey, bool) {
+	if conf.MemMapType != MemMapTypeMemFd || peer.pid <= 0 {
+		return poolKey{}, false
+	}
+	plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
+	if err != nil {
+		return poolKey{}, false
+	}
+	var b strings.Builder
+	for _, p := range plans {
+		b.WriteString(strconv.FormatUint(uint64(p.sliceCap), 10))
+		b.WriteByte(':')
+		b.WriteString(strconv.FormatUint(uint64(p.count), 10))
+		b.WriteByte(',')
+	}
+	return poolKey{size: conf.ShareMemoryBufferCap, layout: b.String(), prefix: conf.ShareMemoryPathPrefix, server: peer.pid}, true
+}
+
+// newRegionPrefix returns a fresh name prefix for a client's regions.
+func newRegionPrefix(conf *Config) string {
+	return fmt.Sprintf("%s_%d_%016x", conf.ShareMemoryPathPrefix, pid, rand.Uint64())
+}
+
+// createBuffer creates and lays out a buffer region named bufPath and
+// returns its manager, holding one reference. The region keeps its
+// descriptor open (region.fd), to be handed to servers.
+func createBuffer(conf *Config, bufPath string) (*bufferManager, error) {
+	plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
+	if err != nil {
+		return nil, err
+	}
+	r, fd, err := createRegionPerm(conf.MemMapType, bufPath, int(conf.ShareMemoryBufferCap), uint32(conf.ShareMemoryFileMode))
+	if err != nil {
+		return nil, err
+	}
+	defer closeFds(fd)
+	if err := r.keepFd(fd); err != nil {
+		r.release()
+		return nil, err
+	}
+	initBufferRegion(r.mem, plans)
+	m, err := newBufferManager(r, true)
+	if err != nil {
+		r.release()
+		return nil, err
+	}
+	m.startGiveBack()
+	return m, nil
+}
+
+// sharedBuffer returns the pooled buffer region for key, with a reference
+// taken, creating it if there is none (or the one there serves a server
+// that has died), and the name of a new queue region for the session.
+func sharedBuffer(conf *Config, key poolKey) (m *bufferManager, queuePath string, err error) {
+	clientBuffers.Lock()
+	defer clientBuffers.Unlock()
+	p := clientBuffers.m[key]
+	if p != nil && serverGone(p.server) {
+		retireLocked(key, p)
+		p = nil
+	}
+	if p != nil && p.m.region.acquire() {
+		p.queues++
+		return p.m, p.prefix + "_queue_" + strconv.Itoa(p.queues-1), nil
+	}
+	pidfd, err := unix.PidfdOpen(int(key.server), 0)
+	if err != nil {
+		return nil, "", fmt.Errorf("watch server process %d: %w", key.server, err)
+	}
+	prefix := newRegionPrefix(conf)
+	if m, err = createBuffer(conf, prefix+"_buffer"); err != nil {
+		unix.Close(pidfd)
+		return nil, "", err
+	}
+	p = &pooledBuffer{m: m, prefix: prefix, queues: 1, server: pidfd}
+	m.region.onLastRelease = func() {
+		clientBuffers.Lock()
+		retireLocked(key, p)
+		clientBuffers.Unlock()
+	}
+	clientBuffers.m[key] = p
+	return m, prefix + "_queue_0", nil
+}
+
+// retireLocked takes p out of the pool: no new session will use it. The
+// region stays mapped for the sessions using it.
+func retireLocked(key poolKey, p *pooledBuffer) {
+	if clientBuffers.m[key] == p {
+		delete(clientBuffers.m, key)
+	}
+	if p.server >= 0 {
+		unix.Close(p.server)
+		p.server = -1
+	}
+}
+
+// reclaimSweeps are the pauses before the sweeps of a receive queue after a
+// session's teardown (reclaimUnconsumed).
+var reclaimSweeps = []time.Duration{10 * time.Millisecond, 100 * time.Millisecond}
+
+// reclaimUnconsumed frees the messages the peer published on this side's
+// receive queue that were never consumed. It runs at teardown, inside an
+// access, once the receive loop, the queue's only consumer, has stopped: the
+// peer will not consume them, so without this they would stay allocated in
+// a buffer region that outlives the session when it is shared.
+//
+// The peer may still publish for a moment, from a writer that checked its
+// session just before it ended; so when other sessions still use the
+// buffer region, the queue is swept again after each of reclaimSweeps. (A
+// region used by this session alone goes when the session's references do,
+// with everything in it; file regions are not shared, and their files must
+// go when the session ends.)
+func (s *Session) reclaimUnconsumed() {
+	if s.recvQ == nil || s.buf == nil {
+		return
+	}
+	if s.freeUnconsumed() != nil || s.buf.region.file != "" || s.queueRegion.file != "" || s.buf.sessions.Load() < 2 {
+		return
+	}
+	if !s.queueRegion.acquire() {
+		return
+	}
+	if !s.buf.region.acquire() {
+		s.queueRegion.release()
+		return
+	}
+	s.sweepLater(0)
+}
+
+// sweepLater sweeps the receive queue after reclaimSweeps[i], then schedules
+// the next sweep; after the last it drops the references reclaimUnconsumed
+// took.
+func (s *Session) sweepLater(i int) {
+	if i == len(reclaimSweeps) {
+		s.buf.region.release()
+		s.queueRegion.release()
+		return
+	}
+	time.AfterFunc(reclaimSweeps[i], func() {
+		if s.access(s.freeUnconsumed) != nil {
+			i = len(reclaimSweeps) - 1
+		}
+		s.sweepLater(i + 1)
+	})
+}
+
+// freeUnconsumed pops every element left on the receive queue and frees
+// the messages they name. It runs inside an access, never concurrently with
+// another consumer of the queue.
+func (s *Session) freeUnconsumed() error {
+	for {
+		e, ok, err := s.recvQ.pop()
+		if err != nil || !ok {
+			return err
+		}
+		if e.status&statusMask != statusOpened || e.offset == 0 {
+			continue
+		}
+		slices, err := s.buf.readChain(s.scratch[:0], e.offset)
+		if err != nil {
+			return err
+		}
+		s.scratch = slices
+		if err := s.freeSlices(slices); err != nil {
+			return err
+		}
+	}
+}
