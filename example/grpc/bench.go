@@ -3,21 +3,30 @@ package main
 // The benchmark: gRPC unary echo and streaming between two processes over
 // shmipc, a Unix socket and TCP loopback, in one run of one binary. The
 // transports take turns in short blocks, so that a change in the machine's
-// load affects all three alike.
+// load affects them alike. A fourth column, "in-process", runs the same
+// server in the client's own process over an in-memory pipe
+// (grpc/test/bufconn): no transport at all, which is what gRPC costs by
+// itself.
 
 import (
 	"context"
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
 	"os"
 	"slices"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/goshm/shmipc"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/test/bufconn"
 )
+
+// transportInProc is the in-process reference.
+const transportInProc = "in-process"
 
 // benchConfig says how much to measure.
 type benchConfig struct {
@@ -27,6 +36,7 @@ type benchConfig struct {
 	rounds      int           // blocks per transport and size
 	block       time.Duration // length of one block
 	streamBytes int           // bytes per streaming block
+	inProc      bool          // measure the in-process reference too
 }
 
 func fullBench() benchConfig {
@@ -34,9 +44,10 @@ func fullBench() benchConfig {
 		options:     []string{"default", "tuned"},
 		sizes:       []int{64, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20},
 		streamSizes: []int{1 << 10, 64 << 10, 1 << 20},
-		rounds:      6,
-		block:       250 * time.Millisecond,
-		streamBytes: 128 << 20,
+		rounds:      5,
+		block:       200 * time.Millisecond,
+		streamBytes: 64 << 20,
+		inProc:      true,
 	}
 }
 
@@ -48,6 +59,7 @@ func quickBench() benchConfig {
 		rounds:      1,
 		block:       20 * time.Millisecond,
 		streamBytes: 4 << 20,
+		inProc:      true,
 	}
 }
 
@@ -55,7 +67,7 @@ func quickBench() benchConfig {
 type cell struct {
 	lat     []time.Duration
 	elapsed time.Duration // total time of the calls
-	cpu     time.Duration // client + server CPU
+	cpu     time.Duration // client + server
 	calls   int
 	bytes   int // streaming: bytes received
 	// shmipc only: messages (writes on a stream) and wake-ups sent by the
@@ -76,11 +88,18 @@ func (c *cell) add(o cell) {
 }
 
 func (c *cell) percentile(p float64) time.Duration {
-	if len(c.lat) == 0 {
+	if c == nil || len(c.lat) == 0 {
 		return 0
 	}
 	slices.Sort(c.lat)
 	return c.lat[min(len(c.lat)-1, int(p*float64(len(c.lat))))]
+}
+
+func (c *cell) mbPerSec() float64 {
+	if c == nil || c.elapsed == 0 {
+		return 0
+	}
+	return float64(c.bytes) / 1e6 / c.elapsed.Seconds()
 }
 
 type cellKey struct {
@@ -88,22 +107,40 @@ type cellKey struct {
 	size            int
 }
 
+// results are the cells of a run.
+type results struct {
+	unary, stream map[cellKey]*cell
+}
+
+func (r results) addTo(m map[cellKey]*cell, k cellKey, c cell) {
+	if m[k] == nil {
+		m[k] = &cell{}
+	}
+	m[k].add(c)
+}
+
+// benchTarget is one client connection under test.
+type benchTarget struct {
+	transport string
+	client    *client
+	inProc    bool // the server runs in this process
+}
+
 // runBench measures everything in cfg and prints the tables to out.
 func runBench(cfg benchConfig, out io.Writer) error {
-	unary := map[cellKey]*cell{}
-	stream := map[cellKey]*cell{}
+	r := results{unary: map[cellKey]*cell{}, stream: map[cellKey]*cell{}}
 	for _, opts := range cfg.options {
-		if err := benchOptionSet(cfg, opts, unary, stream); err != nil {
+		if err := benchOptionSet(cfg, opts, r); err != nil {
 			return fmt.Errorf("%s options: %w", opts, err)
 		}
 	}
-	printTables(cfg, unary, stream, out)
+	printTables(cfg, r, out)
 	return nil
 }
 
 // benchOptionSet starts a server process with one option set and measures
 // every transport with it.
-func benchOptionSet(cfg benchConfig, optsName string, unary, stream map[cellKey]*cell) error {
+func benchOptionSet(cfg benchConfig, optsName string, r results) error {
 	opts, err := optionsByName(optsName)
 	if err != nil {
 		return err
@@ -119,77 +156,101 @@ func benchOptionSet(cfg benchConfig, optsName string, unary, stream map[cellKey]
 	}
 	defer srv.stop()
 	ctx := context.Background()
-	clients := map[string]*client{}
+	var targets []benchTarget
 	for _, tr := range allTransports {
 		c, err := connect(ctx, tr, srv.addrs[tr], opts)
 		if err != nil {
 			return err
 		}
 		defer c.Close()
-		clients[tr] = c
+		targets = append(targets, benchTarget{transport: tr, client: c})
 	}
-	order := slices.Clone(allTransports)
+	if cfg.inProc {
+		c, stop, err := connectInProc(ctx, opts)
+		if err != nil {
+			return err
+		}
+		defer stop()
+		targets = append(targets, benchTarget{transport: transportInProc, client: c, inProc: true})
+	}
+
 	for _, size := range cfg.sizes {
 		req := make([]byte, size)
 		for i := range req {
 			req[i] = byte(rand.Uint32())
 		}
-		for _, tr := range order { // warm up: buffers, windows, pools
-			if _, err := unaryBlock(ctx, clients[tr], req, cfg.block/5); err != nil {
+		for _, t := range targets { // warm up: buffers, windows, pools
+			if _, err := unaryBlock(ctx, t, req, cfg.block/5); err != nil {
 				return err
 			}
 		}
 		for round := range cfg.rounds {
-			rotate(order, round)
-			for _, tr := range order {
-				c, err := unaryBlock(ctx, clients[tr], req, cfg.block)
+			for _, t := range rotated(targets, round) {
+				c, err := unaryBlock(ctx, t, req, cfg.block)
 				if err != nil {
-					return fmt.Errorf("%s %d B: %w", tr, size, err)
+					return fmt.Errorf("%s %d B: %w", t.transport, size, err)
 				}
-				k := cellKey{optsName, tr, size}
-				if unary[k] == nil {
-					unary[k] = &cell{}
-				}
-				unary[k].add(c)
+				r.addTo(r.unary, cellKey{optsName, t.transport, size}, c)
 			}
 		}
 	}
 	for _, size := range cfg.streamSizes {
 		for round := range cfg.rounds {
-			rotate(order, round)
-			for _, tr := range order {
-				c, err := downloadBlock(ctx, clients[tr], size, cfg.streamBytes)
+			for _, t := range rotated(targets, round) {
+				c, err := downloadBlock(ctx, t, size, cfg.streamBytes)
 				if err != nil {
-					return fmt.Errorf("%s stream %d B: %w", tr, size, err)
+					return fmt.Errorf("%s stream %d B: %w", t.transport, size, err)
 				}
-				k := cellKey{optsName, tr, size}
-				if stream[k] == nil {
-					stream[k] = &cell{}
-				}
-				stream[k].add(c)
+				r.addTo(r.stream, cellKey{optsName, t.transport, size}, c)
 			}
 		}
 	}
 	return nil
 }
 
-// rotate moves the transports by one place each round, so that none is
-// always first after a change of size.
-func rotate(order []string, round int) {
-	if round > 0 {
-		first := order[0]
-		copy(order, order[1:])
-		order[len(order)-1] = first
+// rotated returns the targets rotated by round places, so that none is
+// always first.
+func rotated(targets []benchTarget, round int) []benchTarget {
+	k := round % len(targets)
+	return append(slices.Clone(targets[k:]), targets[:k]...)
+}
+
+// connectInProc starts a server in this process on an in-memory pipe and
+// connects a client to it.
+func connectInProc(ctx context.Context, opts optionSet) (*client, func(), error) {
+	lis := bufconn.Listen(1 << 20)
+	srv := grpc.NewServer(opts.server...)
+	srv.RegisterService(&echoServiceDesc, &echoServer{})
+	go srv.Serve(lis)
+	dopts := append([]grpc.DialOption{
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
+		callOpts,
+	}, opts.dial...)
+	cc, err := grpc.NewClient("passthrough:///in-process", dopts...)
+	if err != nil {
+		srv.Stop()
+		return nil, nil, err
 	}
+	c := &client{ClientConn: cc}
+	if _, err := echo(ctx, c, []byte("hello")); err != nil {
+		c.Close()
+		srv.Stop()
+		return nil, nil, err
+	}
+	return c, func() { c.Close(); srv.Stop() }, nil
 }
 
 // measure runs fn and adds the CPU time of both processes to the cell it
 // returns. The server's CPU time is asked for over the same connection,
 // outside the timed part.
-func measure(ctx context.Context, c *client, fn func() (cell, error)) (cell, error) {
-	before, err := getStats(ctx, c)
-	if err != nil {
-		return cell{}, err
+func measure(ctx context.Context, t benchTarget, fn func() (cell, error)) (cell, error) {
+	var before serverStats
+	var err error
+	if !t.inProc {
+		if before, err = getStats(ctx, t.client); err != nil {
+			return cell{}, err
+		}
 	}
 	shm0 := shmipc.AggregateStats()
 	cpu0 := processCPU()
@@ -199,15 +260,20 @@ func measure(ctx context.Context, c *client, fn func() (cell, error)) (cell, err
 	if err != nil {
 		return cell{}, err
 	}
-	after, err := getStats(ctx, c)
+	res.cpu = cpu1 - cpu0 // both ends, if the server runs in this process
+	if t.inProc {
+		return res, nil
+	}
+	after, err := getStats(ctx, t.client)
 	if err != nil {
 		return cell{}, err
 	}
-	res.cpu = cpu1 - cpu0 + time.Duration(after.CPUNanos-before.CPUNanos)
-	if c.manager != nil {
+	res.cpu += time.Duration(after.CPUNanos - before.CPUNanos)
+	if t.transport == transportShmipc {
 		res.cliMsgs = shm1.MessagesOut - shm0.MessagesOut
 		res.cliWakeups = shm1.WakeupsSent - shm0.WakeupsSent
-		// The Stats call itself: one message each way, at most one wake-up.
+		// Less the first Stats call's response, sent after before was
+		// taken.
 		res.srvMsgs = after.Shmipc.MessagesOut - before.Shmipc.MessagesOut - 1
 		res.srvWakeups = after.Shmipc.WakeupsSent - before.Shmipc.WakeupsSent
 	}
@@ -215,19 +281,19 @@ func measure(ctx context.Context, c *client, fn func() (cell, error)) (cell, err
 }
 
 // unaryBlock makes echo calls one after the other for about d.
-func unaryBlock(ctx context.Context, c *client, req []byte, d time.Duration) (cell, error) {
-	return measure(ctx, c, func() (cell, error) {
+func unaryBlock(ctx context.Context, t benchTarget, req []byte, d time.Duration) (cell, error) {
+	return measure(ctx, t, func() (cell, error) {
 		var res cell
 		start := time.Now()
 		for res.calls < 3 || time.Since(start) < d {
-			t := time.Now()
-			resp, err := echo(ctx, c, req)
-			res.lat = append(res.lat, time.Since(t))
+			t0 := time.Now()
+			n, err := echoNoCopy(ctx, t.client, req)
+			res.lat = append(res.lat, time.Since(t0))
 			if err != nil {
 				return res, err
 			}
-			if len(resp) != len(req) {
-				return res, fmt.Errorf("echo returned %d bytes for %d", len(resp), len(req))
+			if n != len(req) {
+				return res, fmt.Errorf("echo returned %d bytes for %d", n, len(req))
 			}
 			res.calls++
 		}
@@ -238,12 +304,12 @@ func unaryBlock(ctx context.Context, c *client, req []byte, d time.Duration) (ce
 
 // downloadBlock receives about total bytes in messages of size bytes on one
 // server stream.
-func downloadBlock(ctx context.Context, c *client, size, total int) (cell, error) {
-	return measure(ctx, c, func() (cell, error) {
+func downloadBlock(ctx context.Context, t benchTarget, size, total int) (cell, error) {
+	return measure(ctx, t, func() (cell, error) {
 		var res cell
 		count := max(1, total/size)
 		start := time.Now()
-		got, err := download(ctx, c, size, count)
+		got, err := download(ctx, t.client, size, count)
 		res.elapsed = time.Since(start)
 		res.bytes = got
 		res.calls = count
@@ -254,69 +320,128 @@ func downloadBlock(ctx context.Context, c *client, size, total int) (cell, error
 	})
 }
 
-// printTables prints the unary and the streaming table as Markdown.
-func printTables(cfg benchConfig, unary, stream map[cellKey]*cell, out io.Writer) {
-	w := tabwriter.NewWriter(out, 0, 0, 1, ' ', tabwriter.AlignRight|tabwriter.Debug)
-	fmt.Fprintln(out, "Unary echo, one call at a time (latency per call; CPU = client + server per call):")
+// benchTransports are the columns of the tables, in order.
+func benchTransports(cfg benchConfig) []string {
+	if cfg.inProc {
+		return append(slices.Clone(allTransports), transportInProc)
+	}
+	return allTransports
+}
+
+// printTables prints the unary, per-call shmipc and streaming tables as
+// Markdown.
+func printTables(cfg benchConfig, r results, out io.Writer) {
+	fmt.Fprintln(out, "Unary echo, one call at a time. CPU is user + system time of both processes per call;")
+	fmt.Fprintln(out, "\"vs UDS\" is the p50 over the p50 of the Unix socket with the same options.")
 	fmt.Fprintln(out)
-	fmt.Fprintln(w, "| options\t size\t transport\t p50\t p99\t calls/s\t CPU/call\t p50 vs UDS\t")
-	fmt.Fprintln(w, "|---\t---:\t---\t---:\t---:\t---:\t---:\t---:\t")
+	t := table{header: []string{"options", "size", "transport", "p50", "p99", "calls/s", "CPU/call", "vs UDS"}}
 	for _, opts := range cfg.options {
 		for _, size := range cfg.sizes {
-			uds := unary[cellKey{opts, transportUDS, size}]
-			for _, tr := range allTransports {
-				c := unary[cellKey{opts, tr, size}]
+			uds := r.unary[cellKey{opts, transportUDS, size}].percentile(0.50)
+			for _, tr := range benchTransports(cfg) {
+				c := r.unary[cellKey{opts, tr, size}]
 				if c == nil || c.calls == 0 {
 					continue
 				}
 				p50 := c.percentile(0.50)
-				fmt.Fprintf(w, "| %s\t %s\t %s\t %s\t %s\t %.0f\t %s\t %.2f×\t\n", opts, sizeName(size), tr,
-					fmtDur(p50), fmtDur(c.percentile(0.99)),
-					float64(c.calls)/c.elapsed.Seconds(), fmtDur(c.cpu/time.Duration(c.calls)),
-					float64(p50)/float64(uds.percentile(0.50)))
+				t.add(opts, sizeName(size), tr, fmtDur(p50), fmtDur(c.percentile(0.99)),
+					fmt.Sprintf("%.0f", float64(c.calls)/c.elapsed.Seconds()),
+					fmtDur(c.cpu/time.Duration(c.calls)), ratio(float64(p50), float64(uds)))
 			}
 		}
 	}
-	w.Flush()
+	t.write(out)
+
 	fmt.Fprintln(out)
-	fmt.Fprintln(out, "Over shmipc, per call: messages (stream writes) and wake-ups sent by each side:")
+	fmt.Fprintln(out, "Over shmipc, per unary call: messages (stream writes) and wake-ups (Polling frames) sent by each side.")
 	fmt.Fprintln(out)
-	fmt.Fprintln(w, "| options\t size\t client msgs\t server msgs\t client wake-ups\t server wake-ups\t")
-	fmt.Fprintln(w, "|---\t---:\t---:\t---:\t---:\t---:\t")
+	t = table{header: []string{"options", "size", "client msgs", "server msgs", "client wake-ups", "server wake-ups"}}
 	for _, opts := range cfg.options {
 		for _, size := range cfg.sizes {
-			c := unary[cellKey{opts, transportShmipc, size}]
+			c := r.unary[cellKey{opts, transportShmipc, size}]
 			if c == nil || c.calls == 0 {
 				continue
 			}
 			n := float64(c.calls)
-			fmt.Fprintf(w, "| %s\t %s\t %.2f\t %.2f\t %.2f\t %.2f\t\n", opts, sizeName(size),
-				float64(c.cliMsgs)/n, float64(c.srvMsgs)/n, float64(c.cliWakeups)/n, float64(c.srvWakeups)/n)
+			t.add(opts, sizeName(size), fmt.Sprintf("%.2f", float64(c.cliMsgs)/n), fmt.Sprintf("%.2f", float64(c.srvMsgs)/n),
+				fmt.Sprintf("%.2f", float64(c.cliWakeups)/n), fmt.Sprintf("%.2f", float64(c.srvWakeups)/n))
 		}
 	}
-	w.Flush()
+	t.write(out)
+
 	fmt.Fprintln(out)
-	fmt.Fprintln(out, "Server streaming (Download), one stream at a time:")
+	fmt.Fprintf(out, "Server streaming: one stream receives %d MiB in messages of the given size. CPU is both processes.\n", cfg.streamBytes>>20)
 	fmt.Fprintln(out)
-	fmt.Fprintln(w, "| options\t message\t transport\t MB/s\t msgs/s\t CPU/MB\t vs UDS\t")
-	fmt.Fprintln(w, "|---\t---:\t---\t---:\t---:\t---:\t---:\t")
+	t = table{header: []string{"options", "message", "transport", "MB/s", "msgs/s", "CPU/MB", "vs UDS"}}
 	for _, opts := range cfg.options {
 		for _, size := range cfg.streamSizes {
-			uds := stream[cellKey{opts, transportUDS, size}]
-			for _, tr := range allTransports {
-				c := stream[cellKey{opts, tr, size}]
+			uds := r.stream[cellKey{opts, transportUDS, size}].mbPerSec()
+			for _, tr := range benchTransports(cfg) {
+				c := r.stream[cellKey{opts, tr, size}]
 				if c == nil || c.elapsed == 0 {
 					continue
 				}
-				mbs := float64(c.bytes) / 1e6 / c.elapsed.Seconds()
-				udsMBs := float64(uds.bytes) / 1e6 / uds.elapsed.Seconds()
-				fmt.Fprintf(w, "| %s\t %s\t %s\t %.0f\t %.0f\t %s\t %.2f×\t\n", opts, sizeName(size), tr,
-					mbs, float64(c.calls)/c.elapsed.Seconds(),
-					fmtDur(time.Duration(float64(c.cpu)/(float64(c.bytes)/1e6))), mbs/udsMBs)
+				t.add(opts, sizeName(size), tr, fmt.Sprintf("%.0f", c.mbPerSec()),
+					fmt.Sprintf("%.0f", float64(c.calls)/c.elapsed.Seconds()),
+					fmtDur(time.Duration(float64(c.cpu)/(float64(c.bytes)/1e6))), ratio(c.mbPerSec(), uds))
 			}
 		}
 	}
-	w.Flush()
+	t.write(out)
+}
+
+func ratio(a, b float64) string {
+	if b == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.2f×", a/b)
+}
+
+// table is a Markdown table with padded columns; the options and transport
+// columns are aligned left, the others right.
+type table struct {
+	header []string
+	rows   [][]string
+}
+
+func (t *table) add(cells ...string) { t.rows = append(t.rows, cells) }
+
+func (t *table) write(out io.Writer) {
+	width := make([]int, len(t.header))
+	for _, row := range append([][]string{t.header}, t.rows...) {
+		for i, c := range row {
+			width[i] = max(width[i], len([]rune(c)))
+		}
+	}
+	left := make([]bool, len(t.header))
+	for i, h := range t.header {
+		left[i] = h == "options" || h == "transport"
+	}
+	line := func(row []string) {
+		var b strings.Builder
+		for i, c := range row {
+			pad := strings.Repeat(" ", width[i]-len([]rune(c)))
+			if left[i] {
+				fmt.Fprintf(&b, "| %s%s ", c, pad)
+			} else {
+				fmt.Fprintf(&b, "| %s%s ", pad, c)
+			}
+		}
+		fmt.Fprintln(out, b.String()+"|")
+	}
+	line(t.header)
+	sep := make([]string, len(width))
+	for i, w := range width {
+		if left[i] {
+			sep[i] = strings.Repeat("-", w)
+		} else {
+			sep[i] = strings.Repeat("-", w-1) + ":"
+		}
+	}
+	line(sep)
+	for _, row := range t.rows {
+		line(row)
+	}
 }
 
 func sizeName(n int) string {

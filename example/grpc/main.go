@@ -27,6 +27,7 @@ func main() {
 	opts := flag.String("opts", "", "with -bench: option sets, such as default,tuned")
 	block := flag.Duration("block", 0, "with -bench: length of one measured block")
 	rounds := flag.Int("rounds", 0, "with -bench: blocks per transport and size")
+	spin := flag.Duration("spin", -1, "with -bench: shmipc's ConsumerSpinTime on both sides (default: shmipc's default)")
 	flag.Parse()
 
 	var err error
@@ -49,6 +50,9 @@ func main() {
 		}
 		if *rounds > 0 {
 			cfg.rounds = *rounds
+		}
+		if *spin >= 0 {
+			os.Setenv(spinEnv, spin.String())
 		}
 		start := time.Now()
 		err = runBench(cfg, os.Stdout)

@@ -25,7 +25,9 @@ import (
 	"google.golang.org/grpc/status"
 )
 
-// bytesCodec marshals *[]byte messages as their bytes.
+// bytesCodec carries a message as its bytes: a *[]byte, or a
+// *mem.BufferSlice for code that wants no copy at all (the echo handlers
+// and the benchmark client).
 type bytesCodec struct{}
 
 // codecName is the content-subtype of bytesCodec.
@@ -36,22 +38,28 @@ func init() { encoding.RegisterCodecV2(bytesCodec{}) }
 func (bytesCodec) Name() string { return codecName }
 
 func (bytesCodec) Marshal(v any) (mem.BufferSlice, error) {
-	p, ok := v.(*[]byte)
-	if !ok {
-		return nil, fmt.Errorf("bytes codec: cannot marshal %T", v)
+	switch p := v.(type) {
+	case *[]byte:
+		// gRPC does not modify the bytes, and callers do not reuse them
+		// before the call returns: no copy.
+		return mem.BufferSlice{mem.SliceBuffer(*p)}, nil
+	case *mem.BufferSlice:
+		return *p, nil // gRPC frees it once sent
 	}
-	// gRPC does not modify the buffer, and the caller does not reuse p
-	// before the call returns: no copy.
-	return mem.BufferSlice{mem.SliceBuffer(*p)}, nil
+	return nil, fmt.Errorf("bytes codec: cannot marshal %T", v)
 }
 
 func (bytesCodec) Unmarshal(data mem.BufferSlice, v any) error {
-	p, ok := v.(*[]byte)
-	if !ok {
-		return fmt.Errorf("bytes codec: cannot unmarshal into %T", v)
+	switch p := v.(type) {
+	case *[]byte:
+		*p = data.Materialize() // data is freed when Unmarshal returns
+		return nil
+	case *mem.BufferSlice:
+		data.Ref() // kept past Unmarshal; the receiver frees it
+		*p = data
+		return nil
 	}
-	*p = data.Materialize() // data is freed when Unmarshal returns
-	return nil
+	return fmt.Errorf("bytes codec: cannot unmarshal into %T", v)
 }
 
 // Full method names of the Echo service.
@@ -85,10 +93,7 @@ var echoServiceDesc = grpc.ServiceDesc{
 	ServiceName: serviceName,
 	HandlerType: (*any)(nil),
 	Methods: []grpc.MethodDesc{
-		{MethodName: "Unary", Handler: unaryHandler(func(s *echoServer, _ context.Context, req []byte) ([]byte, error) {
-			s.unary.Add(1)
-			return req, nil
-		})},
+		{MethodName: "Unary", Handler: unaryEcho},
 		{MethodName: "Wait", Handler: unaryHandler((*echoServer).wait)},
 		{MethodName: "Stats", Handler: unaryHandler((*echoServer).stats)},
 	},
@@ -103,6 +108,16 @@ var (
 	bidiDesc     = &echoServiceDesc.Streams[0]
 	downloadDesc = &echoServiceDesc.Streams[1]
 )
+
+// unaryEcho returns the request as it arrived, without copying it.
+func unaryEcho(srv any, ctx context.Context, dec func(any) error, _ grpc.UnaryServerInterceptor) (any, error) {
+	var req mem.BufferSlice
+	if err := dec(&req); err != nil {
+		return nil, err
+	}
+	srv.(*echoServer).unary.Add(1)
+	return &req, nil // gRPC frees it once sent
+}
 
 // unaryHandler adapts fn to a grpc.MethodDesc handler.
 func unaryHandler(fn func(*echoServer, context.Context, []byte) ([]byte, error)) grpc.MethodHandler {
@@ -154,14 +169,14 @@ func (s *echoServer) stats(context.Context, []byte) ([]byte, error) {
 // bidiHandler echoes each message until the client closes its side.
 func bidiHandler(_ any, stream grpc.ServerStream) error {
 	for {
-		var msg []byte
+		var msg mem.BufferSlice
 		if err := stream.RecvMsg(&msg); err != nil {
 			if errors.Is(err, io.EOF) {
 				return nil
 			}
 			return err
 		}
-		if err := stream.SendMsg(&msg); err != nil {
+		if err := stream.SendMsg(&msg); err != nil { // frees msg
 			return err
 		}
 	}
@@ -216,6 +231,18 @@ func echo(ctx context.Context, cc grpc.ClientConnInterface, req []byte) ([]byte,
 	return resp, err
 }
 
+// echoNoCopy makes one Unary call and returns the length of the response,
+// which it does not copy.
+func echoNoCopy(ctx context.Context, cc grpc.ClientConnInterface, req []byte) (int, error) {
+	var resp mem.BufferSlice
+	if err := cc.Invoke(ctx, methodUnary, &req, &resp); err != nil {
+		return 0, err
+	}
+	n := resp.Len()
+	resp.Free()
+	return n, nil
+}
+
 // waitCall makes one Wait call.
 func waitCall(ctx context.Context, cc grpc.ClientConnInterface, d time.Duration) error {
 	req, resp := []byte(d.String()), []byte(nil)
@@ -254,13 +281,14 @@ func download(ctx context.Context, cc grpc.ClientConnInterface, size, count int)
 	}
 	got := 0
 	for {
-		var msg []byte
+		var msg mem.BufferSlice
 		if err := stream.RecvMsg(&msg); err != nil {
 			if errors.Is(err, io.EOF) {
 				return got, nil
 			}
 			return got, err
 		}
-		got += len(msg)
+		got += msg.Len()
+		msg.Free()
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"time"
 
 	"github.com/goshm/shmipc"
 	"google.golang.org/grpc"
@@ -115,9 +116,20 @@ func listen(transport, dir string) (net.Listener, string, error) {
 	return nil, "", fmt.Errorf("unknown transport %q", transport)
 }
 
-// shmipcConfig is the shmipc configuration of both sides; nil means
-// shmipc.DefaultConfig().
-var shmipcConfig = func() *shmipc.Config { return nil }
+// spinEnv, when set, is the shmipc ConsumerSpinTime of both sides (the
+// benchmark's -spin flag; the server process inherits it).
+const spinEnv = "SHMIPC_GRPC_EXAMPLE_SPIN"
+
+// shmipcConfig is the shmipc configuration of both sides.
+var shmipcConfig = func() *shmipc.Config {
+	conf := shmipc.DefaultConfig()
+	if v := os.Getenv(spinEnv); v != "" {
+		if d, err := time.ParseDuration(v); err == nil {
+			conf.ConsumerSpinTime = d
+		}
+	}
+	return conf
+}
 
 // client is a gRPC client connection over one transport.
 type client struct {
