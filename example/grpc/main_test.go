@@ -78,7 +78,7 @@ func payload(n int, seed uint64) []byte {
 	return p
 }
 
-// Many goroutines make unary calls of sizes from 0 to 256 KiB at once; every
+// Many goroutines make unary calls of sizes from 0 to 128 KiB at once; every
 // response equals its request, and the server counted every call.
 func TestConcurrentUnary(t *testing.T) {
 	for _, opts := range []optionSet{defaultOptions(), tunedOptions()} {
@@ -87,14 +87,14 @@ func TestConcurrentUnary(t *testing.T) {
 			c := dialTest(t, srv.addrs[transportShmipc], opts)
 			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 			defer cancel()
-			const goroutines, calls = 32, 25
+			const goroutines, calls = 16, 20
 			var wg sync.WaitGroup
 			errs := make(chan error, goroutines)
 			for g := range goroutines {
 				wg.Go(func() {
 					r := rand.New(rand.NewPCG(uint64(g), 1))
 					for i := range calls {
-						size := r.IntN(256 << 10)
+						size := r.IntN(128 << 10)
 						if i%5 == 0 {
 							size = r.IntN(100)
 						}
