@@ -112,13 +112,6 @@ type results struct {
 	unary, stream map[cellKey]*cell
 }
 
-func (r results) addTo(m map[cellKey]*cell, k cellKey, c cell) {
-	if m[k] == nil {
-		m[k] = &cell{}
-	}
-	m[k].add(c)
-}
-
 // benchTarget is one client connection under test.
 type benchTarget struct {
 	transport string
@@ -184,25 +177,39 @@ func benchOptionSet(cfg benchConfig, optsName string, r results) error {
 				return err
 			}
 		}
-		for round := range cfg.rounds {
-			for _, t := range rotated(targets, round) {
-				c, err := unaryBlock(ctx, t, req, cfg.block)
-				if err != nil {
-					return fmt.Errorf("%s %d B: %w", t.transport, size, err)
-				}
-				r.addTo(r.unary, cellKey{optsName, t.transport, size}, c)
-			}
+		err := takeTurns(targets, cfg.rounds, r.unary, optsName, size, func(t benchTarget) (cell, error) {
+			return unaryBlock(ctx, t, req, cfg.block)
+		})
+		if err != nil {
+			return err
 		}
 	}
 	for _, size := range cfg.streamSizes {
-		for round := range cfg.rounds {
-			for _, t := range rotated(targets, round) {
-				c, err := downloadBlock(ctx, t, size, cfg.streamBytes)
-				if err != nil {
-					return fmt.Errorf("%s stream %d B: %w", t.transport, size, err)
-				}
-				r.addTo(r.stream, cellKey{optsName, t.transport, size}, c)
+		err := takeTurns(targets, cfg.rounds, r.stream, optsName, size, func(t benchTarget) (cell, error) {
+			return downloadBlock(ctx, t, size, cfg.streamBytes)
+		})
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// takeTurns runs block for each target in turn, rounds times, and adds
+// the results to the cells of size.
+func takeTurns(targets []benchTarget, rounds int, cells map[cellKey]*cell, opts string, size int,
+	block func(benchTarget) (cell, error)) error {
+	for round := range rounds {
+		for _, t := range rotated(targets, round) {
+			c, err := block(t)
+			if err != nil {
+				return fmt.Errorf("%s, %s: %w", t.transport, sizeName(size), err)
 			}
+			k := cellKey{opts, t.transport, size}
+			if cells[k] == nil {
+				cells[k] = &cell{}
+			}
+			cells[k].add(c)
 		}
 	}
 	return nil

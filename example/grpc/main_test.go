@@ -69,6 +69,20 @@ func dialTest(t *testing.T, addr string, opts optionSet) *client {
 	return c
 }
 
+// forEachOptionSet runs fn against a server process and a client with
+// gRPC's default options, then with the tuned ones.
+func forEachOptionSet(t *testing.T, fn func(t *testing.T, ctx context.Context, srv *serverProcess, c *client)) {
+	for _, opts := range []optionSet{defaultOptions(), tunedOptions()} {
+		t.Run(opts.name, func(t *testing.T) {
+			srv, _ := startTestServer(t, opts.name)
+			c := dialTest(t, srv.addrs[transportShmipc], opts)
+			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			defer cancel()
+			fn(t, ctx, srv, c)
+		})
+	}
+}
+
 func payload(n int, seed uint64) []byte {
 	p := make([]byte, n)
 	r := rand.New(rand.NewPCG(seed, uint64(n)))
@@ -81,54 +95,48 @@ func payload(n int, seed uint64) []byte {
 // Many goroutines make unary calls of sizes from 0 to 128 KiB at once; every
 // response equals its request, and the server counted every call.
 func TestConcurrentUnary(t *testing.T) {
-	for _, opts := range []optionSet{defaultOptions(), tunedOptions()} {
-		t.Run(opts.name, func(t *testing.T) {
-			srv, _ := startTestServer(t, opts.name)
-			c := dialTest(t, srv.addrs[transportShmipc], opts)
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-			defer cancel()
-			const goroutines, calls = 16, 20
-			var wg sync.WaitGroup
-			errs := make(chan error, goroutines)
-			for g := range goroutines {
-				wg.Go(func() {
-					r := rand.New(rand.NewPCG(uint64(g), 1))
-					for i := range calls {
-						size := r.IntN(128 << 10)
-						if i%5 == 0 {
-							size = r.IntN(100)
-						}
-						req := payload(size, uint64(g*calls+i))
-						resp, err := echo(ctx, c, req)
-						if err != nil {
-							errs <- fmt.Errorf("goroutine %d call %d (%d B): %w", g, i, size, err)
-							return
-						}
-						if !bytes.Equal(resp, req) {
-							errs <- fmt.Errorf("goroutine %d call %d: %d bytes back for %d, or different bytes", g, i, len(resp), size)
-							return
-						}
+	forEachOptionSet(t, func(t *testing.T, ctx context.Context, _ *serverProcess, c *client) {
+		const goroutines, calls = 16, 20
+		var wg sync.WaitGroup
+		errs := make(chan error, goroutines)
+		for g := range goroutines {
+			wg.Go(func() {
+				r := rand.New(rand.NewPCG(uint64(g), 1))
+				for i := range calls {
+					size := r.IntN(128 << 10)
+					if i%5 == 0 {
+						size = r.IntN(100)
 					}
-				})
-			}
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				t.Error(err)
-			}
-			st, err := getStats(ctx, c)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if st.Unary != goroutines*calls {
-				t.Errorf("the server counted %d unary calls, want %d", st.Unary, goroutines*calls)
-			}
-			if st.Shmipc.MessagesIn == 0 || st.Shmipc.BytesIn < goroutines*calls {
-				t.Errorf("the server's shmipc sessions received %d messages (%d bytes): the calls did not go through shmipc",
-					st.Shmipc.MessagesIn, st.Shmipc.BytesIn)
-			}
-		})
-	}
+					req := payload(size, uint64(g*calls+i))
+					resp, err := echo(ctx, c, req)
+					if err != nil {
+						errs <- fmt.Errorf("goroutine %d call %d (%d B): %w", g, i, size, err)
+						return
+					}
+					if !bytes.Equal(resp, req) {
+						errs <- fmt.Errorf("goroutine %d call %d: %d bytes back for %d, or different bytes", g, i, len(resp), size)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Error(err)
+		}
+		st, err := getStats(ctx, c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Unary != goroutines*calls {
+			t.Errorf("the server counted %d unary calls, want %d", st.Unary, goroutines*calls)
+		}
+		if st.Shmipc.MessagesIn == 0 || st.Shmipc.BytesIn < goroutines*calls {
+			t.Errorf("the server's shmipc sessions received %d messages (%d bytes): the calls did not go through shmipc",
+				st.Shmipc.MessagesIn, st.Shmipc.BytesIn)
+		}
+	})
 }
 
 // A bidirectional stream echoes messages in order, both in lock-step and with
@@ -303,29 +311,23 @@ func waitForWaiting(t *testing.T, ctx context.Context, c *client) {
 // the default and the tuned options; with the default receive limit (4 MiB)
 // a larger message is refused with ResourceExhausted.
 func TestLargeMessages(t *testing.T) {
-	for _, opts := range []optionSet{defaultOptions(), tunedOptions()} {
-		t.Run(opts.name, func(t *testing.T) {
-			srv, _ := startTestServer(t, opts.name)
-			c := dialTest(t, srv.addrs[transportShmipc], opts)
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-			defer cancel()
-			for _, size := range []int{1 << 20, 4<<20 + 1, 8 << 20, 16 << 20} {
-				req := payload(size, uint64(size))
-				resp, err := echo(ctx, c, req)
-				if err != nil {
-					t.Fatalf("%s: %v", sizeName(size), err)
-				}
-				if !bytes.Equal(resp, req) {
-					t.Fatalf("%s: %d bytes back (or different bytes)", sizeName(size), len(resp))
-				}
+	forEachOptionSet(t, func(t *testing.T, ctx context.Context, srv *serverProcess, c *client) {
+		for _, size := range []int{1 << 20, 4<<20 + 1, 8 << 20, 16 << 20} {
+			req := payload(size, uint64(size))
+			resp, err := echo(ctx, c, req)
+			if err != nil {
+				t.Fatalf("%s: %v", sizeName(size), err)
 			}
-			limited := dialTest(t, srv.addrs[transportShmipc], optionSet{})
-			_, err := echo(ctx, limited, make([]byte, 5<<20))
-			if status.Code(err) != codes.ResourceExhausted {
-				t.Fatalf("a 5 MiB response to a client with gRPC's default 4 MiB limit: %v, want ResourceExhausted", err)
+			if !bytes.Equal(resp, req) {
+				t.Fatalf("%s: %d bytes back (or different bytes)", sizeName(size), len(resp))
 			}
-		})
-	}
+		}
+		limited := dialTest(t, srv.addrs[transportShmipc], optionSet{})
+		_, err := echo(ctx, limited, make([]byte, 5<<20))
+		if status.Code(err) != codes.ResourceExhausted {
+			t.Fatalf("a 5 MiB response to a client with gRPC's default 4 MiB limit: %v, want ResourceExhausted", err)
+		}
+	})
 }
 
 // The server process dies and a new one starts on the same socket: the
