@@ -18,8 +18,8 @@ import (
 // at once; gRPC clients see that as a failed connection attempt.
 //
 // This is needed only while shmipc's Listener.Close closes the sessions
-// (see the report in README.md); a net.Listener's Close, by contract, ends
-// Accept only.
+// (see "Recommendations for the core" in README.md); a net.Listener's
+// Close, by contract, ends Accept only.
 func closeOnlyStopsAccepting(ln *shmipc.Listener) net.Listener {
 	l := &acceptOnly{Listener: ln, conns: make(chan net.Conn), closed: make(chan struct{})}
 	go l.pump()
