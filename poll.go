@@ -182,16 +182,30 @@ func (s *Session) drainAll() (n int, paused bool, err error) {
 		runtime.Gosched()
 	}
 	defer s.cons.token.Store(false) // deferred: also after a fault
-	return s.drainHeld(true)
+	return s.drainHeld(true, true)
+}
+
+// drainBefore drains everything, closes included, without pausing behind a
+// pending close: a FallbackData or StreamClose frame must not overtake what
+// the peer published before sending it on the same stream, and the pending
+// close belongs to another stream (a stream's own close is published after
+// its last data is sent).
+func (s *Session) drainBefore() error {
+	for !s.cons.token.CompareAndSwap(false, true) {
+		runtime.Gosched()
+	}
+	defer s.cons.token.Store(false) // deferred: also after a fault
+	_, _, err := s.drainHeld(true, false)
+	return err
 }
 
 // drainHeld pops and dispatches the elements published so far; the caller
-// holds the token. It stops (stopped) while a close is pending. A reader
-// (closes false) also stops before a close element: only the receive loop
-// applies closes.
-func (s *Session) drainHeld(closes bool) (n int, stopped bool, err error) {
+// holds the token. With pause, it stops (stopped) while a close is pending,
+// so that elements take effect in queue order. A reader (closes false)
+// also stops before a close element: only the receive loop applies closes.
+func (s *Session) drainHeld(closes, pause bool) (n int, stopped bool, err error) {
 	for {
-		if s.closesPending.Load() {
+		if pause && s.closesPending.Load() {
 			return n, true, nil
 		}
 		e, ok, err := s.recvQ.peek()
@@ -220,7 +234,7 @@ func (s *Session) tryDrain() (n int, closeAhead bool, err error) {
 		return 0, false, nil
 	}
 	defer s.cons.token.Store(false) // deferred: also after a fault
-	return s.drainHeld(false)
+	return s.drainHeld(false, true)
 }
 
 // sealConsumer takes the token for good: nothing is drained or delivered

@@ -302,13 +302,13 @@ func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 		s.counters.wakeupsReceived.Add(1)
 		return s.consumeNow()
 	case wire.TypeStreamClose:
-		if _, _, err := s.drainAll(); err != nil {
+		if err := s.drainBefore(); err != nil {
 			return err
 		}
 		s.peerClosed(binary.BigEndian.Uint32(payload))
 		return nil
 	case wire.TypeFallbackData:
-		if _, _, err := s.drainAll(); err != nil {
+		if err := s.drainBefore(); err != nil {
 			return err
 		}
 		return s.handleFallback(payload)
