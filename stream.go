@@ -41,6 +41,7 @@ type Stream struct {
 	fallback     atomic.Bool  // once set, every message goes as FallbackData
 	refDropped   atomic.Bool  // the stream's reference on the buffer region is gone
 	heldFallback atomic.Int64 // received fallback bytes not yet released
+	awaiting     atomic.Bool  // sent since data last arrived: a reply is likely on its way
 }
 
 var _ net.Conn = (*Stream)(nil)
@@ -124,7 +125,10 @@ func (st *Stream) waitReadable(n int) error {
 			return ErrTimeout
 		}
 		st.mu.Unlock()
-		if !st.s.pollFor(st.readNotify) {
+		// Poll only while a reply is awaited: a reader that waits for the
+		// peer to start something (a server between requests) would spin
+		// for nothing, on a core others need.
+		if !st.awaiting.Load() || !st.s.pollFor(st.readNotify) {
 			st.s.wait(st.readNotify, deadline)
 		}
 		st.mu.Lock()
@@ -146,8 +150,18 @@ func (st *Stream) deliver(slices []shmSlice, heap []byte) bool {
 		st.reader.append(slices)
 	}
 	st.mu.Unlock()
+	st.awaiting.Store(false)
 	st.notify()
 	return true
+}
+
+// sent records a message sent. A stream that sends after data arrived is
+// likely to get a reply: a reader waiting on it is woken so that it polls
+// for that reply (pollFor) rather than sleeping until it is handed over.
+func (st *Stream) sent() {
+	if !st.awaiting.Load() && !st.awaiting.Swap(true) {
+		st.notify()
+	}
 }
 
 // peerClose records that the peer closed the stream.
@@ -251,6 +265,7 @@ func (st *Stream) sendShm() error {
 	}
 	s.counters.messagesOut.Add(1)
 	s.counters.bytesOut.Add(uint64(w.size))
+	st.sent()
 	w.reset()
 	return err
 }
@@ -298,6 +313,7 @@ func (st *Stream) sendFallback() error {
 		err = s.sendFallbackFrame(st.id, frame, deadline)
 	}
 	if err == nil {
+		st.sent()
 		s.counters.messagesOut.Add(1)
 		s.counters.bytesOut.Add(uint64(w.size))
 		s.counters.fallbackMessagesOut.Add(1)
