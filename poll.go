@@ -3,6 +3,7 @@ package shmipc
 import (
 	"runtime"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -61,9 +62,15 @@ type consumer struct {
 // looks at the clock and at its exit conditions.
 const pollCheckEvery = 8
 
-// yieldEvery is how often a spinning goroutine lets others on its processor
-// run, and a spinning receive loop looks for frames on the socket.
-const yieldEvery = 50 * time.Microsecond
+// A spinning receive loop looks for frames on the socket every
+// socketCheckEvery. A spinner lets other goroutines on its processor run
+// every yieldEvery, which is longer than a default spin: runtime.Gosched
+// wakes another thread to look for work, and that thread takes a core from
+// the peer the spinner waits for.
+const (
+	socketCheckEvery = 50 * time.Microsecond
+	yieldEvery       = time.Millisecond
+)
 
 func (c *consumer) init(max time.Duration) {
 	c.max = int64(max)
@@ -382,19 +389,22 @@ func (s *Session) spinReader(ready <-chan struct{}) (got, kick bool) {
 
 // spinWatch keeps a spinner's clock: budget, preemption, yielding.
 type spinWatch struct {
-	begin, last, lastYield time.Time
+	begin, last, lastYield, lastSocket time.Time
 }
 
 func (w *spinWatch) start() {
 	w.begin = time.Now()
-	w.last, w.lastYield = w.begin, w.begin
+	w.last, w.lastYield, w.lastSocket = w.begin, w.begin, w.begin
 }
 
 // check looks at the clock between rounds of looks. It returns spinGaveUp
-// when the spinner must stop, spinFramesWaiting at each yield point (time to
-// look at the socket, for the receive loop), and spinFound otherwise (go
-// on).
+// when the spinner must stop, spinFramesWaiting every socketCheckEvery
+// (time for the receive loop to look at the socket), and spinFound
+// otherwise (go on).
 func (w *spinWatch) check(s *Session) int {
+	// Give the CPU to any thread waiting for it, which may be the very peer
+	// this spinner waits for; with nobody waiting it returns at once.
+	osYield()
 	now := time.Now()
 	if now.Sub(w.last) > preemptedGap {
 		// Descheduled between two rounds: the CPU has more work than cores,
@@ -413,6 +423,9 @@ func (w *spinWatch) check(s *Session) int {
 	if now.Sub(w.lastYield) >= yieldEvery {
 		runtime.Gosched()
 		w.last, w.lastYield = time.Now(), now
+	}
+	if now.Sub(w.lastSocket) >= socketCheckEvery {
+		w.lastSocket = now
 		return spinFramesWaiting
 	}
 	return spinFound
@@ -484,3 +497,7 @@ func (g *spinGovernor) pressure(now time.Time) {
 	g.cooldown.Store(min(2*d, int64(maxSpinCooldown)))
 	g.calm.Store(t)
 }
+
+// osYield gives up the CPU to another runnable thread, if there is one
+// (sched_yield). It is a raw system call: it never blocks.
+func osYield() { syscall.RawSyscall(syscall.SYS_SCHED_YIELD, 0, 0, 0) }
