@@ -243,10 +243,13 @@ func benchSocketPath(b *testing.B) string {
 }
 
 // serveEach runs serve on every connection ln accepts until ln is closed.
-// The returned function waits for the servers to finish.
+// The returned function, called once ln is closed, waits for the accept
+// loop and the servers to finish.
 func serveEach(ln net.Listener, serve func(net.Conn)) (wait func()) {
 	var servers sync.WaitGroup
+	servers.Add(1) // the accept loop, so that Add below never races with Wait from 0
 	go func() {
+		defer servers.Done()
 		for {
 			c, err := ln.Accept()
 			if err != nil {
