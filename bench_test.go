@@ -27,7 +27,9 @@ import (
 // round trips, so ns/op is wall time per round trip of the whole group.
 // Besides ns/op, B/op and allocs/op it reports slowest/fastest: the round
 // trips of the goroutine that did fewest divided by those of the one that
-// did most (1 is perfectly fair). Compare the transports with
+// did most (1 is perfectly fair); and for shm wakeups/op: Polling frames
+// sent either way per round trip (0 when the receivers' spinning catches
+// every message, 2 when each side sleeps before each message). Compare the transports with
 //
 //	benchstat -col /transport bench.txt
 //
@@ -104,10 +106,10 @@ func benchmarkStreams(b *testing.B, tr benchTransport, streams, size int) {
 			b.Skipf("%v (-overcommit runs it anyway)", err)
 		}
 	}
-	connect := tr.serve(b, size)
+	srv := tr.serve(b, size)
 	clients := make([]pingClient, streams)
 	for i := range clients {
-		c, err := connect()
+		c, err := srv.connect()
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -145,11 +147,15 @@ func benchmarkStreams(b *testing.B, tr benchTransport, streams, size int) {
 	}
 	b.SetBytes(2 * int64(size))
 	b.ReportAllocs()
+	wakeups := srv.wakeups()
 	b.ResetTimer()
 	close(start)
 	done.Wait()
 	b.StopTimer()
 	b.ReportMetric(slowestFastest(counts), "slowest/fastest")
+	if wakeups >= 0 {
+		b.ReportMetric(float64(srv.wakeups()-wakeups)/float64(b.N), "wakeups/op")
+	}
 }
 
 // shmSlotsShort reports whether the requests of streams clients of the
@@ -193,12 +199,12 @@ func slowestFastest(counts []int) float64 {
 // goroutine.
 func benchmarkParallel(b *testing.B, tr benchTransport, size int) {
 	startBenchHogs(b, *benchHogs)
-	connect := tr.serve(b, size)
+	srv := tr.serve(b, size)
 	b.SetBytes(2 * int64(size))
 	b.ReportAllocs()
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {
-		c, err := connect()
+		c, err := srv.connect()
 		if err != nil {
 			b.Error(err)
 			return
@@ -226,8 +232,17 @@ type pingClient interface {
 type benchTransport struct {
 	name string
 	// serve starts an echo server for size-byte messages that stops at the
-	// end of the benchmark, and returns how to connect a client to it.
-	serve func(b *testing.B, size int) (connect func() (pingClient, error))
+	// end of the benchmark.
+	serve func(b *testing.B, size int) benchServer
+}
+
+// benchServer is an echo server of a benchmark.
+type benchServer struct {
+	// connect connects a new client.
+	connect func() (pingClient, error)
+	// wakeups counts the Polling frames the clients' session has sent and
+	// received so far; -1 for transports without them.
+	wakeups func() int64
 }
 
 var (
@@ -243,10 +258,13 @@ func benchSocketPath(b *testing.B) string {
 }
 
 // serveEach runs serve on every connection ln accepts until ln is closed.
-// The returned function waits for the servers to finish.
+// The returned function, called once ln is closed, waits for the accept
+// loop and the servers to finish.
 func serveEach(ln net.Listener, serve func(net.Conn)) (wait func()) {
 	var servers sync.WaitGroup
+	servers.Add(1) // the accept loop, so that Add below never races with Wait from 0
 	go func() {
+		defer servers.Done()
 		for {
 			c, err := ln.Accept()
 			if err != nil {
@@ -266,7 +284,7 @@ func serveEach(ln net.Listener, serve func(net.Conn)) (wait func()) {
 
 // serveShm listens for shmipc sessions and echoes on their streams. All
 // clients share one session, a stream each.
-func serveShm(b *testing.B, size int) func() (pingClient, error) {
+func serveShm(b *testing.B, size int) benchServer {
 	sock := benchSocketPath(b)
 	conf := DefaultConfig()
 	ln, err := Listen("unix", sock, conf)
@@ -284,13 +302,18 @@ func serveShm(b *testing.B, size int) func() (pingClient, error) {
 		ln.Close()
 		wait()
 	})
-	return func() (pingClient, error) {
+	connect := func() (pingClient, error) {
 		st, err := sess.OpenStream()
 		if err != nil {
 			return nil, err
 		}
 		return &shmClient{st: st, size: size}, nil
 	}
+	wakeups := func() int64 {
+		st := sess.Stats()
+		return int64(st.WakeupsSent + st.WakeupsReceived)
+	}
+	return benchServer{connect, wakeups}
 }
 
 // shmEchoServer echoes size-byte messages, zero-copy in and out.
@@ -347,7 +370,7 @@ func (c *shmClient) Close() error { return c.st.Close() }
 
 // serveUds listens on a Unix socket and echoes on every connection; each
 // client has its own connection.
-func serveUds(b *testing.B, size int) func() (pingClient, error) {
+func serveUds(b *testing.B, size int) benchServer {
 	sock := benchSocketPath(b)
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
@@ -378,7 +401,7 @@ func serveUds(b *testing.B, size int) func() (pingClient, error) {
 		mu.Unlock()
 		wait()
 	})
-	return func() (pingClient, error) {
+	connect := func() (pingClient, error) {
 		c, err := net.Dial("unix", sock)
 		if err != nil {
 			return nil, err
@@ -388,6 +411,7 @@ func serveUds(b *testing.B, size int) func() (pingClient, error) {
 		mu.Unlock()
 		return &udsClient{c: c, out: make([]byte, size), in: make([]byte, size)}, nil
 	}
+	return benchServer{connect, func() int64 { return -1 }}
 }
 
 // udsClient copies its message into the kernel and the echo out of it.

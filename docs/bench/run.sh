@@ -22,6 +22,10 @@
 #
 # -quick is the CI form (under a minute): 3 sizes, 200 round trips, one run
 # each, short cross-process measurements.
+#
+# Environment (full form): BENCH (the -bench pattern, e.g.
+# 'BenchmarkPingPong$/^streams=8$'), BENCHTIME (1s), COUNT (5), ROUNDS (5),
+# DURATION (2s), OVERCOMMIT (0).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -46,7 +50,7 @@ if [ $quick = 1 ]; then
     streamsflags=(-quick)
     pingpongflags=(-quick -transports shm,uds)
 else
-    bench='BenchmarkPingPong$'
+    bench=${BENCH:-'BenchmarkPingPong$'}
     benchflags=(-benchtime "${BENCHTIME:-1s}" -count "${COUNT:-5}")
     # OVERCOMMIT=1 also runs the shm cases that stall by design today
     # (bench_test.go, shmSlotsShort): they then fail after 10 s each.

@@ -385,7 +385,7 @@ func run(opts options, out io.Writer) (*report, error) {
 	rep := &report{runEnv: env}
 	fmt.Fprintf(out, "pingpong: round trips between two processes (client pid %d, echo server pid %d)\n", rep.ClientPID, rep.ServerPID)
 	fmt.Fprintf(out, "%s\n\n", rep.platform(hogs))
-	fmt.Fprintf(out, rowFormat, "transport", "size", "n", "p50", "p99", "p99.9", "mean", "MB/s", "client CPU/op", "server CPU/op")
+	fmt.Fprintf(out, rowFormat, "transport", "size", "n", "p50", "p99", "p99.9", "mean", "MB/s", "client CPU/op", "server CPU/op", "wake-ups/op")
 	emit := func(s summary) {
 		rep.Results = append(rep.Results, s)
 		p999 := "-"
@@ -393,7 +393,7 @@ func run(opts options, out io.Writer) (*report, error) {
 			p999 = fmtUs(s.P999)
 		}
 		fmt.Fprintf(out, rowFormat, s.Transport, fmtSize(s.Size), fmt.Sprint(s.N), fmtUs(s.P50), fmtUs(s.P99), p999,
-			fmtUs(s.Mean), fmt.Sprintf("%.1f", s.MBps), fmtUs(s.ClientCPU), fmtUs(s.ServerCPU))
+			fmtUs(s.Mean), fmt.Sprintf("%.1f", s.MBps), fmtUs(s.ClientCPU), fmtUs(s.ServerCPU), fmtWakeups(s.Wakeups))
 	}
 	for i, tr := range opts.transports {
 		if i > 0 {
@@ -414,6 +414,7 @@ func run(opts options, out io.Writer) (*report, error) {
 	fmt.Fprintln(out)
 	fmt.Fprintln(out, "Round-trip times from the client; p99.9 only with n ≥ 1000. MB/s counts both directions (10⁶ B/s).")
 	fmt.Fprintln(out, "CPU/op: process CPU time (user+system, all threads) during the timed round trips, divided by n.")
+	fmt.Fprintln(out, "wake-ups/op: Polling frames sent either way per round trip (0: the receivers' spinning caught every message; 2: both slept).")
 	if rep.Idle != nil {
 		fmt.Fprintf(out, "idle: one open shm session, unused for %.1f s: client %.2f %%, server %.2f %% of a core\n",
 			rep.Idle.Seconds, rep.Idle.ClientPct, rep.Idle.ServerPct)
@@ -435,7 +436,7 @@ func run(opts options, out io.Writer) (*report, error) {
 	return rep, nil
 }
 
-const rowFormat = "%-9s %8s %6s %9s %9s %9s %9s %9s  %13s  %13s\n"
+const rowFormat = "%-9s %8s %6s %9s %9s %9s %9s %9s  %13s  %13s  %11s\n"
 
 // iterations is the number of timed round trips at a message size: n up to
 // 4 KiB, then n·√(4 KiB/size) so that large sizes do not take minutes, but
@@ -480,7 +481,7 @@ func measure(transport string, size int, p pinger, opts options, serverPID int) 
 	}
 	lat := make([]time.Duration, room)
 	runtime.GC() // not during the timed loop, which allocates nothing
-	c0, s0 := selfCPU(), procCPU(serverPID)
+	c0, s0, w0 := selfCPU(), procCPU(serverPID), wakeupsOf(p)
 	start := time.Now()
 	i := 0
 	for i < room {
@@ -494,11 +495,13 @@ func measure(transport string, size int, p pinger, opts options, serverPID int) 
 			break
 		}
 	}
-	c1, s1 := selfCPU(), procCPU(serverPID)
+	c1, s1, w1 := selfCPU(), procCPU(serverPID), wakeupsOf(p)
 	if err := p.roundTrip(true); err != nil {
 		return summary{}, fmt.Errorf("%s after timing: %w", fmtSize(size), err)
 	}
-	return summarize(transport, size, lat[:i], c1-c0, s1-s0), nil
+	s := summarize(transport, size, lat[:i], c1-c0, s1-s0)
+	s.Wakeups = perRoundTrip(w0, w1, i)
+	return s, nil
 }
 
 // newPayload returns size bytes of a pattern that differs per size.
@@ -540,9 +543,45 @@ func sliceChunk(conf *shmipc.Config) int {
 }
 
 type shmPinger struct {
+	sess    *shmipc.Session
 	st      *shmipc.Stream
 	payload []byte
 	chunk   int
+}
+
+// wakeups is how many Polling frames the pinger's session has sent and
+// received.
+func (p *shmPinger) wakeups() int64 { return sessionWakeups(p.sess) }
+
+func sessionWakeups(sess *shmipc.Session) int64 {
+	st := sess.Stats()
+	return int64(st.WakeupsSent + st.WakeupsReceived)
+}
+
+// wakeupsOf is p's wake-up count, or -1 for a transport without them.
+func wakeupsOf(p pinger) int64 {
+	if w, ok := p.(interface{ wakeups() int64 }); ok {
+		return w.wakeups()
+	}
+	return -1
+}
+
+// perRoundTrip is the wake-ups between counts w0 and w1 per round trip, or
+// nil for a transport without them.
+func perRoundTrip(w0, w1 int64, n int) *float64 {
+	if w0 < 0 {
+		return nil
+	}
+	v := float64(w1-w0) / float64(n)
+	return &v
+}
+
+// fmtWakeups formats a wake-up rate, "-" for a transport without them.
+func fmtWakeups(w *float64) string {
+	if w == nil {
+		return "-"
+	}
+	return fmt.Sprintf("%.3f", *w)
 }
 
 // roundTrip sends the payload through shared memory and reads the echo in
@@ -598,7 +637,7 @@ func openShm(sess *shmipc.Session, conf *shmipc.Config, size int) (*shmPinger, e
 		st.Close()
 		return nil, err
 	}
-	return &shmPinger{st: st, payload: newPayload(size), chunk: sliceChunk(conf)}, nil
+	return &shmPinger{sess: sess, st: st, payload: newPayload(size), chunk: sliceChunk(conf)}, nil
 }
 
 // Close closes the stream.

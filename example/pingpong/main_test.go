@@ -92,6 +92,9 @@ func TestQuick(t *testing.T) {
 		if s.N < 1 || s.P50 <= 0 || s.P99 < s.P50 || s.MBps <= 0 || s.ClientCPU <= 0 || s.ServerCPU <= 0 {
 			t.Errorf("implausible result %+v", s)
 		}
+		if (s.Wakeups != nil) != (s.Transport == "shm") || s.Wakeups != nil && *s.Wakeups < 0 {
+			t.Errorf("%s at %d B: wake-ups per round trip %v; want a count for shm only", s.Transport, s.Size, s.Wakeups)
+		}
 	}
 	if rep.Idle == nil || rep.Idle.Seconds < 0.15 || rep.Idle.ClientPct < 0 || rep.Idle.ServerPct < 0 {
 		t.Errorf("idle result %+v", rep.Idle)
@@ -311,6 +314,9 @@ func TestStreamsQuick(t *testing.T) {
 			r.Max < r.P99 || r.Slowest < 1 || r.Fastest < r.Slowest || r.Fairness <= 0 || r.Fairness > 1 ||
 			r.ClientCPU <= 0 || r.ServerCPU <= 0 {
 			t.Errorf("implausible result %+v", r)
+		}
+		if (r.Wakeups != nil) != (r.Transport == "shm") || r.Wakeups != nil && *r.Wakeups < 0 {
+			t.Errorf("%s, round %d: wake-ups per round trip %v; want a count for shm only", r.Transport, r.Round, r.Wakeups)
 		}
 	}
 	ratios := 0

@@ -23,12 +23,13 @@ type summary struct {
 	P99       float64 `json:"p99_us"`
 	P999      float64 `json:"p999_us"` // 0 when N < minP999
 
-	Mean      float64 `json:"mean_us"`
-	Min       float64 `json:"min_us"`
-	Max       float64 `json:"max_us"`
-	MBps      float64 `json:"mb_per_s"` // 10^6 bytes/s, both directions
-	ClientCPU float64 `json:"client_cpu_us_per_op"`
-	ServerCPU float64 `json:"server_cpu_us_per_op"`
+	Mean      float64  `json:"mean_us"`
+	Min       float64  `json:"min_us"`
+	Max       float64  `json:"max_us"`
+	MBps      float64  `json:"mb_per_s"` // 10^6 bytes/s, both directions
+	ClientCPU float64  `json:"client_cpu_us_per_op"`
+	ServerCPU float64  `json:"server_cpu_us_per_op"`
+	Wakeups   *float64 `json:"wakeups_per_op,omitempty"` // shm only
 }
 
 // minP999 is the sample count below which p99.9 is the maximum or close to

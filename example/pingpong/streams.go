@@ -43,22 +43,23 @@ func streamsOptions(o options, set map[string]bool) options {
 
 // streamsResult is one measurement: a transport at a size, in one round.
 type streamsResult struct {
-	Round      int     `json:"round"`
-	Transport  string  `json:"transport"`
-	Size       int     `json:"size_bytes"`
-	Streams    int     `json:"streams"`
-	Seconds    float64 `json:"seconds"`
-	RoundTrips int64   `json:"round_trips"`
-	PerSecond  float64 `json:"round_trips_per_s"`
-	P50        float64 `json:"p50_us"`
-	P99        float64 `json:"p99_us"`
-	P999       float64 `json:"p999_us"`
-	Max        float64 `json:"max_us"`
-	Slowest    int64   `json:"slowest_stream_round_trips"`
-	Fastest    int64   `json:"fastest_stream_round_trips"`
-	Fairness   float64 `json:"slowest_over_fastest"`
-	ClientCPU  float64 `json:"client_cpu_us_per_round_trip"`
-	ServerCPU  float64 `json:"server_cpu_us_per_round_trip"`
+	Round      int      `json:"round"`
+	Transport  string   `json:"transport"`
+	Size       int      `json:"size_bytes"`
+	Streams    int      `json:"streams"`
+	Seconds    float64  `json:"seconds"`
+	RoundTrips int64    `json:"round_trips"`
+	PerSecond  float64  `json:"round_trips_per_s"`
+	P50        float64  `json:"p50_us"`
+	P99        float64  `json:"p99_us"`
+	P999       float64  `json:"p999_us"`
+	Max        float64  `json:"max_us"`
+	Slowest    int64    `json:"slowest_stream_round_trips"`
+	Fastest    int64    `json:"fastest_stream_round_trips"`
+	Fairness   float64  `json:"slowest_over_fastest"`
+	ClientCPU  float64  `json:"client_cpu_us_per_round_trip"`
+	ServerCPU  float64  `json:"server_cpu_us_per_round_trip"`
+	Wakeups    *float64 `json:"wakeups_per_round_trip,omitempty"` // shm only
 }
 
 func (r streamsResult) cpu() float64 { return r.ClientCPU + r.ServerCPU }
@@ -81,7 +82,7 @@ type streamsMedian struct {
 	Ratios   map[string]float64 `json:"ratios"` // by "shm/uds" and so on
 }
 
-const streamsRowFormat = "%5s  %-9s %8s %10s %9s %9s %9s %9s %8s %15s  %12s  %12s\n"
+const streamsRowFormat = "%5s  %-9s %8s %10s %9s %9s %9s %9s %8s %15s  %12s  %12s  %11s\n"
 
 // runStreams runs the many-streams mode and prints its table to out.
 func runStreams(opts options, out io.Writer) (*streamsReport, error) {
@@ -96,7 +97,7 @@ func runStreams(opts options, out io.Writer) (*streamsReport, error) {
 		opts.streams, opts.duration, opts.rounds, rep.ClientPID, rep.ServerPID)
 	fmt.Fprintf(out, "%s\n\n", rep.platform(hogs))
 	fmt.Fprintf(out, streamsRowFormat, "round", "transport", "size", "round/s", "p50", "p99", "p99.9", "max",
-		"slow/fast", "(slowest-fastest)", "client CPU/rt", "server CPU/rt")
+		"slow/fast", "(slowest-fastest)", "client CPU/rt", "server CPU/rt", "wake-ups/rt")
 	for round := 1; round <= opts.rounds; round++ {
 		order := slices.Clone(opts.transports)
 		if round%2 == 0 {
@@ -112,7 +113,7 @@ func runStreams(opts options, out io.Writer) (*streamsReport, error) {
 				rep.Results = append(rep.Results, r)
 				fmt.Fprintf(out, streamsRowFormat, fmt.Sprint(round), tr, fmtSize(size), thousands(int(r.PerSecond)),
 					fmtUs(r.P50), fmtUs(r.P99), fmtUs(r.P999), fmtUs(r.Max), fmt.Sprintf("%.2f", r.Fairness),
-					fmt.Sprintf("(%d-%d)", r.Slowest, r.Fastest), fmtUs(r.ClientCPU), fmtUs(r.ServerCPU))
+					fmt.Sprintf("(%d-%d)", r.Slowest, r.Fastest), fmtUs(r.ClientCPU), fmtUs(r.ServerCPU), fmtWakeups(r.Wakeups))
 			}
 		}
 	}
@@ -124,6 +125,7 @@ func runStreams(opts options, out io.Writer) (*streamsReport, error) {
 	fmt.Fprintln(out)
 	fmt.Fprintln(out, "round/s: round trips of all streams per second. p50…max: round-trip times of single round trips, all streams together.")
 	fmt.Fprintln(out, "slow/fast: round trips of the slowest stream ÷ those of the fastest (1 is fair). CPU/rt: process CPU time (user+system) ÷ round trips.")
+	fmt.Fprintln(out, "wake-ups/rt: Polling frames sent either way per round trip (0: the receivers' spinning caught every message).")
 	fmt.Fprintln(out, after)
 	if opts.jsonPath != "" {
 		if err := writeJSON(opts.jsonPath, rep); err != nil {
@@ -250,7 +252,7 @@ type streamClient interface {
 // measureStreams opens opts.streams clients of transport tr, warms them up
 // and runs them for opts.duration.
 func measureStreams(tr string, size int, opts options, srv *server) (streamsResult, error) {
-	clients, closeAll, err := openClients(tr, size, opts.streams, srv)
+	clients, wakeups, closeAll, err := openClients(tr, size, opts.streams, srv)
 	if err != nil {
 		return streamsResult{}, err
 	}
@@ -265,11 +267,11 @@ func measureStreams(tr string, size int, opts options, srv *server) (streamsResu
 
 	hists := make([]latencyHist, len(clients))
 	runtime.GC() // not during the timed part, which allocates nothing
-	c0, s0, t0 := selfCPU(), procCPU(srv.pid()), time.Now()
+	c0, s0, w0, t0 := selfCPU(), procCPU(srv.pid()), wakeups(), time.Now()
 	if err := runClients(clients, opts.duration, false, hists); err != nil {
 		return streamsResult{}, err
 	}
-	c1, s1, elapsed := selfCPU(), procCPU(srv.pid()), time.Since(t0)
+	c1, s1, w1, elapsed := selfCPU(), procCPU(srv.pid()), wakeups(), time.Since(t0)
 
 	// Still echoing the right bytes?
 	for _, c := range clients {
@@ -304,6 +306,7 @@ func measureStreams(tr string, size int, opts options, srv *server) (streamsResu
 		Fairness:   float64(slowest) / float64(fastest),
 		ClientCPU:  us(c1-c0) / float64(n),
 		ServerCPU:  us(s1-s0) / float64(n),
+		Wakeups:    perRoundTrip(w0, w1, int(n)),
 	}
 	return r, nil
 }
@@ -360,8 +363,9 @@ func runClients(clients []streamClient, d time.Duration, verify bool, hists []la
 }
 
 // openClients opens n clients of transport tr that send size-byte messages
-// to srv, and returns them with a function that closes them all.
-func openClients(tr string, size, n int, srv *server) ([]streamClient, func(), error) {
+// to srv, and returns them with a function that counts their wake-ups (-1
+// for transports without) and one that closes them all.
+func openClients(tr string, size, n int, srv *server) ([]streamClient, func() int64, func(), error) {
 	var (
 		clients []streamClient
 		sess    *shmipc.Session
@@ -375,14 +379,16 @@ func openClients(tr string, size, n int, srv *server) ([]streamClient, func(), e
 		}
 	}
 	var open func() (streamClient, error)
+	wakeups := func() int64 { return -1 }
 	switch tr {
 	case "shm":
 		conf := shmConfig()
 		var err error
 		if sess, err = shmipc.Dial("unix", srv.shmSock, conf); err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		open = func() (streamClient, error) { return openShm(sess, conf, size) }
+		wakeups = func() int64 { return sessionWakeups(sess) }
 	case "uds", "tcp":
 		network, addr := "unix", srv.udsSock
 		if tr == "tcp" {
@@ -390,17 +396,17 @@ func openClients(tr string, size, n int, srv *server) ([]streamClient, func(), e
 		}
 		open = func() (streamClient, error) { return openConn(network, addr, size) }
 	default:
-		return nil, nil, fmt.Errorf("unknown transport %q", tr)
+		return nil, nil, nil, fmt.Errorf("unknown transport %q", tr)
 	}
 	for range n {
 		c, err := open()
 		if err != nil {
 			closeAll()
-			return nil, nil, fmt.Errorf("opening client %d of %d: %w", len(clients)+1, n, err)
+			return nil, nil, nil, fmt.Errorf("opening client %d of %d: %w", len(clients)+1, n, err)
 		}
 		clients = append(clients, c)
 	}
-	return clients, closeAll, nil
+	return clients, wakeups, closeAll, nil
 }
 
 // writeJSON writes v as indented JSON to path, or to stdout for "-".
