@@ -18,7 +18,7 @@ import (
 // at once; gRPC clients see that as a failed connection attempt.
 //
 // This is needed only while shmipc's Listener.Close closes the sessions
-// (see "Recommendations for the core" in README.md); a net.Listener's
+// (see "Graceful stop" in README.md); a net.Listener's
 // Close, by contract, ends Accept only.
 func closeOnlyStopsAccepting(ln *shmipc.Listener) net.Listener {
 	l := &acceptOnly{Listener: ln, conns: make(chan net.Conn), closed: make(chan struct{})}
