@@ -484,17 +484,22 @@ func hpConnectClient(t *testing.T, env *hpServerEnv, mode MemMapType) (*hpPeer, 
 		t.Fatalf("raw client handshake: %v", err)
 	}
 	victim := env.waitSession(t, before)
+	return hpPeerOf(t, c, v, r, conf), victim
+}
+
+// hpPeerOf is the raw client of regions r after its handshake on c.
+func hpPeerOf(t *testing.T, c *net.UnixConn, version byte, r *hpRegions, conf *Config) *hpPeer {
+	t.Helper()
 	bm, err := newBufferManager(r.buf, true)
 	if err != nil {
 		t.Fatal(err)
 	}
 	half := len(r.queue.mem) / 2
-	p := &hpPeer{
-		t: t, conn: c, version: v, buf: r.buf.mem, bm: bm,
+	return &hpPeer{
+		t: t, conn: c, version: version, buf: r.buf.mem, bm: bm,
 		send: hpQueue{mem: r.queue.mem[:half], cap: conf.QueueCap},
 		recv: hpQueue{mem: r.queue.mem[half:], cap: conf.QueueCap},
 	}
-	return p, victim
 }
 
 // ---- hostile server ----

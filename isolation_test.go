@@ -106,17 +106,7 @@ func (e *isoServer) connect(t *testing.T, mode MemMapType) (*hpPeer, *hpRegions,
 		t.Fatalf("raw client handshake: %v", err)
 	}
 	victim := env.waitSession(t, before)
-	bm, err := newBufferManager(r.buf, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	half := len(r.queue.mem) / 2
-	p := &hpPeer{
-		t: t, conn: c, version: v, buf: r.buf.mem, bm: bm,
-		send: hpQueue{mem: r.queue.mem[:half], cap: conf.QueueCap},
-		recv: hpQueue{mem: r.queue.mem[half:], cap: conf.QueueCap},
-	}
-	return p, r, victim
+	return hpPeerOf(t, c, v, r, conf), r, victim
 }
 
 // publish puts an element on the victim's receive queue and wakes it if
@@ -591,14 +581,7 @@ func TestIsolationPollingStorm(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	bm, err := newBufferManager(r.buf, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	half := len(r.queue.mem) / 2
-	p := &hpPeer{t: t, conn: conn, version: v, buf: r.buf.mem, bm: bm,
-		send: hpQueue{mem: r.queue.mem[:half], cap: conf.QueueCap},
-		recv: hpQueue{mem: r.queue.mem[half:], cap: conf.QueueCap}}
+	p := hpPeerOf(t, conn, v, r, conf)
 	echo := func(msg string) {
 		t.Helper()
 		isoPublish(p, 2, p.msg(msg), statusOpened)
