@@ -402,10 +402,14 @@ func (w *spinWatch) start() {
 // (time for the receive loop to look at the socket), and spinFound
 // otherwise (go on).
 func (w *spinWatch) check(s *Session) int {
-	// Give the CPU to any thread waiting for it, which may be the very peer
-	// this spinner waits for; with nobody waiting it returns at once.
-	osYield()
 	now := time.Now()
+	if now.Sub(w.begin) >= yieldOSAfter {
+		// A long wait: give the CPU to any thread waiting for it, which may
+		// be the very peer this spinner waits for; with nobody waiting it
+		// returns at once.
+		osYield()
+		now = time.Now()
+	}
 	if now.Sub(w.last) > preemptedGap {
 		// Descheduled between two rounds: the CPU has more work than cores,
 		// and spinning only takes a core from someone.
@@ -430,6 +434,12 @@ func (w *spinWatch) check(s *Session) int {
 	}
 	return spinFound
 }
+
+// yieldOSAfter is how long a spinner looks before it yields the OS thread
+// between rounds: an uncontended round trip of a small message comes well
+// within it, and spinning longer usually means the peer is waiting for the
+// very core the spinner holds.
+const yieldOSAfter = 5 * time.Microsecond
 
 // preemptedGap is a pause between two rounds of a spinner that only being
 // descheduled explains: a round takes well under a microsecond, and the
