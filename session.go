@@ -63,7 +63,8 @@ type Session struct {
 
 	closesPending atomic.Bool // len(closing) > 0: draining pauses
 
-	localPeer bool // the peer is this process (both ends in one program)
+	localPeer bool         // the peer is this process (both ends in one program)
+	sleepers  atomic.Int32 // readers waiting without polling
 
 	// Fallback data received and not yet released by the streams.
 	fallbackHeld atomic.Int64

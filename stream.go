@@ -42,6 +42,7 @@ type Stream struct {
 	refDropped   atomic.Bool  // the stream's reference on the buffer region is gone
 	heldFallback atomic.Int64 // received fallback bytes not yet released
 	awaiting     atomic.Bool  // sent since data last arrived: a reply is likely on its way
+	polledLast   atomic.Bool  // the last wait was served by polling
 }
 
 var _ net.Conn = (*Stream)(nil)
@@ -127,9 +128,17 @@ func (st *Stream) waitReadable(n int) error {
 		st.mu.Unlock()
 		// Poll only while a reply is awaited: a reader that waits for the
 		// peer to start something (a server between requests) would spin
-		// for nothing, on a core others need.
-		if !st.awaiting.Load() || !st.s.pollFor(st.readNotify) {
-			st.s.wait(st.readNotify, deadline)
+		// for nothing, on a core others need. And take turns: a reader
+		// whose last wait was served by polling sleeps this time if other
+		// readers of the session sleep, so that the spinning slots rotate
+		// instead of serving one pair of streams for ever.
+		s := st.s
+		polled := st.awaiting.Load() && !(st.polledLast.Load() && s.sleepers.Load() > 0) && s.pollFor(st.readNotify)
+		st.polledLast.Store(polled)
+		if !polled {
+			s.sleepers.Add(1)
+			s.wait(st.readNotify, deadline)
+			s.sleepers.Add(-1)
 		}
 		st.mu.Lock()
 	}
