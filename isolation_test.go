@@ -529,34 +529,6 @@ func procCPU(t *testing.T, pid int) time.Duration {
 	return time.Duration(utime+stime) * 10 * time.Millisecond // USER_HZ is 100 on Linux
 }
 
-// TestIsolationChild is the server process of the cross-process isolation
-// tests.
-func TestIsolationChild(t *testing.T) {
-	switch proctest.Role() {
-	case "":
-		t.Skip("helper process for the isolation tests")
-	case "echo-server":
-		conf := DefaultConfig()
-		conf.ConsumerSpinTime = 200 * time.Microsecond
-		ln, err := Listen("unix", proctest.Arg("SOCK"), conf)
-		if err != nil {
-			t.Fatal(err)
-		}
-		go func() {
-			for {
-				st, err := ln.AcceptStream()
-				if err != nil {
-					return
-				}
-				go echoHandler(st)
-			}
-		}()
-		proctest.Ready()
-		<-proctest.StdinClosed()
-		ln.Close()
-	}
-}
-
 // A client sends 100,000 Polling frames on an empty queue. Each must cost
 // the server microseconds, not a spin, and afterwards the server must be
 // idle again.
@@ -564,11 +536,7 @@ func TestIsolationPollingStorm(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip("parent-only test")
 	}
-	sock := filepath.Join(t.TempDir(), "storm.sock")
-	c := proctest.Start(t, proctest.Config{TestName: "TestIsolationChild", Role: "echo-server", Args: map[string]string{"SOCK": sock}})
-	if _, err := c.WaitReady(10 * time.Second); err != nil {
-		t.Fatalf("server did not start: %v\n%s", err, c.Output())
-	}
+	c, sock := fpStartServer(t) // an echo server process with DefaultConfig
 	defer c.Stop(10 * time.Second)
 	conf := hpConfig(t, MemMapTypeMemFd, 0)
 	r := hpCreate(t, conf, MemMapTypeMemFd, hpLayout{})
