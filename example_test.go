@@ -327,3 +327,59 @@ func ExampleSession_OpenStream() {
 	// server accepted stream 3: "second"
 	// server session: true
 }
+
+// A client pool: the manager keeps sessions to one server, hands out
+// streams, takes them back for the next request, and re-dials a session that
+// dies. The server answers each stream with Listener.Serve.
+func ExampleSessionManager() {
+	dir, err := os.MkdirTemp("", "shmipc-example")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	sock := filepath.Join(dir, "pool.sock")
+	ln, err := shmipc.Listen("unix", sock, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer ln.Close()
+	go ln.Serve(func(st *shmipc.Stream) { // a goroutine per stream
+		defer st.Close()
+		buf := make([]byte, 64)
+		for {
+			n, err := st.Read(buf)
+			if err != nil {
+				return
+			}
+			if _, err := st.Write(buf[:n]); err != nil {
+				return
+			}
+		}
+	})
+
+	m, err := shmipc.NewSessionManager(shmipc.SessionManagerConfig{Network: "unix", Address: sock, SessionNum: 2})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer m.Close()
+	for i := range 3 {
+		st, err := m.GetStream()
+		if err != nil {
+			log.Fatal(err)
+		}
+		msg := fmt.Sprintf("request %d", i)
+		if _, err := st.Write([]byte(msg)); err != nil {
+			log.Fatal(err)
+		}
+		reply := make([]byte, len(msg))
+		if _, err := io.ReadFull(st, reply); err != nil {
+			log.Fatal(err)
+		}
+		fmt.Println(string(reply))
+		m.PutBack(st) // reused by the next GetStream
+	}
+	// Output:
+	// request 0
+	// request 1
+	// request 2
+}
