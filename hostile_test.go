@@ -471,6 +471,13 @@ func (e *hpServerEnv) waitSession(t *testing.T, before map[*Session]bool) *Sessi
 // the listener and returns it with the server session it got.
 func hpConnectClient(t *testing.T, env *hpServerEnv, mode MemMapType) (*hpPeer, *Session) {
 	t.Helper()
+	p, _, victim := hpConnectClientRegions(t, env, mode)
+	return p, victim
+}
+
+// hpConnectClientRegions is hpConnectClient that also returns the regions.
+func hpConnectClientRegions(t *testing.T, env *hpServerEnv, mode MemMapType) (*hpPeer, *hpRegions, *Session) {
+	t.Helper()
 	conf := hpConfig(t, mode, 0)
 	r := hpCreate(t, conf, mode, hpLayout{})
 	before := env.sessionSet()
@@ -484,7 +491,7 @@ func hpConnectClient(t *testing.T, env *hpServerEnv, mode MemMapType) (*hpPeer, 
 		t.Fatalf("raw client handshake: %v", err)
 	}
 	victim := env.waitSession(t, before)
-	return hpPeerOf(t, c, v, r, conf), victim
+	return hpPeerOf(t, c, v, r, conf), r, victim
 }
 
 // hpPeerOf is the raw client of regions r after its handshake on c.

@@ -92,21 +92,7 @@ func (e *isoServer) checkGood(t *testing.T) {
 // with its regions and the server session it got.
 func (e *isoServer) connect(t *testing.T, mode MemMapType) (*hpPeer, *hpRegions, *Session) {
 	t.Helper()
-	env := &hpServerEnv{conf: e.conf, ln: e.ln, addr: e.addr}
-	conf := hpConfig(t, mode, 0)
-	r := hpCreate(t, conf, mode, hpLayout{})
-	before := env.sessionSet()
-	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: e.addr, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
-	v, err := r.handshake(c, mode)
-	if err != nil {
-		t.Fatalf("raw client handshake: %v", err)
-	}
-	victim := env.waitSession(t, before)
-	return hpPeerOf(t, c, v, r, conf), r, victim
+	return hpConnectClientRegions(t, &hpServerEnv{conf: e.conf, ln: e.ln, addr: e.addr}, mode)
 }
 
 // publish puts an element on the victim's receive queue and wakes it if
