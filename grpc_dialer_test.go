@@ -7,7 +7,6 @@ import (
 	"io"
 	"log"
 	"net"
-	"os"
 	"path/filepath"
 	"sync/atomic"
 	"testing"
@@ -219,27 +218,9 @@ func waitFor(t testing.TB, what string, cond func() bool) {
 //
 // Here the connection is used directly, as any net.Conn.
 func ExampleSessionManager_DialContext() {
-	dir, err := os.MkdirTemp("", "shmipc-example")
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
-	sock := filepath.Join(dir, "app.sock")
-
-	ln, err := shmipc.Listen("unix", sock, nil) // the server: grpcServer.Serve(ln)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer ln.Close()
-	go func() {
-		for {
-			conn, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() { defer conn.Close(); io.Copy(conn, conn) }()
-		}
-	}()
+	// The server: an echo over shmipc.Listen (with gRPC, grpcServer.Serve(ln)).
+	sock, stop := echoServer()
+	defer stop()
 
 	manager, err := shmipc.NewSessionManager(shmipc.SessionManagerConfig{Network: "unix", Address: sock})
 	if err != nil {
