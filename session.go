@@ -404,6 +404,9 @@ func (s *Session) closeAfterSocket(id uint32) error {
 		s.peerClosed(id)
 		return nil
 	}
+	if len(s.closing) >= s.conf.MaxStreams { // a peer cannot make this list grow without end
+		return fmt.Errorf("%w: more than %d stream closes waiting for the socket, the limit set by Config.MaxStreams", ErrLimitExceeded, s.conf.MaxStreams)
+	}
 	s.closing = append(s.closing, pendingClose{id: id, at: at})
 	s.closesPending.Store(true)
 	return nil
