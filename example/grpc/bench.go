@@ -37,6 +37,7 @@ type benchConfig struct {
 	block       time.Duration // length of one block
 	streamBytes int           // bytes per streaming block
 	inProc      bool          // measure the in-process reference too
+	transports  []string      // the transports between processes to measure; nil: all
 }
 
 func fullBench() benchConfig {
@@ -143,14 +144,14 @@ func benchOptionSet(cfg benchConfig, optsName string, r results) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	srv, err := startServer(dir, optsName, allTransports)
+	srv, err := startServer(dir, optsName, cfg.between())
 	if err != nil {
 		return err
 	}
 	defer srv.stop()
 	ctx := context.Background()
 	var targets []benchTarget
-	for _, tr := range allTransports {
+	for _, tr := range cfg.between() {
 		c, err := connect(ctx, tr, srv.addrs[tr], opts)
 		if err != nil {
 			return err
@@ -330,9 +331,17 @@ func downloadBlock(ctx context.Context, t benchTarget, size, total int) (cell, e
 // benchTransports are the columns of the tables, in order.
 func benchTransports(cfg benchConfig) []string {
 	if cfg.inProc {
-		return append(slices.Clone(allTransports), transportInProc)
+		return append(slices.Clone(cfg.between()), transportInProc)
 	}
-	return allTransports
+	return cfg.between()
+}
+
+// between returns the transports between processes to measure.
+func (cfg benchConfig) between() []string {
+	if cfg.transports == nil {
+		return allTransports
+	}
+	return cfg.transports
 }
 
 // printTables prints the unary, per-call shmipc and streaming tables as

@@ -59,6 +59,13 @@ func serveChild() error {
 	if err != nil {
 		return err
 	}
+	if path := os.Getenv(profileEnv); path != "" {
+		stop, err := startCPUProfile(path)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
 	dir := os.Getenv(dirEnv)
 	addrs := map[string]string{}
 	var servers []*grpc.Server

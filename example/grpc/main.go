@@ -12,6 +12,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"runtime/pprof"
 	"strings"
 	"time"
 )
@@ -28,6 +29,9 @@ func main() {
 	block := flag.Duration("block", 0, "with -bench: length of one measured block")
 	rounds := flag.Int("rounds", 0, "with -bench: blocks per transport and size")
 	spin := flag.Duration("spin", -1, "with -bench: shmipc's ConsumerSpinTime on both sides (default: shmipc's default)")
+	transports := flag.String("transports", "", "with -bench: transports to measure, such as shmipc,uds,in-process (default: all)")
+	streams := flag.String("stream", "", "with -bench: message sizes of the streaming benchmark, or none")
+	cpuprofile := flag.String("cpuprofile", "", "with -bench: write CPU profiles of the client and the server to FILE.client and FILE.server")
 	flag.Parse()
 
 	var err error
@@ -51,8 +55,33 @@ func main() {
 		if *rounds > 0 {
 			cfg.rounds = *rounds
 		}
+		if *transports != "" {
+			cfg.transports, cfg.inProc = []string{}, false
+			for _, tr := range strings.Split(*transports, ",") {
+				if tr == transportInProc {
+					cfg.inProc = true
+				} else {
+					cfg.transports = append(cfg.transports, tr)
+				}
+			}
+		}
+		if *streams == "none" {
+			cfg.streamSizes = nil
+		} else if *streams != "" {
+			if cfg.streamSizes, err = parseSizes(*streams); err != nil {
+				break
+			}
+		}
 		if *spin >= 0 {
 			os.Setenv(spinEnv, spin.String())
+		}
+		if *cpuprofile != "" {
+			var stop func()
+			if stop, err = startCPUProfile(*cpuprofile + ".client"); err != nil {
+				break
+			}
+			defer stop()
+			os.Setenv(profileEnv, *cpuprofile+".server")
 		}
 		start := time.Now()
 		err = runBench(cfg, os.Stdout)
@@ -67,4 +96,24 @@ func main() {
 		fmt.Fprintln(os.Stderr, "error:", err)
 		os.Exit(1)
 	}
+}
+
+// profileEnv, when set, is where the server process writes its CPU profile
+// (the benchmark's -cpuprofile flag; the server process inherits it).
+const profileEnv = "SHMIPC_GRPC_EXAMPLE_CPUPROFILE"
+
+// startCPUProfile writes a CPU profile to path until stop is called.
+func startCPUProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}, nil
 }
