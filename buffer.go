@@ -345,14 +345,6 @@ func (m *bufferManager) linkSlice(off uint32, size int, next uint32) {
 	}
 }
 
-// shmSlice is one slice of a received or outgoing message: its list and
-// header offset, and a view of its data.
-type shmSlice struct {
-	list int32
-	off  uint32
-	data []byte
-}
-
 // readChain walks the message that starts at the slice header at root and
 // appends its slices to dst. Every header is read once and checked: the
 // offset must be a slice of a list, cap must match that list, start+size
@@ -361,12 +353,12 @@ type shmSlice struct {
 // and are not returned. On error nothing is freed (a corrupt chain may name
 // slices that are free, or another message's: freeing them would hand them
 // out twice; the session ends) and dst is returned unchanged.
-func (m *bufferManager) readChain(dst []shmSlice, root uint32) ([]shmSlice, error) {
+func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error) {
 	first := len(dst)
-	var empty [4]shmSlice
+	var empty [4]segment
 	empties := empty[:0]
 	var long map[uint32]struct{} // the slices seen, once the chain is long
-	fail := func(err error) ([]shmSlice, error) { return dst[:first], err }
+	fail := func(err error) ([]segment, error) { return dst[:first], err }
 	off := root
 	for n := uint32(0); ; n++ {
 		if n == m.slices {
@@ -407,7 +399,7 @@ func (m *bufferManager) readChain(dst []shmSlice, root uint32) ([]shmSlice, erro
 		if uint64(start)+uint64(size) > uint64(want) {
 			return fail(corrupt("slice at %d has start %d and size %d beyond its cap %d", off, start, size, want))
 		}
-		sl := shmSlice{list: int32(li), off: off}
+		sl := segment{list: int32(li), off: off}
 		if size == 0 {
 			empties = append(empties, sl)
 		} else {
@@ -434,7 +426,7 @@ const shortChain = 32
 
 // seen reports whether a slice at off is among slices. A message takes one
 // slice unless it is larger than the largest, so a scan is usually cheapest.
-func seen(slices []shmSlice, off uint32) bool {
+func seen(slices []segment, off uint32) bool {
 	for i := range slices {
 		if slices[i].off == off {
 			return true
@@ -451,3 +443,14 @@ func (m *bufferManager) freeCounts() []int32 {
 	}
 	return out
 }
+
+// segment is one piece of a received or outgoing message: a slice of the
+// buffer region (list >= 0) or private memory (list < 0).
+type segment struct {
+	data []byte
+	n    int // writer: bytes used in data
+	list int32
+	off  uint32
+}
+
+const heapSegment = -1

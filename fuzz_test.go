@@ -532,10 +532,10 @@ type fzBufModel struct {
 	t        *testing.T
 	m        *bufferManager
 	pristine bool
-	owned    []shmSlice // slices we hold (popped or received)
+	owned    []segment // slices we hold (popped or received)
 	initFree []int32
 	ownedBy  []int32 // slices held per list while pristine
-	scratch  []shmSlice
+	scratch  []segment
 }
 
 func newFzBufModel(t *testing.T, m *bufferManager, pristine bool) *fzBufModel {
@@ -601,7 +601,7 @@ func (fm *fzBufModel) took(op string, li int, off uint32) {
 		}
 		fm.ownedBy[li]++
 	}
-	fm.owned = append(fm.owned, shmSlice{list: int32(li), off: off})
+	fm.owned = append(fm.owned, segment{list: int32(li), off: off})
 }
 
 // checkFree checks the free counts against what we hold.
@@ -617,7 +617,7 @@ func (fm *fzBufModel) checkFree() {
 	}
 }
 
-func (fm *fzBufModel) dropOwned(k int) shmSlice {
+func (fm *fzBufModel) dropOwned(k int) segment {
 	s := fm.owned[k]
 	fm.owned[k] = fm.owned[len(fm.owned)-1]
 	fm.owned = fm.owned[:len(fm.owned)-1]
@@ -658,7 +658,7 @@ func (fm *fzBufModel) value(s *fzScript, li int) uint32 {
 }
 
 // checkChain checks slices readChain returned.
-func (fm *fzBufModel) checkChain(got []shmSlice) {
+func (fm *fzBufModel) checkChain(got []segment) {
 	if uint64(len(got)) > uint64(fm.m.slices) {
 		fm.t.Fatalf("readChain returned %d slices of a region with %d", len(got), fm.m.slices)
 	}
@@ -741,7 +741,7 @@ func (fm *fzBufModel) run(script []byte) {
 			if k > len(fm.owned) {
 				break
 			}
-			chain := make([]shmSlice, 0, k)
+			chain := make([]segment, 0, k)
 			sizes := make([]uint32, 0, k)
 			for range k {
 				sl := fm.dropOwned(int(s.u16()) % len(fm.owned))
@@ -787,7 +787,7 @@ func (fm *fzBufModel) run(script []byte) {
 				}
 			}
 			for _, g := range got {
-				fm.owned = append(fm.owned, shmSlice{list: g.list, off: g.off})
+				fm.owned = append(fm.owned, segment{list: g.list, off: g.off})
 			}
 			if err != nil {
 				// readChain freed what it had appended; we cannot tell
@@ -816,7 +816,7 @@ func (fm *fzBufModel) run(script []byte) {
 				}
 			} else {
 				for _, g := range got {
-					fm.owned = append(fm.owned, shmSlice{list: g.list, off: g.off})
+					fm.owned = append(fm.owned, segment{list: g.list, off: g.off})
 				}
 			}
 			fm.scratch = got[:0]

@@ -228,7 +228,7 @@ func (s *Session) freeUnconsumed() error {
 			return err
 		}
 		s.scratch = slices
-		if err := s.freeSlices(slices); err != nil {
+		if err := s.freeSegments(slices); err != nil {
 			return err
 		}
 	}

@@ -147,7 +147,7 @@ func (st *Stream) waitReadable(n int) error {
 
 // deliver hands a received message to the stream. It reports false when
 // the stream no longer takes data; the caller then frees the slices.
-func (st *Stream) deliver(slices []shmSlice, heap []byte) bool {
+func (st *Stream) deliver(slices []segment, heap []byte) bool {
 	st.mu.Lock()
 	if st.closed || st.peerClosed {
 		st.mu.Unlock()
@@ -459,60 +459,4 @@ func (st *Stream) SetReadDeadline(t time.Time) error {
 func (st *Stream) SetWriteDeadline(t time.Time) error {
 	st.wDeadline.Store(&t)
 	return nil
-}
-
-// bufferWriter is the BufferWriter of a stream.
-type bufferWriter Stream
-
-func (b *bufferWriter) Reserve(n int) (p []byte, err error) {
-	st := (*Stream)(b)
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
-	err = st.s.access(func() (err error) {
-		p, err = st.writer.reserve(n)
-		return err
-	})
-	return p, err
-}
-
-func (b *bufferWriter) WriteBytes(p []byte) (n int, err error) {
-	st := (*Stream)(b)
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
-	err = st.s.access(func() (err error) {
-		n, err = writeTo(&st.writer, p)
-		return err
-	})
-	return n, err
-}
-
-func (b *bufferWriter) WriteString(s string) (n int, err error) {
-	st := (*Stream)(b)
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
-	err = st.s.access(func() (err error) {
-		n, err = writeTo(&st.writer, s)
-		return err
-	})
-	return n, err
-}
-
-func (b *bufferWriter) WriteByte(c byte) error {
-	st := (*Stream)(b)
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
-	return st.s.access(func() error {
-		p, err := st.writer.reserve(1)
-		if err == nil {
-			p[0] = c
-		}
-		return err
-	})
-}
-
-func (b *bufferWriter) Len() int {
-	st := (*Stream)(b)
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
-	return st.writer.size
 }

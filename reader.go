@@ -1,10 +1,9 @@
 package shmipc
 
 import (
+	"bytes"
 	"errors"
-	"fmt"
 	"io"
-	"unsafe"
 )
 
 // BufferReader reads a stream's received bytes, zero-copy where it can.
@@ -40,44 +39,6 @@ type BufferReader interface {
 	ReleasePreviousRead()
 }
 
-// BufferWriter builds an outgoing message directly in shared memory. Nothing
-// is sent until Stream.Flush.
-//
-// A BufferWriter is not safe for concurrent use, nor together with
-// Stream.Write on the same stream.
-type BufferWriter interface {
-	io.ByteWriter
-	io.StringWriter
-
-	// Reserve returns n contiguous bytes at the end of the message for the
-	// caller to fill. They belong to the message and stay valid until the
-	// next Flush or Close. When shared memory cannot hold n bytes in one
-	// slice, the bytes are private memory and the message will be sent as
-	// fallback data.
-	Reserve(n int) ([]byte, error)
-
-	// WriteBytes appends a copy of p to the message.
-	WriteBytes(p []byte) (int, error)
-
-	// Len is the number of bytes in the message so far.
-	Len() int
-}
-
-// segment is one piece of a received or outgoing message: a slice of the
-// buffer region (list >= 0) or private memory (list < 0).
-type segment struct {
-	data []byte
-	n    int // writer: bytes used in data
-	list int32
-	off  uint32
-}
-
-const heapSegment = -1
-
-// minHeapSegment is the smallest private segment a writer allocates once it
-// has to fall back.
-const minHeapSegment = 64 << 10
-
 // streamReader is the receiving side of a stream. All fields are guarded by
 // the stream's mutex: the receive loop appends, readers consume.
 //
@@ -106,11 +67,11 @@ func (r *streamReader) copyNext(n int) []byte {
 	return p
 }
 
-func (r *streamReader) append(segs []shmSlice) {
-	for _, s := range segs {
-		r.segs = append(r.segs, segment{data: s.data, list: s.list, off: s.off})
-		r.unread += len(s.data)
+func (r *streamReader) append(segs []segment) {
+	for _, seg := range segs {
+		r.unread += len(seg.data)
 	}
+	r.segs = append(r.segs, segs...)
 }
 
 func (r *streamReader) appendHeap(data []byte) {
@@ -290,159 +251,29 @@ func (b *bufferReader) ReleasePreviousRead() {
 
 var errNegative = errors.New("shmipc: negative count")
 
-// streamWriter is the sending side of a stream: the message being built.
-// It is used by one goroutine at a time (see BufferWriter).
-type streamWriter struct {
-	st   *Stream
-	segs []segment
-	size int
-	heap bool // some segment is private memory: the message goes as fallback
-}
-
-func (w *streamWriter) last() *segment {
-	if len(w.segs) == 0 {
-		return nil
-	}
-	return &w.segs[len(w.segs)-1]
-}
-
-// grow appends a segment with room for at least min bytes when contiguous
-// is set, or for as much of want as one slice gives otherwise. Like every
-// streamWriter method that touches slices, it runs inside an access.
-func (w *streamWriter) grow(want int, contiguous bool) error {
-	st := w.st
-	buf := st.s.buf
-	if st.fallback.Load() || w.heap || w.neverFits(want, contiguous) {
-		w.appendHeap(want)
-		return nil
-	}
-	var wait spaceWait
-	for {
-		li, off, err := buf.alloc(want, !contiguous)
-		if err != nil {
-			st.s.closeWithError(err)
-			return fmt.Errorf("%w: %w", ErrSessionClosed, err)
-		}
-		if li >= 0 {
-			w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
-			return nil
-		}
-		if st.s.conf.FallbackWhenFull || len(w.segs) > 0 {
-			// A writer never waits while it holds part of its message:
-			// writers holding slices while waiting for more could hold the
-			// whole region between them and wait for ever.
-			w.appendHeap(want)
-			return nil
-		}
-		// Back-pressure: nothing is held; wait for the peer to free slices.
-		if err := wait.pause(st.s, st); err != nil {
-			if err == errSpaceTimeout {
-				return &spaceTimeout{msg: fmt.Sprintf("shmipc: no shared memory for %d more bytes for %v: the peer is not releasing what it received", want, wait.waited())}
+// indexByte returns the position of the first c among the unread bytes,
+// looking from unread position from on, or -1.
+func (r *streamReader) indexByte(c byte, from int) int {
+	base := 0
+	for i, pos := r.done, r.pos; i < len(r.segs); i, pos = i+1, 0 {
+		d := r.segs[i].data[pos:]
+		if skip := from - base; skip < len(d) {
+			if j := bytes.IndexByte(d[max(skip, 0):], c); j >= 0 {
+				return base + max(skip, 0) + j
 			}
-			return err
 		}
+		base += len(d)
 	}
+	return -1
 }
 
-// neverFits reports whether want more bytes cannot be had from shared
-// memory however long the writer waits: one contiguous piece larger than any
-// slice that can be handed out, or a message that would take more than half
-// of what the region can hand out.
-func (w *streamWriter) neverFits(want int, contiguous bool) bool {
-	buf := w.st.s.buf
-	return contiguous && want > int(buf.usable) || uint64(w.size+want) > buf.capacity/2
-}
-
-func (w *streamWriter) appendHeap(want int) {
-	w.heap = true
-	w.segs = append(w.segs, segment{data: make([]byte, max(want, minHeapSegment)), list: heapSegment})
-}
-
-// usable reports whether the writer may build a message now.
-func (w *streamWriter) usable() error {
-	st := w.st
-	if err := st.s.Err(); err != nil {
-		return err
+// take consumes the next n unread bytes (1 <= n <= unread) and returns
+// them, zero-copy when they lie in one segment.
+func (r *streamReader) take(n int) []byte {
+	p, ok := r.contiguous(n)
+	if !ok {
+		p = r.copyNext(n)
 	}
-	if st.writeClosed.Load() {
-		return ErrStreamClosed
-	}
-	return nil
-}
-
-// reserve returns n contiguous bytes at the end of the message.
-func (w *streamWriter) reserve(n int) ([]byte, error) {
-	if n < 0 {
-		return nil, errNegative
-	}
-	if err := w.usable(); err != nil {
-		return nil, err
-	}
-	l := w.last()
-	if l == nil || len(l.data)-l.n < n {
-		if err := w.grow(n, true); err != nil {
-			return nil, err
-		}
-		l = w.last()
-	}
-	p := l.data[l.n : l.n+n : l.n+n]
-	if l.list != heapSegment {
-		commitPages(p)
-	}
-	l.n += n
-	w.size += n
-	return p, nil
-}
-
-// commitPages writes a zero to every page of p, a piece of a slice about to
-// be handed to the application. Regions are sparse, and a page that cannot
-// be committed (a full tmpfs) faults on its first write: here that happens
-// inside the caller's access and becomes an error, instead of a crash in
-// application code. On committed pages it costs one store per page.
-func commitPages(p []byte) {
-	if len(p) == 0 {
-		return
-	}
-	p[0] = 0
-	for i := pageSize - int(uintptr(unsafe.Pointer(&p[0]))%uintptr(pageSize)); i < len(p); i += pageSize {
-		p[i] = 0
-	}
-}
-
-// writeTo appends a copy of p, taking slices as it goes.
-func writeTo[T string | []byte](w *streamWriter, p T) (int, error) {
-	if err := w.usable(); err != nil {
-		return 0, err
-	}
-	written := 0
-	for written < len(p) {
-		l := w.last()
-		if l == nil || l.n == len(l.data) {
-			if err := w.grow(len(p)-written, false); err != nil {
-				w.size += written
-				return written, err
-			}
-			l = w.last()
-		}
-		c := copy(l.data[l.n:], p[written:])
-		l.n += c
-		written += c
-	}
-	w.size += written
-	return written, nil
-}
-
-// reset forgets the message after it was sent or its slices freed.
-func (w *streamWriter) reset() {
-	clear(w.segs)
-	w.segs = w.segs[:0]
-	w.size = 0
-	w.heap = false
-}
-
-// discard frees the slices of an unsent message.
-func (w *streamWriter) discard() error {
-	err := w.st.s.freeSegments(w.segs)
-	w.reset()
-	return err
+	r.advance(n)
+	return p
 }

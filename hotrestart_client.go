@@ -1,0 +1,234 @@
+package shmipc
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/goshm/shmipc/internal/wire"
+)
+
+// Hot restart, client side (PROTOCOL.md §7; the server side and the
+// sequence are in hotrestart_server.go): a SessionManager that gets a
+// HotRestart frame dials the new server, parks the old sessions until their
+// streams are idle, acknowledges, and moves its pool over.
+
+// smHotRestart is the hot-restart state of a SessionManager.
+type smHotRestart struct {
+	mu      sync.Mutex
+	ready   bool // the slots exist
+	running bool
+	epoch   uint64 // of the running (or last) restart
+	randID  uint64
+
+	// Results, for inspection.
+	completed int    // restarts that replaced every session and acknowledged
+	failed    int    // restarts that timed out
+	lastEpoch uint64 // of the last finished restart
+	changed   chan struct{}
+}
+
+// hotRestartSetup installs the HotRestart hook on a session the manager
+// dialed, before its receive loop starts.
+func (m *SessionManager) hotRestartSetup(s *Session) {
+	f := func(epoch uint64) { m.onHotRestart(s, epoch) }
+	s.onHotRestart.Store(&f)
+}
+
+// onHotRestart runs on s's receive loop and must not block. The first
+// HotRestart on a current session starts the switch to the new server;
+// HotRestart on a parked session, or during a switch, is ignored.
+func (m *SessionManager) onHotRestart(s *Session, epoch uint64) {
+	m.hr.mu.Lock()
+	defer m.hr.mu.Unlock()
+	if !m.hr.ready || m.hr.running || !m.isCurrent(s) {
+		return
+	}
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return
+	}
+	m.wg.Add(1)
+	m.mu.Unlock()
+	m.hr.running = true
+	m.hr.epoch = epoch
+	m.hr.randID = uint64(time.Now().UnixNano()) + rand.Uint64()
+	go m.runHotRestart(epoch, m.hr.randID, time.Now().Add(HotRestartTimeout))
+}
+
+// isCurrent reports whether s is the session of one of the slots.
+func (m *SessionManager) isCurrent(s *Session) bool {
+	for _, sl := range m.slots {
+		sl.mu.Lock()
+		cur := sl.sess
+		sl.mu.Unlock()
+		if cur == s {
+			return true
+		}
+	}
+	return false
+}
+
+// hotRestartConfig is the session configuration after a hot restart with
+// epoch and randID: region names become
+// <prefix>_epoch_<epoch>_<randID>_<pid>_<random>_buffer (and _queue_0).
+func (m *SessionManager) hotRestartConfig(epoch, randID uint64) *Config {
+	c := *m.conf.Config
+	c.ShareMemoryPathPrefix = fmt.Sprintf("%s_epoch_%d_%d", c.ShareMemoryPathPrefix, epoch, randID)
+	if c.Verify() != nil { // too long for file mode: keep the plain names
+		c.ShareMemoryPathPrefix = m.conf.Config.ShareMemoryPathPrefix
+	}
+	return &c
+}
+
+// runHotRestart dials a new session for every slot, parks the old ones, and
+// once all are replaced acknowledges on every old session and closes each
+// when its streams are done. At the deadline it gives up: parked sessions
+// are closed without acknowledging.
+func (m *SessionManager) runHotRestart(epoch, randID uint64, deadline time.Time) {
+	defer m.wg.Done()
+	var parked []*Session
+	ctx, cancel := context.WithDeadline(m.ctx, deadline)
+	defer cancel()
+	conf := m.hotRestartConfig(epoch, randID)
+
+	replaced := 0
+	for _, sl := range m.slots {
+		ns := m.dialUntil(ctx, conf)
+		if ns == nil {
+			break
+		}
+		old, idle, installed := sl.replace(ns)
+		for _, is := range idle {
+			is.st.Close()
+		}
+		if !installed { // the manager closed
+			ns.Close()
+			break
+		}
+		if old != nil {
+			parked = append(parked, old)
+		}
+		replaced++
+	}
+	if replaced < len(m.slots) {
+		m.endHotRestart(epoch, false)
+		for _, s := range parked {
+			s.Close()
+		}
+		return
+	}
+	for _, s := range parked {
+		if s.IsClosed() {
+			continue
+		}
+		if err := s.ec.write(wire.AppendHotRestart(nil, s.version, wire.TypeHotRestartAck, epoch)); err != nil {
+			s.closeWithError(fmt.Errorf("send HotRestartAck: %w", err))
+		}
+	}
+	m.endHotRestart(epoch, true)
+	m.drainParked(parked)
+}
+
+// endHotRestart records the end of a restart; another may start.
+func (m *SessionManager) endHotRestart(epoch uint64, ok bool) {
+	m.hr.mu.Lock()
+	defer m.hr.mu.Unlock()
+	m.hr.running = false
+	m.hr.lastEpoch = epoch
+	if ok {
+		m.hr.completed++
+	} else {
+		m.hr.failed++
+	}
+	if m.hr.changed != nil {
+		close(m.hr.changed)
+		m.hr.changed = nil
+	}
+}
+
+// dialUntil dials a session with conf, retrying until ctx is done (nil).
+func (m *SessionManager) dialUntil(ctx context.Context, conf *Config) *Session {
+	backoff := m.conf.MinReconnectBackoff
+	for {
+		s, err := m.dialWith(ctx, conf)
+		if err == nil {
+			return s
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		}
+		backoff = min(2*backoff, m.conf.MaxReconnectBackoff)
+	}
+}
+
+// drainParked closes each parked session once no stream is open on it (the
+// streams handed out before the switch have been put back or closed), once
+// the old server closed it, or after HotRestartTimeout at the latest.
+func (m *SessionManager) drainParked(parked []*Session) {
+	deadline := time.Now().Add(HotRestartTimeout)
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for len(parked) > 0 {
+		rest := parked[:0]
+		for _, s := range parked {
+			s.mu.Lock()
+			n := len(s.streams)
+			s.mu.Unlock()
+			if n == 0 || s.IsClosed() || !time.Now().Before(deadline) {
+				s.Close()
+				continue
+			}
+			rest = append(rest, s)
+		}
+		parked = rest
+		if len(parked) == 0 {
+			return
+		}
+		select {
+		case <-tick.C:
+		case <-m.ctx.Done():
+			for _, s := range parked {
+				s.Close()
+			}
+			return
+		}
+	}
+}
+
+// replace installs s as the slot's session after a hot restart and returns
+// the session it replaces (nil if the slot was being re-dialed) and that
+// session's idle streams, which the caller closes. installed is false if the
+// manager has closed.
+func (sl *smSlot) replace(s *Session) (old *Session, idle []idleStream, installed bool) {
+	m := sl.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return nil, nil, false
+	}
+	sl.mu.Lock()
+	old, idle = sl.sess, sl.idle
+	sl.sess, sl.idle, sl.lastErr = s, nil, nil
+	sl.mu.Unlock()
+	if old == nil {
+		close(m.healthy)
+		m.healthy = make(chan struct{})
+	}
+	return old, idle, true
+}
+
+// HotRestarts returns how many hot restarts the manager has completed
+// (every session replaced and acknowledged) and how many timed out.
+func (m *SessionManager) HotRestarts() (completed, failed int) {
+	m.hr.mu.Lock()
+	defer m.hr.mu.Unlock()
+	return m.hr.completed, m.hr.failed
+}

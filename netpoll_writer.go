@@ -1,0 +1,329 @@
+package shmipc
+
+import (
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"unsafe"
+
+	"github.com/cloudwego/netpoll"
+)
+
+// NetpollWriter returns a netpoll.Writer that builds the stream's next
+// message in shared memory; Flush sends it.
+//
+// It shares the message being built with BufferWriter and Write. WriteDirect
+// leaves work for Flush that this Writer keeps: finish a message in which
+// WriteDirect was used with this Writer's Flush, not Stream.Flush or
+// another Writer. Simplest is to keep one Writer per stream.
+//
+// Like BufferWriter, the Writer is not safe for concurrent use, nor
+// together with Write on the same stream.
+func (st *Stream) NetpollWriter() netpoll.Writer { return &netpollWriter{st: st} }
+
+// netpollWriter is the netpoll.Writer of a stream.
+type netpollWriter struct {
+	st *Stream
+	// moves are copies WriteDirect left for Flush, in message order: the
+	// bytes the caller may still write through slices from Malloc, which
+	// must follow the inserted bytes in the message.
+	moves []netpollMove
+	srcs  [][]byte // scratch for WriteDirect
+}
+
+// netpollMove copies src to position pos of the message at Flush.
+type netpollMove struct {
+	pos int
+	src []byte
+}
+
+var errNetpollRange = errors.New("shmipc: count beyond the bytes allocated since the last flush")
+
+// Malloc returns n bytes at the end of the message for the caller to fill,
+// valid until Flush. They are shared memory when a slice can hold them, and
+// otherwise private memory, the message then going as fallback data; it
+// waits for free slices as BufferWriter.Reserve does.
+func (w *netpollWriter) Malloc(n int) (_ []byte, err error) {
+	st := w.st
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
+	if n < 0 {
+		return nil, errNegative
+	}
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	if n == 0 {
+		if err := st.writer.usable(); err != nil {
+			return nil, err
+		}
+		return []byte{}, nil
+	}
+	return st.writer.reserve(n)
+}
+
+// WriteString appends a copy of s to the message.
+func (w *netpollWriter) WriteString(s string) (_ int, err error) {
+	st := w.st
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return writeTo(&st.writer, s)
+}
+
+// WriteBinary appends a copy of p to the message. Unlike netpoll's own
+// buffers it does not keep p, so the caller may reuse p at once.
+func (w *netpollWriter) WriteBinary(p []byte) (_ int, err error) {
+	st := w.st
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return writeTo(&st.writer, p)
+}
+
+// WriteByte appends c to the message.
+func (w *netpollWriter) WriteByte(c byte) error { return (*bufferWriter)(w.st).WriteByte(c) }
+
+// WriteDirect inserts p before the last remainCap bytes allocated since the
+// last flush, as netpoll specifies: after
+//
+//	buf, _ := w.Malloc(nA + nB)
+//	w.WriteDirect(p, nB)
+//
+// the message holds buf[:nA], then p, then buf[nA:], and the caller may go
+// on filling all of buf until Flush.
+//
+// Shared memory cannot take an inserted slice of private memory, so p is
+// copied into the message at once. The last remainCap bytes are moved
+// behind it at Flush, so that what the caller writes into them until then
+// is sent: they cost a second copy, and until Flush the message holds
+// shared memory for them twice. Flush with this Writer.
+func (w *netpollWriter) WriteDirect(p []byte, remainCap int) (err error) {
+	st := w.st
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	sw := &st.writer
+	if remainCap < 0 {
+		return errNegative
+	}
+	if remainCap > sw.size {
+		return fmt.Errorf("%w: WriteDirect remainCap %d, %d bytes allocated", errNetpollRange, remainCap, sw.size)
+	}
+	if len(p) == 0 {
+		return nil
+	}
+	if err := sw.usable(); err != nil {
+		return err
+	}
+	if remainCap == 0 {
+		_, err := writeTo(sw, p)
+		return err
+	}
+	at := sw.size - remainCap
+	// Where the caller sees the last remainCap bytes: the message's own
+	// memory, or the sources of earlier moves that end up there.
+	w.srcs = w.tailSources(at, w.srcs[:0])
+	w.cutMoves(at)
+	sw.truncateKeep(at)
+	_, err = writeTo(sw, p)
+	if err == nil {
+		pos := sw.size
+		err = sw.extend(remainCap)
+		for _, src := range w.srcs {
+			w.moves = append(w.moves, netpollMove{pos: pos, src: src})
+			pos += len(src)
+		}
+	}
+	clear(w.srcs)
+	if err != nil {
+		w.discardLocked()
+	}
+	return err
+}
+
+// tailSources appends to dst the memory the caller writes the message's
+// bytes [at, size) through, in order.
+func (w *netpollWriter) tailSources(at int, dst [][]byte) [][]byte {
+	sw := &w.st.writer
+	mi := 0
+	for mi < len(w.moves) && w.moves[mi].pos+len(w.moves[mi].src) <= at {
+		mi++
+	}
+	for cur := at; cur < sw.size; {
+		if mi < len(w.moves) && w.moves[mi].pos <= cur {
+			m := w.moves[mi]
+			s := m.src[cur-m.pos:]
+			dst = append(dst, s)
+			cur += len(s)
+			mi++
+			continue
+		}
+		end := sw.size
+		if mi < len(w.moves) {
+			end = w.moves[mi].pos
+		}
+		dst = sw.appendRange(dst, cur, end)
+		cur = end
+	}
+	return dst
+}
+
+// cutMoves drops what the moves would write at position at and beyond.
+func (w *netpollWriter) cutMoves(at int) {
+	k := 0
+	for _, m := range w.moves {
+		if m.pos >= at {
+			continue
+		}
+		if m.pos+len(m.src) > at {
+			m.src = m.src[:at-m.pos]
+		}
+		w.moves[k] = m
+		k++
+	}
+	clear(w.moves[k:])
+	w.moves = w.moves[:k]
+}
+
+func (w *netpollWriter) discardLocked() {
+	clear(w.moves)
+	w.moves = w.moves[:0]
+	_ = w.st.writer.discard()
+}
+
+// MallocAck keeps the first n bytes allocated since the last flush and
+// discards the rest, shrinking the message; slices of the discarded bytes
+// must not be used any more.
+func (w *netpollWriter) MallocAck(n int) (err error) {
+	st := w.st
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	sw := &st.writer
+	if n < 0 {
+		return errNegative
+	}
+	if n > sw.size {
+		return fmt.Errorf("%w: MallocAck(%d), %d bytes allocated", errNetpollRange, n, sw.size)
+	}
+	w.cutMoves(n)
+	return sw.truncate(n)
+}
+
+// Append appends a copy of the unflushed bytes of other, which may be a
+// *netpoll.LinkBuffer (its readable bytes too) or another stream's
+// NetpollWriter. other is emptied: the LinkBuffer is read and released, the
+// other stream's message discarded. Other writers are not supported.
+func (w *netpollWriter) Append(other netpoll.Writer) error {
+	switch o := other.(type) {
+	case *netpoll.LinkBuffer:
+		return w.appendLinkBuffer(o)
+	case *netpollWriter:
+		return w.appendWriter(o)
+	case nil:
+		return nil
+	}
+	return fmt.Errorf("%w: Append of a %T", ErrNotSupported, other)
+}
+
+func (w *netpollWriter) appendLinkBuffer(lb *netpoll.LinkBuffer) (err error) {
+	if err := lb.Flush(); err != nil {
+		return err
+	}
+	st := w.st
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	var vs [8][]byte
+	for lb.Len() > 0 {
+		n := 0
+		for _, v := range lb.GetBytes(vs[:]) {
+			if _, err := writeTo(&st.writer, v); err != nil {
+				return err
+			}
+			n += len(v)
+		}
+		if err := lb.Skip(n); err != nil {
+			return err
+		}
+	}
+	clear(vs[:])
+	return lb.Release()
+}
+
+func (w *netpollWriter) appendWriter(o *netpollWriter) (err error) {
+	a, b := w.st, o.st
+	if a == b {
+		return fmt.Errorf("%w: Append of a stream's writer to itself", ErrNotSupported)
+	}
+	// A fault in the other session's region is blamed on this one's: it
+	// cannot tell which region faulted.
+	defer a.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
+	// Lock both streams' writers in a fixed order.
+	first, second := a, b
+	if uintptr(unsafe.Pointer(b)) < uintptr(unsafe.Pointer(a)) {
+		first, second = b, a
+	}
+	first.wmu.Lock()
+	defer first.wmu.Unlock()
+	second.wmu.Lock()
+	defer second.wmu.Unlock()
+	if err := o.applyMoves(); err != nil {
+		o.discardLocked()
+		return err
+	}
+	for _, seg := range b.writer.segs {
+		if _, err = writeTo(&a.writer, seg.data[:seg.n]); err != nil {
+			break
+		}
+	}
+	o.discardLocked()
+	return err
+}
+
+// Flush sends the message (Stream.Flush), after moving the bytes
+// WriteDirect left behind. On error the message is discarded.
+func (w *netpollWriter) Flush() (err error) {
+	st := w.st
+	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	if len(w.moves) > 0 {
+		err := st.writer.usable()
+		if err == nil {
+			err = w.applyMoves()
+		}
+		if err != nil {
+			w.discardLocked()
+			return err
+		}
+	}
+	if err := st.writer.dropEmpty(); err != nil {
+		w.discardLocked()
+		return err
+	}
+	return st.flushLocked()
+}
+
+// MallocLen is the number of bytes in the message so far.
+func (w *netpollWriter) MallocLen() int { return (*bufferWriter)(w.st).Len() }
+
+var errNetpollStaleMove = errors.New("shmipc: WriteDirect of a message discarded or flushed elsewhere")
+
+// applyMoves performs the copies WriteDirect left and forgets them. The
+// stream's wmu is held.
+func (w *netpollWriter) applyMoves() error {
+	sw := &w.st.writer
+	defer func() {
+		clear(w.moves)
+		w.moves = w.moves[:0]
+	}()
+	for _, m := range w.moves {
+		if m.pos+len(m.src) > sw.size || !sw.owns(m.src) {
+			return errNetpollStaleMove
+		}
+	}
+	for _, m := range w.moves {
+		sw.copyAt(m.pos, m.src)
+	}
+	return nil
+}

@@ -1,0 +1,167 @@
+package shmipc
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/goshm/shmipc/internal/wire"
+)
+
+// Sending: publishing queue elements, waiting for room in shared memory or
+// in the queue (back-pressure), fallback data and close frames on the
+// socket, and returning slices to the buffer region.
+
+// Waiting for space (back-pressure): the first pause, and the longest.
+const (
+	minSpacePause = 20 * time.Microsecond
+	maxSpacePause = time.Millisecond
+)
+
+// putElem publishes e on the send queue and wakes the peer if it is not
+// already draining. While the queue is full it waits (PROTOCOL.md §5.6 lets
+// a sender retry), until the stream st (if any) is closed or past its write
+// deadline, or Config.WriteSpaceTimeout passes. It reports whether e was
+// published. It runs inside an access.
+func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
+	if !s.queueRegion.acquire() {
+		return false, s.closedErr()
+	}
+	defer s.queueRegion.release()
+	var wait spaceWait
+	for {
+		if err := s.Err(); err != nil {
+			return false, err
+		}
+		ok, err := s.sendQ.put(e)
+		if err != nil {
+			s.closeWithError(err)
+			return false, s.closedErr()
+		}
+		if ok {
+			if s.sendQ.markWorking() {
+				s.counters.wakeupsSent.Add(1)
+				if err := s.ec.writeEvent(s.version, wire.TypePolling); err != nil {
+					s.closeWithError(fmt.Errorf("send wake-up: %w", err))
+					return true, s.closedErr()
+				}
+			} else {
+				s.counters.wakeupsSaved.Add(1)
+			}
+			return true, nil
+		}
+		if err := wait.pause(s, st); err != nil {
+			if err == errSpaceTimeout {
+				return false, &spaceTimeout{msg: fmt.Sprintf("shmipc: IO queue full for %v: the peer is not consuming", wait.waited()), cause: ErrQueueFull}
+			}
+			return false, err
+		}
+	}
+}
+
+var errSpaceTimeout = errors.New("no space in time")
+
+// spaceWait paces a writer that waits for the peer to free space: pauses
+// that grow from minSpacePause to maxSpacePause, until the stream's write
+// deadline or Config.WriteSpaceTimeout.
+type spaceWait struct {
+	start time.Time
+	delay time.Duration
+	limit time.Time
+}
+
+// pause sleeps once. It returns errSpaceTimeout when the time is up, or the
+// error that stops the writer (stream or session closed).
+func (w *spaceWait) pause(s *Session, st *Stream) error {
+	now := time.Now()
+	if w.start.IsZero() {
+		w.start, w.delay = now, minSpacePause
+		w.limit = now.Add(s.conf.WriteSpaceTimeout)
+		if st != nil {
+			if d := st.wDeadline.Load(); d != nil && !d.IsZero() && d.Before(w.limit) {
+				w.limit = *d
+			}
+		}
+	}
+	if st != nil {
+		if err := st.queueFullGiveUp(); err != nil {
+			return err
+		}
+	}
+	if !now.Before(w.limit) {
+		return errSpaceTimeout
+	}
+	t := time.NewTimer(min(w.delay, w.limit.Sub(now)))
+	select {
+	case <-t.C:
+	case <-s.closed:
+		t.Stop()
+		return s.closedErr()
+	}
+	w.delay = min(2*w.delay, maxSpacePause)
+	return nil
+}
+
+func (w *spaceWait) waited() time.Duration { return time.Since(w.start).Round(time.Millisecond) }
+
+// sendFallbackFrame sends one FallbackData frame, bounded by the stream's
+// write deadline (zero: none) too. A failed write ends the session, unless
+// the deadline passed before any of the frame was written.
+func (s *Session) sendFallbackFrame(id uint32, data [][]byte, deadline time.Time) error {
+	if err := s.Err(); err != nil {
+		return err
+	}
+	if err := s.ec.writeFallback(s.version, id, data, deadline); err != nil {
+		if errors.Is(err, ErrTimeout) && !errors.Is(err, errFrameTorn) {
+			return err // nothing of the frame was written: only this write fails
+		}
+		s.closeWithError(fmt.Errorf("send fallback data: %w", err))
+		return s.closedErr()
+	}
+	return nil
+}
+
+// sendStreamClose tells the peer a stream is closed: with a close element,
+// or a StreamClose frame when the queue is full or the stream sends
+// fallback data (so the close cannot overtake data on the socket). It runs
+// inside an access.
+func (s *Session) sendStreamClose(id uint32, byFrame bool) {
+	if s.IsClosed() {
+		return
+	}
+	if !byFrame {
+		if !s.queueRegion.acquire() {
+			return
+		}
+		ok, err := s.sendQ.put(queueElem{id: id, status: statusClosed})
+		if ok && s.sendQ.markWorking() {
+			err = s.ec.writeEvent(s.version, wire.TypePolling)
+		}
+		s.queueRegion.release()
+		if err != nil {
+			s.closeWithError(fmt.Errorf("send close of stream %d: %w", id, err))
+		}
+		if ok || err != nil {
+			return
+		}
+	}
+	if err := s.ec.writeStreamClose(s.version, id); err != nil {
+		s.closeWithError(fmt.Errorf("send close of stream %d: %w", id, err))
+	}
+}
+
+// freeSegments returns the shared-memory segments among segs to the buffer
+// region. An error means the peer corrupted the region; the session is
+// closed. It runs inside an access.
+func (s *Session) freeSegments(segs []segment) error {
+	for _, seg := range segs {
+		if seg.list == heapSegment {
+			continue
+		}
+		if err := s.buf.push(int(seg.list), seg.off); err != nil {
+			s.closeWithError(err)
+			return err
+		}
+	}
+	return nil
+}

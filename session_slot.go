@@ -1,0 +1,178 @@
+package shmipc
+
+import (
+	"errors"
+	"sync"
+	"time"
+)
+
+// A SessionManager's pool is a fixed set of slots. A slot holds one session
+// and the streams put back on it, and keeps the slot filled: when the
+// session ends it re-dials, with backoff, until the manager closes.
+
+// smSlot is one session of a SessionManager and its pool of idle streams.
+type smSlot struct {
+	m     *SessionManager
+	index int
+
+	mu      sync.Mutex
+	sess    *Session // nil while it is being re-dialed
+	idle    []idleStream
+	lastErr error // why the last dial failed
+}
+
+type idleStream struct {
+	st    *Stream
+	since time.Time
+}
+
+// popIdle takes the newest usable idle stream of the slot, or returns nil.
+func (sl *smSlot) popIdle() *Stream {
+	var dead []*Stream
+	defer func() {
+		for _, st := range dead { // Close may write to the socket: not under sl.mu
+			st.Close()
+		}
+	}()
+	sl.mu.Lock()
+	defer sl.mu.Unlock()
+	for len(sl.idle) > 0 {
+		is := sl.idle[len(sl.idle)-1]
+		sl.idle[len(sl.idle)-1] = idleStream{}
+		sl.idle = sl.idle[:len(sl.idle)-1]
+		// The server may have closed the stream while it was idle, or sent
+		// something it should not have.
+		if poolable(is.st) {
+			return is.st
+		}
+		dead = append(dead, is.st)
+	}
+	return nil
+}
+
+// openStream opens a stream on the slot's session. It returns nil and the
+// reason when the slot has no healthy session.
+func (sl *smSlot) openStream() (*Stream, error) {
+	sl.mu.Lock()
+	s, lastErr := sl.sess, sl.lastErr
+	sl.mu.Unlock()
+	if s == nil {
+		if lastErr == nil {
+			lastErr = errors.New("session is being re-dialed")
+		}
+		return nil, lastErr
+	}
+	return s.OpenStream()
+}
+
+// putBack pools st if it belongs to this slot's session; it reports whether
+// st belonged here (if so, it was pooled or closed).
+func (sl *smSlot) putBack(st *Stream) bool {
+	sl.mu.Lock()
+	if sl.sess != st.s {
+		sl.mu.Unlock()
+		return false
+	}
+	if len(sl.idle) >= sl.m.conf.MaxIdleStreams {
+		sl.mu.Unlock()
+		st.Close()
+		return true
+	}
+	sl.idle = append(sl.idle, idleStream{st: st, since: time.Now()})
+	sl.mu.Unlock()
+	return true
+}
+
+// watch waits for the slot's session to die, then drops its pool and
+// re-dials it with backoff, until the manager closes.
+//
+// The backoff goes on growing across sessions that die young: a server that
+// completes the handshake and then drops the session at once (it refuses
+// the client, or crashes on start) must not be re-dialed in a storm, each
+// dial creating and removing a buffer region. It starts again from
+// MinReconnectBackoff only after a session stayed up for
+// MaxReconnectBackoff.
+func (sl *smSlot) watch(s *Session) {
+	m := sl.m
+	defer m.wg.Done()
+	backoff := m.conf.MinReconnectBackoff
+	born := time.Now()
+	for {
+		select {
+		case <-s.closed:
+		case <-m.ctx.Done():
+			return
+		}
+		sl.mu.Lock()
+		var idle []idleStream
+		cur := sl.sess
+		if cur == s {
+			idle = sl.idle
+			sl.sess, sl.idle, sl.lastErr = nil, nil, s.Err()
+		}
+		sl.mu.Unlock()
+		if cur != s && cur != nil { // a hot restart replaced s: watch its successor
+			s, born = cur, time.Now()
+			continue
+		}
+		for _, is := range idle {
+			is.st.Close()
+		}
+		s.Close() // wait for its receive loop
+		if time.Since(born) >= m.conf.MaxReconnectBackoff {
+			backoff = m.conf.MinReconnectBackoff // it was healthy
+		}
+
+		for {
+			t := time.NewTimer(backoff)
+			select {
+			case <-t.C:
+			case <-m.ctx.Done():
+				t.Stop()
+				return
+			}
+			backoff = min(2*backoff, m.conf.MaxReconnectBackoff)
+			ns, err := m.dial()
+			if err == nil {
+				cur := sl.attach(ns)
+				if cur == nil {
+					ns.Close()
+					return
+				}
+				if cur != ns { // a hot restart installed a session meanwhile
+					ns.Close()
+				}
+				s, born = cur, time.Now()
+				break
+			}
+			if m.ctx.Err() != nil {
+				return
+			}
+			sl.mu.Lock()
+			sl.lastErr = err
+			sl.mu.Unlock()
+		}
+	}
+}
+
+// attach installs a re-dialed session and returns it, unless the manager
+// has closed (nil) or a hot restart installed a session in the meantime
+// (that session is returned instead).
+func (sl *smSlot) attach(s *Session) *Session {
+	m := sl.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return nil
+	}
+	sl.mu.Lock()
+	if cur := sl.sess; cur != nil {
+		sl.mu.Unlock()
+		return cur
+	}
+	sl.sess, sl.lastErr = s, nil
+	sl.mu.Unlock()
+	close(m.healthy)
+	m.healthy = make(chan struct{})
+	return s
+}

@@ -1,0 +1,133 @@
+package shmipc
+
+import (
+	"runtime"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// spinWatch keeps a spinner's clock: budget, preemption, yielding.
+type spinWatch struct {
+	begin, last, lastYield, lastSocket time.Time
+}
+
+func (w *spinWatch) start() {
+	w.begin = time.Now()
+	w.last, w.lastYield, w.lastSocket = w.begin, w.begin, w.begin
+}
+
+// check looks at the clock between rounds of looks. It returns spinGaveUp
+// when the spinner must stop, spinFramesWaiting every socketCheckEvery
+// (time for the receive loop to look at the socket), and spinFound
+// otherwise (go on).
+func (w *spinWatch) check(s *Session) int {
+	now := time.Now()
+	if now.Sub(w.begin) >= yieldOSAfter {
+		// A long wait: give the CPU to any thread waiting for it, which may
+		// be the very peer this spinner waits for; with nobody waiting it
+		// returns at once.
+		osYield()
+		now = time.Now()
+	}
+	if now.Sub(w.last) > preemptedGap {
+		// Descheduled between two rounds: the CPU has more work than cores,
+		// and spinning only takes a core from someone.
+		spinning.pressure(now)
+		return spinGaveUp
+	}
+	w.last = now
+	if now.Sub(w.begin) >= time.Duration(s.cons.budget.Load()) {
+		s.cons.miss()
+		return spinGaveUp
+	}
+	if s.IsClosed() {
+		return spinGaveUp
+	}
+	if now.Sub(w.lastYield) >= yieldEvery {
+		runtime.Gosched()
+		w.last, w.lastYield = time.Now(), now
+	}
+	if now.Sub(w.lastSocket) >= socketCheckEvery {
+		w.lastSocket = now
+		return spinFramesWaiting
+	}
+	return spinFound
+}
+
+// yieldOSAfter is how long a spinner looks before it yields the OS thread
+// between rounds: an uncontended round trip of a small message comes well
+// within it, and spinning longer usually means the peer is waiting for the
+// very core the spinner holds.
+const yieldOSAfter = 5 * time.Microsecond
+
+// preemptedGap is a pause between two rounds of a spinner that only being
+// descheduled explains: a round takes well under a microsecond, and the
+// processor is yielded on purpose only at yield points.
+const preemptedGap = 500 * time.Microsecond
+
+// Cool-down after a spinner was descheduled: the first, and the longest.
+const (
+	minSpinCooldown = time.Millisecond
+	maxSpinCooldown = 250 * time.Millisecond
+)
+
+// spinGovernor rations spinning for the whole process.
+type spinGovernor struct {
+	slots    int32        // how many goroutines may spin at once for sessions with another process
+	local    int32        // the same, counting sessions whose peer is this process
+	active   atomic.Int32 // how many do
+	offUntil atomic.Int64 // no spinning before this time (UnixNano)
+	cooldown atomic.Int64 // the next cool-down, in ns
+	calm     atomic.Int64 // when the last pressure was seen (UnixNano)
+}
+
+var spinning = newSpinGovernor(runtime.NumCPU())
+
+func newSpinGovernor(cpus int) *spinGovernor {
+	g := &spinGovernor{slots: int32(cpus / 2)}
+	if cpus > 1 {
+		g.local = int32(cpus)
+	}
+	g.cooldown.Store(int64(minSpinCooldown))
+	return g
+}
+
+// enter takes a spinning slot if one is free and no cool-down is running;
+// local says the session's peer is this process.
+func (g *spinGovernor) enter(local bool) bool {
+	slots := g.slots
+	if local {
+		slots = g.local
+	}
+	if slots <= 0 {
+		return false
+	}
+	if until := g.offUntil.Load(); until != 0 && time.Now().UnixNano() < until {
+		return false
+	}
+	if g.active.Add(1) > slots {
+		g.active.Add(-1)
+		return false
+	}
+	return true
+}
+
+func (g *spinGovernor) exit() { g.active.Add(-1) }
+
+// pressure switches spinning off for a cool-down. Pressure soon after the
+// last cool-down doubles the next one; a calm spell resets it.
+func (g *spinGovernor) pressure(now time.Time) {
+	t := now.UnixNano()
+	d := g.cooldown.Load()
+	if t-g.calm.Load() > 4*int64(maxSpinCooldown) {
+		d = int64(minSpinCooldown)
+	}
+	g.offUntil.Store(t + d)
+	g.cooldown.Store(min(2*d, int64(maxSpinCooldown)))
+	g.calm.Store(t)
+}
+
+// osYield gives up the CPU to another runnable thread, if there is one
+// (sched_yield). It is a raw system call: it never blocks.
+func osYield() { syscall.RawSyscall(syscall.SYS_SCHED_YIELD, 0, 0, 0) }

@@ -1,0 +1,401 @@
+package shmipc
+
+import (
+	"fmt"
+	"io"
+	"unsafe"
+)
+
+// BufferWriter builds an outgoing message directly in shared memory. Nothing
+// is sent until Stream.Flush.
+//
+// A BufferWriter is not safe for concurrent use, nor together with
+// Stream.Write on the same stream.
+type BufferWriter interface {
+	io.ByteWriter
+	io.StringWriter
+
+	// Reserve returns n contiguous bytes at the end of the message for the
+	// caller to fill. They belong to the message and stay valid until the
+	// next Flush or Close. When shared memory cannot hold n bytes in one
+	// slice, the bytes are private memory and the message will be sent as
+	// fallback data.
+	Reserve(n int) ([]byte, error)
+
+	// WriteBytes appends a copy of p to the message.
+	WriteBytes(p []byte) (int, error)
+
+	// Len is the number of bytes in the message so far.
+	Len() int
+}
+
+// minHeapSegment is the smallest private segment a writer allocates once it
+// has to fall back.
+const minHeapSegment = 64 << 10
+
+// streamWriter is the sending side of a stream: the message being built.
+// It is used by one goroutine at a time (see BufferWriter).
+type streamWriter struct {
+	st   *Stream
+	segs []segment
+	size int
+	heap bool // some segment is private memory: the message goes as fallback
+}
+
+func (w *streamWriter) last() *segment {
+	if len(w.segs) == 0 {
+		return nil
+	}
+	return &w.segs[len(w.segs)-1]
+}
+
+// grow appends a segment with room for at least min bytes when contiguous
+// is set, or for as much of want as one slice gives otherwise. Like every
+// streamWriter method that touches slices, it runs inside an access.
+func (w *streamWriter) grow(want int, contiguous bool) error {
+	st := w.st
+	buf := st.s.buf
+	if st.fallback.Load() || w.heap || w.neverFits(want, contiguous) {
+		w.appendHeap(want)
+		return nil
+	}
+	var wait spaceWait
+	for {
+		li, off, err := buf.alloc(want, !contiguous)
+		if err != nil {
+			st.s.closeWithError(err)
+			return fmt.Errorf("%w: %w", ErrSessionClosed, err)
+		}
+		if li >= 0 {
+			w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
+			return nil
+		}
+		if st.s.conf.FallbackWhenFull || len(w.segs) > 0 {
+			// A writer never waits while it holds part of its message:
+			// writers holding slices while waiting for more could hold the
+			// whole region between them and wait for ever.
+			w.appendHeap(want)
+			return nil
+		}
+		// Back-pressure: nothing is held; wait for the peer to free slices.
+		if err := wait.pause(st.s, st); err != nil {
+			if err == errSpaceTimeout {
+				return &spaceTimeout{msg: fmt.Sprintf("shmipc: no shared memory for %d more bytes for %v: the peer is not releasing what it received", want, wait.waited())}
+			}
+			return err
+		}
+	}
+}
+
+// neverFits reports whether want more bytes cannot be had from shared
+// memory however long the writer waits: one contiguous piece larger than any
+// slice that can be handed out, or a message that would take more than half
+// of what the region can hand out.
+func (w *streamWriter) neverFits(want int, contiguous bool) bool {
+	buf := w.st.s.buf
+	return contiguous && want > int(buf.usable) || uint64(w.size+want) > buf.capacity/2
+}
+
+func (w *streamWriter) appendHeap(want int) {
+	w.heap = true
+	w.segs = append(w.segs, segment{data: make([]byte, max(want, minHeapSegment)), list: heapSegment})
+}
+
+// usable reports whether the writer may build a message now.
+func (w *streamWriter) usable() error {
+	st := w.st
+	if err := st.s.Err(); err != nil {
+		return err
+	}
+	if st.writeClosed.Load() {
+		return ErrStreamClosed
+	}
+	return nil
+}
+
+// reserve returns n contiguous bytes at the end of the message.
+func (w *streamWriter) reserve(n int) ([]byte, error) {
+	if n < 0 {
+		return nil, errNegative
+	}
+	if err := w.usable(); err != nil {
+		return nil, err
+	}
+	l := w.last()
+	if l == nil || len(l.data)-l.n < n {
+		if err := w.grow(n, true); err != nil {
+			return nil, err
+		}
+		l = w.last()
+	}
+	p := l.data[l.n : l.n+n : l.n+n]
+	if l.list != heapSegment {
+		commitPages(p)
+	}
+	l.n += n
+	w.size += n
+	return p, nil
+}
+
+// commitPages writes a zero to every page of p, a piece of a slice about to
+// be handed to the application. Regions are sparse, and a page that cannot
+// be committed (a full tmpfs) faults on its first write: here that happens
+// inside the caller's access and becomes an error, instead of a crash in
+// application code. On committed pages it costs one store per page.
+func commitPages(p []byte) {
+	if len(p) == 0 {
+		return
+	}
+	p[0] = 0
+	for i := pageSize - int(uintptr(unsafe.Pointer(&p[0]))%uintptr(pageSize)); i < len(p); i += pageSize {
+		p[i] = 0
+	}
+}
+
+// writeTo appends a copy of p, taking slices as it goes.
+func writeTo[T string | []byte](w *streamWriter, p T) (int, error) {
+	if err := w.usable(); err != nil {
+		return 0, err
+	}
+	written := 0
+	for written < len(p) {
+		l := w.last()
+		if l == nil || l.n == len(l.data) {
+			if err := w.grow(len(p)-written, false); err != nil {
+				w.size += written
+				return written, err
+			}
+			l = w.last()
+		}
+		c := copy(l.data[l.n:], p[written:])
+		l.n += c
+		written += c
+	}
+	w.size += written
+	return written, nil
+}
+
+// reset forgets the message after it was sent or its slices freed.
+func (w *streamWriter) reset() {
+	clear(w.segs)
+	w.segs = w.segs[:0]
+	w.size = 0
+	w.heap = false
+}
+
+// discard frees the slices of an unsent message.
+func (w *streamWriter) discard() error {
+	err := w.st.s.freeSegments(w.segs)
+	w.reset()
+	return err
+}
+
+// locate returns the segment holding message position pos (< size) and
+// the offset in it.
+func (w *streamWriter) locate(pos int) (int, int) {
+	for i := range w.segs {
+		if n := w.segs[i].n; pos < n {
+			return i, pos
+		} else {
+			pos -= n
+		}
+	}
+	return len(w.segs), pos
+}
+
+// appendRange appends to dst the memory holding message bytes [from, to).
+func (w *streamWriter) appendRange(dst [][]byte, from, to int) [][]byte {
+	if from >= to {
+		return dst
+	}
+	i, off := w.locate(from)
+	for left := to - from; left > 0; i, off = i+1, 0 {
+		d := w.segs[i].data[off:w.segs[i].n]
+		if len(d) == 0 {
+			continue
+		}
+		d = d[:min(len(d), left):min(len(d), left)]
+		dst = append(dst, d)
+		left -= len(d)
+	}
+	return dst
+}
+
+// copyAt copies src over the message bytes from position pos.
+func (w *streamWriter) copyAt(pos int, src []byte) {
+	if len(src) == 0 {
+		return
+	}
+	i, off := w.locate(pos)
+	for ; len(src) > 0; i, off = i+1, 0 {
+		c := copy(w.segs[i].data[off:w.segs[i].n], src)
+		src = src[c:]
+	}
+}
+
+// owns reports whether p lies in memory a segment of the message holds but
+// does not send (beyond its used bytes), where WriteDirect leaves the bytes
+// it moves.
+func (w *streamWriter) owns(p []byte) bool {
+	if len(p) == 0 {
+		return true
+	}
+	lo := uintptr(unsafe.Pointer(unsafe.SliceData(p)))
+	hi := lo + uintptr(len(p))
+	for i := range w.segs {
+		d := w.segs[i].data
+		base := uintptr(unsafe.Pointer(unsafe.SliceData(d)))
+		if lo >= base+uintptr(w.segs[i].n) && hi <= base+uintptr(cap(d)) {
+			return true
+		}
+	}
+	return false
+}
+
+// truncateKeep shrinks the message to n bytes without freeing or reusing
+// the memory of the bytes cut: the caller may still write into it (for
+// WriteDirect). Segments keep their capacity but their length is cut to
+// what they send, so nothing is appended there.
+func (w *streamWriter) truncateKeep(n int) {
+	left := n
+	for i := range w.segs {
+		seg := &w.segs[i]
+		seg.n = min(seg.n, left)
+		left -= seg.n
+		seg.data = seg.data[:seg.n]
+	}
+	w.size = n
+}
+
+// truncate shrinks the message to n bytes (for MallocAck): the segment
+// holding byte n-1 keeps what it sends of them, and the segments after it
+// are freed.
+func (w *streamWriter) truncate(n int) error {
+	if n == 0 {
+		return w.discard()
+	}
+	keep, left := 0, n
+	for keep < len(w.segs) && left > w.segs[keep].n {
+		left -= w.segs[keep].n
+		keep++
+	}
+	// left <= segs[keep].n: the message ends in segment keep.
+	w.segs[keep].n = left
+	err := w.freeFrom(keep + 1)
+	w.size = n
+	return err
+}
+
+// freeFrom frees segs[i:] and drops them from the message.
+func (w *streamWriter) freeFrom(i int) error {
+	err := w.st.s.freeSegments(w.segs[i:])
+	clear(w.segs[i:])
+	w.segs = w.segs[:i]
+	w.heap = false
+	for _, seg := range w.segs {
+		if seg.list == heapSegment {
+			w.heap = true
+		}
+	}
+	return err
+}
+
+// dropEmpty frees the segments that send nothing, which WriteDirect and
+// Reserve(0) leave, so that only segments with data are linked.
+func (w *streamWriter) dropEmpty() error {
+	k := 0
+	var err error
+	for i := range w.segs {
+		seg := w.segs[i]
+		if seg.n == 0 {
+			if e := w.st.s.freeSegments(w.segs[i : i+1]); err == nil {
+				err = e
+			}
+			continue
+		}
+		w.segs[k] = seg
+		k++
+	}
+	if k == len(w.segs) {
+		return err
+	}
+	clear(w.segs[k:])
+	w.segs = w.segs[:k]
+	return err
+}
+
+// extend adds n bytes to the message without writing them.
+func (w *streamWriter) extend(n int) error {
+	added := 0
+	for added < n {
+		l := w.last()
+		if l == nil || l.n == len(l.data) {
+			if err := w.grow(n-added, false); err != nil {
+				w.size += added
+				return err
+			}
+			l = w.last()
+		}
+		c := min(len(l.data)-l.n, n-added)
+		l.n += c
+		added += c
+	}
+	w.size += added
+	return nil
+}
+
+// bufferWriter is the BufferWriter of a stream.
+type bufferWriter Stream
+
+func (b *bufferWriter) Reserve(n int) (p []byte, err error) {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	err = st.s.access(func() (err error) {
+		p, err = st.writer.reserve(n)
+		return err
+	})
+	return p, err
+}
+
+func (b *bufferWriter) WriteBytes(p []byte) (n int, err error) {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	err = st.s.access(func() (err error) {
+		n, err = writeTo(&st.writer, p)
+		return err
+	})
+	return n, err
+}
+
+func (b *bufferWriter) WriteString(s string) (n int, err error) {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	err = st.s.access(func() (err error) {
+		n, err = writeTo(&st.writer, s)
+		return err
+	})
+	return n, err
+}
+
+func (b *bufferWriter) WriteByte(c byte) error {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return st.s.access(func() error {
+		p, err := st.writer.reserve(1)
+		if err == nil {
+			p[0] = c
+		}
+		return err
+	})
+}
+
+func (b *bufferWriter) Len() int {
+	st := (*Stream)(b)
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return st.writer.size
+}
