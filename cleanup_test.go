@@ -273,14 +273,15 @@ func (e *clEchoServer) serverSessions() []*Session {
 	return out
 }
 
-// close closes the listener and waits for every server goroutine.
+// close closes the listener and its sessions and waits for every server
+// goroutine.
 func (e *clEchoServer) close(t testing.TB) {
 	t.Helper()
-	if err := e.ln.Close(); err != nil {
-		t.Errorf("Listener.Close: %v", err)
+	if err := e.ln.CloseAll(); err != nil {
+		t.Errorf("Listener.CloseAll: %v", err)
 	}
 	if !clWaitGroup(&e.wg, 10*time.Second) {
-		t.Errorf("echo server goroutines still running 10s after Listener.Close")
+		t.Errorf("echo server goroutines still running 10s after Listener.CloseAll")
 	}
 }
 

@@ -15,6 +15,9 @@ package shmipc
 //	err := ln1.WaitHotRestart(ctx) // nil once every session acknowledged
 //	ln1.Close()                    // leaves sockPath to the new server
 //
+// Close lets the requests in progress finish: each old session ends with its
+// last stream (CloseAll ends them at once).
+//
 // The new server binds a fresh socket under a temporary name in the same
 // directory and renames it over the path (rename(2) is atomic): a client that
 // connects sees either the old or the new server, never no server, and no
@@ -24,7 +27,8 @@ package shmipc
 //
 // Client side (hotrestart_client.go): a SessionManager reacts to HotRestart
 // on its own; see SessionManager. A plain Session (Dial, Client) ignores
-// HotRestart and stays up; it ends when the old server closes it.
+// HotRestart and stays up; it ends when the old server closes it (once its
+// listener is closed, when its last stream is closed).
 
 import (
 	"context"

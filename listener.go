@@ -35,9 +35,16 @@ func Dial(network, address string, conf *Config) (*Session, error) {
 // Listener accepts sessions on a socket and delivers the streams their
 // clients open. It implements net.Listener: Accept returns each new stream
 // as a net.Conn (a *Stream).
+//
+// Closing follows net.Listener: Close stops accepting and leaves the
+// streams already accepted open, as closing a TCP listener leaves its
+// connections open, so that a server can finish the requests in progress
+// (grpc.Server.GracefulStop and http.Server.Shutdown close their listener
+// first and then wait for them). CloseAll also ends every session at once.
 type Listener struct {
-	ln   net.Listener
-	conf *Config
+	ln       net.Listener
+	conf     *Config
+	closeErr error // of closing ln; written once, in Close
 
 	streams streamQueue
 	closed  chan struct{}
@@ -251,29 +258,92 @@ func (l *Listener) AcceptStream() (*Stream, error) {
 	return l.streams.pop(l.closed, func() error { return ErrListenerClosed })
 }
 
-// Close stops listening, closes every session and waits for the accept loop.
-// A Unix socket file created by Listen is removed.
+// Close stops accepting, with the semantics of a net.Listener's Close: the
+// established connections, here the streams already accepted, live on.
+//
+//   - The listening socket is closed, so no new session can start; a Unix
+//     socket file created by Listen is removed (unless a hot restart handed
+//     the path to a new server). Connections still in their handshake are
+//     dropped.
+//   - Accept and AcceptStream fail with ErrListenerClosed. Streams opened
+//     and not yet accepted are closed, and so is every stream a client opens
+//     after Close: the client reads io.EOF on it.
+//   - Streams already accepted keep working until one side closes them.
+//     Each session of the listener ends once its last stream is closed (at
+//     once for a session with none), and its client then finds nobody
+//     listening.
+//
+// So a server that stops gracefully closes the listener, lets its handlers
+// finish and close their streams, and its sessions end by themselves.
+// CloseAll ends them at once instead. Close returns once the accept loop has
+// stopped and the sessions that had no stream left have ended; it may be
+// called more than once, and returns the error of closing the listening
+// socket.
 func (l *Listener) Close() error {
-	var err error
+	l.stopAccepting()
+	for _, s := range l.liveSessions() {
+		if s.retire() || s.IsClosed() {
+			<-s.loopDone // ended or ending: let it finish, as CloseAll does
+		}
+	}
+	return l.closeErr
+}
+
+// CloseAll closes the listener as Close does and also closes every session
+// it accepted, at once, without waiting for their streams: reads and writes
+// on those streams then fail with an error wrapping ErrSessionClosed (here)
+// or ErrPeerClosed (in the client). It returns once the sessions' receive
+// loops have stopped. It may follow Close, to end the sessions Close left
+// running.
+func (l *Listener) CloseAll() error {
+	l.stopAccepting()
+	for _, s := range l.liveSessions() {
+		s.Close()
+	}
+	return l.closeErr
+}
+
+// stopAccepting closes the listening socket, drops connections in their
+// handshake, waits for the accept loop and closes the queue of streams not
+// yet accepted. Only the first call does anything.
+func (l *Listener) stopAccepting() {
 	l.once.Do(func() {
 		l.mu.Lock()
 		close(l.closed)
-		sessions := make([]*Session, 0, len(l.sessions))
-		for s := range l.sessions {
-			sessions = append(sessions, s)
-		}
 		for c := range l.pending {
 			c.Close()
 		}
 		l.mu.Unlock()
-		err = l.ln.Close()
+		l.closeErr = l.ln.Close()
 		<-l.done
-		for _, s := range sessions {
-			s.Close()
-		}
 		l.streams.close()
 	})
-	return err
+}
+
+// liveSessions returns the sessions of the listener that have not ended.
+func (l *Listener) liveSessions() []*Session {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	sessions := make([]*Session, 0, len(l.sessions))
+	for s := range l.sessions {
+		sessions = append(sessions, s)
+	}
+	return sessions
+}
+
+// retire makes the session end once it has no open stream, now if it has
+// none; it reports whether it closed it now. New streams of a closed
+// listener's sessions are closed as they arrive (the listener's queue
+// refuses them), so the count only goes down.
+func (s *Session) retire() bool {
+	s.mu.Lock()
+	s.retiring = true
+	idle := len(s.streams) == 0
+	s.mu.Unlock()
+	if idle {
+		s.closeWithError(nil)
+	}
+	return idle
 }
 
 // Addr returns the listening address.

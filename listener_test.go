@@ -3,6 +3,7 @@ package shmipc
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -236,5 +237,222 @@ func TestListenerRetriesAcceptErrors(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Error("Serve did not return 10s after Close")
+	}
+}
+
+// lnServeOne accepts streams on ln and echoes each (mpServeEcho) until
+// Accept fails; accept receives every stream as it is accepted and errs the
+// handlers' errors.
+func lnServeOne(ln *Listener) (accepted <-chan *Stream, errs <-chan error) {
+	acc := make(chan *Stream, 16)
+	ec := make(chan error, 16)
+	go func() {
+		for {
+			st, err := ln.AcceptStream()
+			if err != nil {
+				close(acc)
+				return
+			}
+			acc <- st
+			go func() { ec <- mpServeEcho(st) }()
+		}
+	}()
+	return acc, ec
+}
+
+// TestListenerCloseStopsAcceptingOnly: Close behaves as a net.Listener's
+// Close. Streams already accepted keep working, a stream opened and not
+// accepted is closed, so is a stream opened after Close, nobody can connect
+// any more, and the session ends once its last stream is closed. This is
+// what grpc.Server.GracefulStop needs: it closes its listener and then
+// waits for the calls in progress.
+func TestListenerCloseStopsAcceptingOnly(t *testing.T) {
+	prefix := clPrefix(t, "ln")
+	conf := clConfig(MemMapTypeMemFd, prefix)
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	ln, err := Listen("unix", sock, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.CloseAll()
+	sess, err := Dial("unix", sock, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+
+	accepted, handlerErrs := lnServeOne(ln)
+	live, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer live.Close()
+	live.SetDeadline(time.Now().Add(10 * time.Second))
+	if err := mpRoundTrip(live, mpPayload(100, 1), false); err != nil {
+		t.Fatal(err)
+	}
+	srvSess := (<-accepted).Session()
+
+	if err := ln.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	if _, ok := <-accepted; ok {
+		t.Error("a stream was accepted after Close")
+	}
+	if _, err := ln.Accept(); !errors.Is(err, ErrListenerClosed) {
+		t.Errorf("Accept after Close: %v, want ErrListenerClosed", err)
+	}
+	if _, err := os.Lstat(sock); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("socket file after Close: %v, want it removed", err)
+	}
+	if s, err := Dial("unix", sock, conf); err == nil {
+		s.Close()
+		t.Error("Dial after Close succeeded")
+	}
+
+	// The accepted stream works on, in both directions, several times.
+	for i := range 3 {
+		if err := mpRoundTrip(live, mpPayload(1000*(i+1), uint64(i)), i%2 == 0); err != nil {
+			t.Fatalf("round trip %d on the accepted stream after Close: %v", i, err)
+		}
+	}
+	if srvSess.IsClosed() || sess.IsClosed() {
+		t.Fatal("the session ended while it had an open stream")
+	}
+
+	// A stream opened after Close is closed by the server: its reader gets
+	// io.EOF, and the accepted stream is not disturbed.
+	late, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	late.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := late.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := late.Read(make([]byte, 1)); err != io.EOF {
+		t.Errorf("read on a stream opened after Close: %v, want io.EOF", err)
+	}
+	late.Close()
+	if err := mpRoundTrip(live, mpPayload(10, 9), false); err != nil {
+		t.Fatalf("round trip on the accepted stream after a refused one: %v", err)
+	}
+
+	// The client closes its last stream: the handler returns and the
+	// session ends on both sides.
+	live.Close()
+	if err := <-handlerErrs; err != nil {
+		t.Errorf("handler: %v", err)
+	}
+	lnWaitClosed(t, "server session", srvSess)
+	lnWaitClosed(t, "client session", sess)
+	if err := sess.Err(); !errors.Is(err, ErrPeerClosed) {
+		t.Errorf("client session ended with %v, want ErrPeerClosed", err)
+	}
+}
+
+// TestListenerCloseQueuedAndIdle: at Close, a stream opened and not yet
+// accepted is closed (its client reads io.EOF), and a session with no
+// stream ends at once.
+func TestListenerCloseQueuedAndIdle(t *testing.T) {
+	prefix := clPrefix(t, "ln")
+	conf := clConfig(MemMapTypeMemFd, prefix)
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	ln, err := Listen("unix", sock, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.CloseAll()
+	queuedSess, err := Dial("unix", sock, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer queuedSess.Close()
+	idleSess, err := Dial("unix", sock, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer idleSess.Close()
+	queued, err := queuedSess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer queued.Close()
+	queued.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := queued.Write([]byte("nobody accepts this")); err != nil {
+		t.Fatal(err)
+	}
+	// The server has the stream once its session counts it.
+	smWait(t, "the stream reached the server", 10*time.Second, func() bool {
+		for _, s := range ln.liveSessions() {
+			if s.Stats().ActiveStreams == 1 {
+				return true
+			}
+		}
+		return false
+	})
+
+	if err := ln.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	if _, err := queued.Read(make([]byte, 1)); err != io.EOF {
+		t.Errorf("read on a stream that was never accepted: %v, want io.EOF", err)
+	}
+	lnWaitClosed(t, "the session whose only stream was never accepted", queuedSess)
+	lnWaitClosed(t, "the session with no stream", idleSess)
+}
+
+// TestListenerCloseAll: CloseAll ends the sessions at once, open streams
+// and all, on both sides.
+func TestListenerCloseAll(t *testing.T) {
+	prefix := clPrefix(t, "ln")
+	conf := clConfig(MemMapTypeMemFd, prefix)
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	ln, err := Listen("unix", sock, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sess, err := Dial("unix", sock, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+	accepted, handlerErrs := lnServeOne(ln)
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	st.SetDeadline(time.Now().Add(10 * time.Second))
+	if err := mpRoundTrip(st, mpPayload(100, 1), false); err != nil {
+		t.Fatal(err)
+	}
+	srvSess := (<-accepted).Session()
+
+	// Close first, then CloseAll: CloseAll ends what Close left running.
+	if err := ln.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	if err := ln.CloseAll(); err != nil {
+		t.Errorf("CloseAll: %v", err)
+	}
+	if !srvSess.IsClosed() {
+		t.Error("a session of the listener is open after CloseAll returned")
+	}
+	if err := <-handlerErrs; !errors.Is(err, ErrSessionClosed) {
+		t.Errorf("handler blocked in a read: %v, want ErrSessionClosed", err)
+	}
+	if _, err := st.Read(make([]byte, 1)); !errors.Is(err, ErrPeerClosed) {
+		t.Errorf("client read after CloseAll: %v, want ErrPeerClosed", err)
+	}
+}
+
+// lnWaitClosed waits up to 10 s for s to end.
+func lnWaitClosed(t *testing.T, what string, s *Session) {
+	t.Helper()
+	select {
+	case <-s.closed:
+	case <-time.After(10 * time.Second):
+		t.Errorf("%s still open 10s after Close", what)
 	}
 }

@@ -22,7 +22,8 @@ import (
 // Serve accepts streams on l and calls handler for each one in a new
 // goroutine, until l is closed; it then returns ErrListenerClosed (it always
 // returns a non-nil error, as http.Serve does). It does not wait for running
-// handlers: closing the listener closes their sessions, so their reads and
+// handlers: after Close they go on serving their streams until those end
+// (each session ends with its last stream); after CloseAll their reads and
 // writes fail and they return.
 //
 // The handler owns its stream while it runs and may read and write it as it

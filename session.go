@@ -28,6 +28,7 @@ type Session struct {
 	nextID   uint32
 	accepted streamQueue
 	onAccept func(st *Stream, limit int) error // where new streams go (streamQueue.push); set before start
+	retiring bool                              // end the session once its last stream is closed (Listener.Close)
 
 	closeOnce  sync.Once
 	closed     chan struct{}
@@ -253,13 +254,18 @@ func (s *Session) streamFor(id uint32) (*Stream, error) {
 	return st, nil
 }
 
-// forgetStream removes a closed stream from the table.
+// forgetStream removes a closed stream from the table. A retiring session
+// ends with its last stream.
 func (s *Session) forgetStream(st *Stream) {
 	s.mu.Lock()
 	if s.streams[st.id] == st {
 		delete(s.streams, st.id)
 	}
+	last := s.retiring && len(s.streams) == 0
 	s.mu.Unlock()
+	if last {
+		s.closeWithError(nil)
+	}
 }
 
 // teardown runs on the receive loop once it has stopped reading: it ends

@@ -88,10 +88,11 @@ func (e *smEchoServer) serverSessions() []*Session {
 	return append([]*Session(nil), e.sessions...)
 }
 
-// close closes the listener and checks that Serve returned ErrListenerClosed.
+// close closes the listener and its sessions and checks that Serve
+// returned ErrListenerClosed.
 func (e *smEchoServer) close(t testing.TB) {
 	t.Helper()
-	e.ln.Close()
+	e.ln.CloseAll()
 	select {
 	case err := <-e.served:
 		if !errors.Is(err, ErrListenerClosed) {

@@ -89,7 +89,7 @@ func runServer(sock string, async bool) error {
 	defer stop()
 	go func() {
 		<-ctx.Done()
-		ln.Close() // Serve returns; every session and stream closes
+		ln.CloseAll() // Serve returns; every session and stream closes
 	}()
 
 	style := "synchronous"

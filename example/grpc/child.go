@@ -13,7 +13,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -22,7 +21,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/goshm/shmipc"
 	"google.golang.org/grpc"
 )
 
@@ -69,17 +67,12 @@ func serveChild() error {
 	dir := os.Getenv(dirEnv)
 	addrs := map[string]string{}
 	var servers []*grpc.Server
-	var closeAfterStop []net.Listener
 	impl := &echoServer{}
 	serveErr := make(chan error, len(allTransports))
 	for _, tr := range strings.Split(os.Getenv(transportsEnv), ",") {
 		ln, addr, err := listen(tr, dir)
 		if err != nil {
 			return fmt.Errorf("listen %s: %w", tr, err)
-		}
-		if sl, ok := ln.(*shmipc.Listener); ok {
-			closeAfterStop = append(closeAfterStop, sl)
-			ln = closeOnlyStopsAccepting(sl)
 		}
 		srv := grpc.NewServer(opts.server...)
 		srv.RegisterService(&echoServiceDesc, impl)
@@ -111,9 +104,6 @@ func serveChild() error {
 		}
 	case err := <-serveErr:
 		return fmt.Errorf("serve: %w", err)
-	}
-	for _, ln := range closeAfterStop {
-		ln.Close()
 	}
 	return nil
 }
