@@ -44,10 +44,14 @@ import (
 //     (none on a single CPU), whether receive loops or readers, leaving the
 //     other half to the peer process's spinner; a session whose peer is this
 //     very process (both ends in one program) may take every CPU, since its
-//     peer's spinner is counted here too;
+//     peer's spinner is counted here too; a reader that wants to poll
+//     takes over the slot of its session's spinning receive loop, so that
+//     it serves itself rather than being handed its data;
 //   - a spinner that notices it was descheduled for long (the CPU is
 //     oversubscribed) stops, and spinning is switched off process-wide for a
-//     cool-down that doubles while the pressure lasts.
+//     cool-down that doubles while the pressure lasts (spinGovernor.pressure);
+//   - a reader is woken to poll for a reply (Stream.sent) only when it could
+//     poll now.
 type consumer struct {
 	token   atomic.Bool  // held by the goroutine draining the queue
 	pollers atomic.Int32 // goroutines keeping the working flag set
@@ -55,6 +59,9 @@ type consumer struct {
 	max     int64        // ConsumerSpinTime in ns
 	slept   atomic.Int64 // when the last poller stopped (UnixNano)
 	kicked  atomic.Bool  // a reader asked the receive loop to drain
+	// loopSpins: the receive loop holds a spinning slot (spin); a reader
+	// that wants to poll may take it over (takeSlot).
+	loopSpins atomic.Bool
 }
 
 // pollCheckEvery is how many looks at the queue a spinner makes between
@@ -276,19 +283,20 @@ func (s *Session) pollFor(ready <-chan struct{}) bool {
 		return false
 	}
 	defer s.buf.region.release()
-	if !spinning.enter(s.localPeer) {
-		return false
-	}
-	defer spinning.exit()
 	// The poller count lives outside the region: it is kept right outside
 	// the accesses, so that a fault cannot leave it counting this reader.
+	// Counting itself first also tells a spinning receive loop to stop and
+	// free its slot for this reader (takeSlot).
 	var got, kick bool
 	s.cons.pollers.Add(1)
-	_ = s.access(func() error {
-		s.recvQ.setWorking(true)
-		got, kick = s.spinReader(ready)
-		return nil
-	})
+	if s.takeSlot() {
+		_ = s.access(func() error {
+			s.recvQ.setWorking(true)
+			got, kick = s.spinReader(ready)
+			return nil
+		})
+		spinning.exit()
+	}
 	if s.cons.pollers.Add(-1) == 0 {
 		_ = s.access(func() error {
 			s.recvQ.setWorking(false)
@@ -313,6 +321,49 @@ func (s *Session) pollFor(ready <-chan struct{}) bool {
 	return got
 }
 
+// mayPoll reports whether a reader of the session could poll now: the
+// session still spins, and the process has a spinning slot for it, or the
+// slot is this session's receive loop's, which a reader takes over.
+func (s *Session) mayPoll() bool {
+	return s.cons.budget.Load() > 0 && (spinning.free(s.localPeer) || s.cons.loopSpins.Load())
+}
+
+// takeSlot takes a spinning slot for a reader that counts itself as a
+// poller. When the process has none free but this session's receive loop is
+// the one spinning, the reader takes the loop's place: the loop sees
+// another poller and stops within a few looks, and its slot goes to the
+// reader, which then serves itself instead of being handed its data.
+func (s *Session) takeSlot() bool {
+	if spinning.enter(s.localPeer) {
+		return true
+	}
+	if !s.cons.loopSpins.Load() {
+		return false
+	}
+	deadline := time.Now().Add(slotHandoverWait)
+	for {
+		for range pollCheckEvery {
+			if spinning.enter(s.localPeer) {
+				return true
+			}
+			if !s.cons.loopSpins.Load() {
+				// The loop stopped; its slot is free unless another
+				// spinner took it.
+				return spinning.enter(s.localPeer)
+			}
+			cpuRelax()
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+	}
+}
+
+// slotHandoverWait bounds how long a reader waits for a spinning receive
+// loop to free its slot; the loop looks at the poller count every few looks
+// at the queue, so this is only reached when the loop was descheduled.
+const slotHandoverWait = 20 * time.Microsecond
+
 // What a spin ended with.
 const (
 	spinGaveUp        = iota // nothing came within the budget, or no spinning now
@@ -328,6 +379,8 @@ func (s *Session) spin() int {
 	if s.cons.budget.Load() <= 0 || !spinning.enter(s.localPeer) {
 		return spinGaveUp
 	}
+	s.cons.loopSpins.Store(true)
+	defer s.cons.loopSpins.Store(false) // after exit: a reader that sees it false finds the slot free
 	defer spinning.exit()
 	var w spinWatch
 	w.start()

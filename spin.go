@@ -33,7 +33,7 @@ func (w *spinWatch) check(s *Session) int {
 	if now.Sub(w.last) > preemptedGap {
 		// Descheduled between two rounds: the CPU has more work than cores,
 		// and spinning only takes a core from someone.
-		spinning.pressure(now)
+		spinning.pressure(w.last, now)
 		return spinGaveUp
 	}
 	w.last = now
@@ -78,8 +78,7 @@ type spinGovernor struct {
 	local    int32        // the same, counting sessions whose peer is this process
 	active   atomic.Int32 // how many do
 	offUntil atomic.Int64 // no spinning before this time (UnixNano)
-	cooldown atomic.Int64 // the next cool-down, in ns
-	calm     atomic.Int64 // when the last pressure was seen (UnixNano)
+	cooldown atomic.Int64 // the length of the last cool-down, in ns
 }
 
 var spinning = newSpinGovernor(runtime.NumCPU())
@@ -115,17 +114,33 @@ func (g *spinGovernor) enter(local bool) bool {
 
 func (g *spinGovernor) exit() { g.active.Add(-1) }
 
-// pressure switches spinning off for a cool-down. Pressure soon after the
-// last cool-down doubles the next one; a calm spell resets it.
-func (g *spinGovernor) pressure(now time.Time) {
-	t := now.UnixNano()
-	d := g.cooldown.Load()
-	if t-g.calm.Load() > 4*int64(maxSpinCooldown) {
-		d = int64(minSpinCooldown)
+// free reports whether enter would find a slot now.
+func (g *spinGovernor) free(local bool) bool {
+	slots := g.slots
+	if local {
+		slots = g.local
 	}
-	g.offUntil.Store(t + d)
-	g.cooldown.Store(min(2*d, int64(maxSpinCooldown)))
-	g.calm.Store(t)
+	if until := g.offUntil.Load(); until != 0 && time.Now().UnixNano() < until {
+		return false
+	}
+	return g.active.Load() < slots
+}
+
+// pressure switches spinning off for a cool-down: a spinner was
+// descheduled from since until now. If it lost its core soon after the last
+// cool-down ended (within four times that cool-down's length), the
+// pressure has lasted and the cool-down doubles; after a calm spell it
+// starts over from the shortest. So a spinner that lost its core once, to a
+// thread that had a slice to run, pauses spinning for a moment, while a CPU
+// that stays oversubscribed (the first spin after each cool-down loses its
+// core) turns spinning off for longer and longer.
+func (g *spinGovernor) pressure(since, now time.Time) {
+	d := int64(minSpinCooldown)
+	if last, end := g.cooldown.Load(), g.offUntil.Load(); end != 0 && since.UnixNano()-end < 4*last {
+		d = min(2*last, int64(maxSpinCooldown))
+	}
+	g.cooldown.Store(d)
+	g.offUntil.Store(now.UnixNano() + d)
 }
 
 // osYield gives up the CPU to another runnable thread, if there is one

@@ -167,8 +167,10 @@ func (st *Stream) deliver(slices []segment, heap []byte) bool {
 // sent records a message sent. A stream that sends after data arrived is
 // likely to get a reply: a reader waiting on it is woken so that it polls
 // for that reply (pollFor) rather than sleeping until it is handed over.
+// It is not woken when it could not poll now (no spinning slot for it, or
+// spinning is cooling down): waking it would only put it to sleep again.
 func (st *Stream) sent() {
-	if !st.awaiting.Load() && !st.awaiting.Swap(true) {
+	if !st.awaiting.Load() && !st.awaiting.Swap(true) && st.s.mayPoll() {
 		st.notify()
 	}
 }
