@@ -67,8 +67,10 @@ func quickBench() benchConfig {
 // cell is what was measured for one option set, transport and size.
 type cell struct {
 	lat     []time.Duration
+	blocks  []float64     // per block: the p50 in ns (unary) or MB/s (streaming)
 	elapsed time.Duration // total time of the calls
 	cpu     time.Duration // client + server
+	sleeps  int64         // voluntary context switches, client + server
 	calls   int
 	bytes   int // streaming: bytes received
 	// shmipc only: messages (writes on a stream) and wake-ups sent by the
@@ -78,8 +80,10 @@ type cell struct {
 
 func (c *cell) add(o cell) {
 	c.lat = append(c.lat, o.lat...)
+	c.blocks = append(c.blocks, o.blocks...)
 	c.elapsed += o.elapsed
 	c.cpu += o.cpu
+	c.sleeps += o.sleeps
 	c.calls += o.calls
 	c.bytes += o.bytes
 	c.cliMsgs += o.cliMsgs
@@ -261,14 +265,15 @@ func measure(ctx context.Context, t benchTarget, fn func() (cell, error)) (cell,
 		}
 	}
 	shm0 := shmipc.AggregateStats()
-	cpu0 := processCPU()
+	cpu0, sleeps0 := processCPU(), processSleeps()
 	res, err := fn()
-	cpu1 := processCPU()
+	cpu1, sleeps1 := processCPU(), processSleeps()
 	shm1 := shmipc.AggregateStats()
 	if err != nil {
 		return cell{}, err
 	}
 	res.cpu = cpu1 - cpu0 // both ends, if the server runs in this process
+	res.sleeps = sleeps1 - sleeps0
 	if t.inProc {
 		return res, nil
 	}
@@ -277,6 +282,7 @@ func measure(ctx context.Context, t benchTarget, fn func() (cell, error)) (cell,
 		return cell{}, err
 	}
 	res.cpu += time.Duration(after.CPUNanos - before.CPUNanos)
+	res.sleeps += after.Sleeps - before.Sleeps
 	if t.transport == transportShmipc {
 		res.cliMsgs = shm1.MessagesOut - shm0.MessagesOut
 		res.cliWakeups = shm1.WakeupsSent - shm0.WakeupsSent
@@ -306,6 +312,7 @@ func unaryBlock(ctx context.Context, t benchTarget, req []byte, d time.Duration)
 			res.calls++
 		}
 		res.elapsed = time.Since(start)
+		res.blocks = []float64{float64(res.percentile(0.50))}
 		return res, nil
 	})
 }
@@ -320,6 +327,7 @@ func downloadBlock(ctx context.Context, t benchTarget, size, total int) (cell, e
 		got, err := download(ctx, t.client, size, count)
 		res.elapsed = time.Since(start)
 		res.bytes = got
+		res.blocks = []float64{res.mbPerSec()}
 		res.calls = count
 		if err == nil && got != size*count {
 			err = fmt.Errorf("received %d bytes of %d", got, size*count)
@@ -347,13 +355,14 @@ func (cfg benchConfig) between() []string {
 // printTables prints the unary, per-call shmipc and streaming tables as
 // Markdown.
 func printTables(cfg benchConfig, r results, out io.Writer) {
-	fmt.Fprintln(out, "Unary echo, one call at a time. CPU is user + system time of both processes per call;")
-	fmt.Fprintln(out, "\"vs UDS\" is the p50 over the p50 of the Unix socket with the same options.")
+	fmt.Fprintln(out, "Unary echo, one call at a time. CPU is user + system time of both processes per call, sleeps")
+	fmt.Fprintln(out, "their threads' voluntary context switches per call; \"vs UDS\" is the median over the rounds of")
+	fmt.Fprintln(out, "the round's p50 over the Unix socket's p50 in the same round, with the same options.")
 	fmt.Fprintln(out)
-	t := table{header: []string{"options", "size", "transport", "p50", "p99", "calls/s", "CPU/call", "vs UDS"}}
+	t := table{header: []string{"options", "size", "transport", "p50", "p99", "calls/s", "CPU/call", "sleeps", "vs UDS"}}
 	for _, opts := range cfg.options {
 		for _, size := range cfg.sizes {
-			uds := r.unary[cellKey{opts, transportUDS, size}].percentile(0.50)
+			uds := r.unary[cellKey{opts, transportUDS, size}]
 			for _, tr := range benchTransports(cfg) {
 				c := r.unary[cellKey{opts, tr, size}]
 				if c == nil || c.calls == 0 {
@@ -362,7 +371,8 @@ func printTables(cfg benchConfig, r results, out io.Writer) {
 				p50 := c.percentile(0.50)
 				t.add(opts, sizeName(size), tr, fmtDur(p50), fmtDur(c.percentile(0.99)),
 					fmt.Sprintf("%.0f", float64(c.calls)/c.elapsed.Seconds()),
-					fmtDur(c.cpu/time.Duration(c.calls)), ratio(float64(p50), float64(uds)))
+					fmtDur(c.cpu/time.Duration(c.calls)), fmt.Sprintf("%.1f", float64(c.sleeps)/float64(c.calls)),
+					blockRatio(c, uds))
 			}
 		}
 	}
@@ -384,14 +394,13 @@ func printTables(cfg benchConfig, r results, out io.Writer) {
 		}
 	}
 	t.write(out)
-
 	fmt.Fprintln(out)
 	fmt.Fprintf(out, "Server streaming: one stream receives %d MiB in messages of the given size. CPU is both processes.\n", cfg.streamBytes>>20)
 	fmt.Fprintln(out)
 	t = table{header: []string{"options", "message", "transport", "MB/s", "msgs/s", "CPU/MB", "vs UDS"}}
 	for _, opts := range cfg.options {
 		for _, size := range cfg.streamSizes {
-			uds := r.stream[cellKey{opts, transportUDS, size}].mbPerSec()
+			uds := r.stream[cellKey{opts, transportUDS, size}]
 			for _, tr := range benchTransports(cfg) {
 				c := r.stream[cellKey{opts, tr, size}]
 				if c == nil || c.elapsed == 0 {
@@ -399,18 +408,30 @@ func printTables(cfg benchConfig, r results, out io.Writer) {
 				}
 				t.add(opts, sizeName(size), tr, fmt.Sprintf("%.0f", c.mbPerSec()),
 					fmt.Sprintf("%.0f", float64(c.calls)/c.elapsed.Seconds()),
-					fmtDur(time.Duration(float64(c.cpu)/(float64(c.bytes)/1e6))), ratio(c.mbPerSec(), uds))
+					fmtDur(time.Duration(float64(c.cpu)/(float64(c.bytes)/1e6))), blockRatio(c, uds))
 			}
 		}
 	}
 	t.write(out)
 }
 
-func ratio(a, b float64) string {
-	if b == 0 {
+// blockRatio is the median over rounds of c's block value over base's in
+// the same round: blocks of one round ran one right after the other, so a
+// change in the machine's load affects both.
+func blockRatio(c, base *cell) string {
+	if c == nil || base == nil || len(base.blocks) != len(c.blocks) || len(c.blocks) == 0 {
 		return "-"
 	}
-	return fmt.Sprintf("%.2f×", a/b)
+	r := make([]float64, len(c.blocks))
+	for i := range r {
+		r[i] = c.blocks[i] / base.blocks[i]
+	}
+	slices.Sort(r)
+	m := r[len(r)/2]
+	if len(r)%2 == 0 {
+		m = (r[len(r)/2-1] + r[len(r)/2]) / 2
+	}
+	return fmt.Sprintf("%.2f×", m)
 }
 
 // table is a Markdown table with padded columns; the options and transport

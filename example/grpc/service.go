@@ -86,6 +86,7 @@ type serverStats struct {
 	Cancelled int64        `json:"cancelled"` // Wait calls whose context ended first
 	Waiting   int64        `json:"waiting"`   // Wait calls in progress
 	CPUNanos  int64        `json:"cpuNanos"`  // user + system CPU time of the process
+	Sleeps    int64        `json:"sleeps"`    // voluntary context switches of the process
 	Shmipc    shmipc.Stats `json:"shmipc"`    // of all the process's shmipc sessions
 }
 
@@ -162,6 +163,7 @@ func (s *echoServer) stats(context.Context, []byte) ([]byte, error) {
 		Cancelled: s.cancelled.Load(),
 		Waiting:   s.waiting.Load(),
 		CPUNanos:  processCPU().Nanoseconds(),
+		Sleeps:    processSleeps(),
 		Shmipc:    shmipc.AggregateStats(),
 	})
 }
@@ -217,6 +219,17 @@ func processCPU() time.Duration {
 		return 0
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// processSleeps is how many times the threads of this process have blocked
+// in the kernel (voluntary context switches): each is a thread that went to
+// sleep and had to be woken.
+func processSleeps() int64 {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return ru.Nvcsw
 }
 
 // Client side of the service.
