@@ -56,6 +56,7 @@ import (
 	"runtime/pprof"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -168,6 +169,7 @@ func main() {
 	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
 	go func() {
 		<-sig
+		interrupted.Store(true)
 		stopChildren()
 		os.Exit(130)
 	}()
@@ -280,7 +282,16 @@ func startProfile(path string) (stop func(), err error) {
 	}, nil
 }
 
+// interrupted is set once Ctrl-C (or SIGTERM) is being handled.
+var interrupted atomic.Bool
+
+// fail reports err and exits. During an interrupt the measurement fails
+// because the server is being stopped: that is not reported, and the
+// interrupt handler exits with 130 once the children are gone.
 func fail(err error) {
+	if interrupted.Load() {
+		select {}
+	}
 	fmt.Fprintln(os.Stderr, "pingpong:", err)
 	os.Exit(1)
 }
