@@ -60,7 +60,7 @@ type consumer struct {
 	slept   atomic.Int64 // when the last poller stopped (UnixNano)
 	kicked  atomic.Bool  // a reader asked the receive loop to drain
 	// loopSpins: the receive loop holds a spinning slot (spin); a reader
-	// that wants to poll may take it over (takeSlot).
+	// that wants to poll may take it over (takeLoopSlot).
 	loopSpins atomic.Bool
 }
 
@@ -283,13 +283,17 @@ func (s *Session) pollFor(ready <-chan struct{}) bool {
 		return false
 	}
 	defer s.buf.region.release()
+	entered := spinning.enter(s.localPeer)
+	if !entered && !s.cons.loopSpins.Load() {
+		return false
+	}
 	// The poller count lives outside the region: it is kept right outside
 	// the accesses, so that a fault cannot leave it counting this reader.
-	// Counting itself first also tells a spinning receive loop to stop and
-	// free its slot for this reader (takeSlot).
+	// Counting itself also tells a spinning receive loop to stop and free
+	// its slot for this reader (takeLoopSlot).
 	var got, kick bool
 	s.cons.pollers.Add(1)
-	if s.takeSlot() {
+	if entered || s.takeLoopSlot() {
 		_ = s.access(func() error {
 			s.recvQ.setWorking(true)
 			got, kick = s.spinReader(ready)
@@ -328,18 +332,11 @@ func (s *Session) mayPoll() bool {
 	return s.cons.budget.Load() > 0 && (spinning.free(s.localPeer) || s.cons.loopSpins.Load())
 }
 
-// takeSlot takes a spinning slot for a reader that counts itself as a
-// poller. When the process has none free but this session's receive loop is
-// the one spinning, the reader takes the loop's place: the loop sees
-// another poller and stops within a few looks, and its slot goes to the
-// reader, which then serves itself instead of being handed its data.
-func (s *Session) takeSlot() bool {
-	if spinning.enter(s.localPeer) {
-		return true
-	}
-	if !s.cons.loopSpins.Load() {
-		return false
-	}
+// takeLoopSlot takes the spinning slot of this session's receive loop for
+// a reader that found no free slot and counts itself as a poller: the loop
+// sees another poller and stops within a few looks, and the reader takes
+// its place, serving itself instead of being handed its data.
+func (s *Session) takeLoopSlot() bool {
 	deadline := time.Now().Add(slotHandoverWait)
 	for {
 		for range pollCheckEvery {
