@@ -103,8 +103,14 @@ func (g *spinGovernor) enter(local bool) bool {
 	if slots <= 0 {
 		return false
 	}
-	if until := g.offUntil.Load(); until != 0 && time.Now().UnixNano() < until {
-		return false
+	if g.active.Load() >= slots {
+		return false // without reading the clock: this is the common refusal
+	}
+	if until := g.offUntil.Load(); until != 0 {
+		if time.Now().UnixNano() < until {
+			return false
+		}
+		g.offUntil.CompareAndSwap(until, 0) // over: later calls need no clock
 	}
 	if g.active.Add(1) > slots {
 		g.active.Add(-1)
