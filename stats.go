@@ -14,14 +14,14 @@ import (
 // the values when Stats was called.
 type Stats struct {
 	MessagesOut uint64 // messages sent, through shared memory or as fallback data
-	BytesOut    uint64
+	BytesOut    uint64 // their payload bytes
 	MessagesIn  uint64 // messages received
-	BytesIn     uint64
+	BytesIn     uint64 // their payload bytes
 
 	FallbackMessagesOut uint64 // messages sent as FallbackData frames
-	FallbackBytesOut    uint64
+	FallbackBytesOut    uint64 // their payload bytes
 	FallbackMessagesIn  uint64 // FallbackData frames received
-	FallbackBytesIn     uint64
+	FallbackBytesIn     uint64 // their payload bytes
 
 	WakeupsSent     uint64 // Polling frames sent: the peer was asleep
 	WakeupsSaved    uint64 // messages published while the peer was awake, so no Polling frame was needed
