@@ -41,8 +41,7 @@ import (
 // binary that spin until the benchmark ends.
 
 var (
-	benchHogs       = flag.Int("hogs", 0, "run the ping-pong benchmarks while this many CPU-bound processes compete for the cores")
-	benchOvercommit = flag.Bool("overcommit", false, "also run the shm ping-pong benchmarks whose messages in flight need more large slices than the default region has (see shmSlotsShort)")
+	benchHogs = flag.Int("hogs", 0, "run the ping-pong benchmarks while this many CPU-bound processes compete for the cores")
 )
 
 // pingPongSizes are the message sizes of the ping-pong benchmarks.
@@ -101,11 +100,6 @@ func BenchmarkParallelPingPongByUds4MB(b *testing.B)   { benchmarkParallel(b, ud
 // benchmarkStreams runs b.N round trips of size bytes on streams clients
 // at once.
 func benchmarkStreams(b *testing.B, tr benchTransport, streams, size int) {
-	if tr.name == shmTransport.name && !*benchOvercommit {
-		if err := shmSlotsShort(DefaultConfig(), streams, size); err != nil {
-			b.Skipf("%v (-overcommit runs it anyway)", err)
-		}
-	}
 	srv := tr.serve(b, size)
 	clients := make([]pingClient, streams)
 	for i := range clients {
@@ -156,31 +150,6 @@ func benchmarkStreams(b *testing.B, tr benchTransport, streams, size int) {
 	if wakeups >= 0 {
 		b.ReportMetric(float64(srv.wakeups()-wakeups)/float64(b.N), "wakeups/op")
 	}
-}
-
-// shmSlotsShort reports whether the requests of streams clients of the
-// shm echo can hold every slice of at least size bytes that a region of
-// conf has. Every message is reserved whole, so it takes one slice of its
-// size class or a larger one, and the echo server holds a request until it
-// has reserved the reply. When the requests hold all those slices, every
-// server waits for space (back-pressure) that only its own request could
-// give back: the round trips stall until WriteSpaceTimeout.
-func shmSlotsShort(conf *Config, streams, size int) error {
-	plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
-	if err != nil {
-		return err
-	}
-	slots := 0
-	for _, p := range plans {
-		if int(p.sliceCap) >= size {
-			slots += int(p.count)
-		}
-	}
-	if streams >= slots {
-		return fmt.Errorf("the requests of %d streams × %d B can hold all %d slices of at least %d B of the default region, and then the echo stalls",
-			streams, size, slots, size)
-	}
-	return nil
 }
 
 // slowestFastest is the smallest count divided by the largest.

@@ -74,6 +74,17 @@ func (r *streamReader) append(segs []segment) {
 	r.segs = append(r.segs, segs...)
 }
 
+// holdsShared reports whether r holds slices of the buffer region, read and
+// not yet released or unread.
+func (r *streamReader) holdsShared() bool {
+	for _, seg := range r.segs {
+		if seg.list != heapSegment {
+			return true
+		}
+	}
+	return false
+}
+
 func (r *streamReader) appendHeap(data []byte) {
 	r.segs = append(r.segs, segment{data: data, list: heapSegment})
 	r.unread += len(data)

@@ -145,6 +145,14 @@ func (st *Stream) waitReadable(n int) error {
 	return nil
 }
 
+// holdsReceived reports whether the stream holds received slices of the
+// buffer region (its reader's, read and not released, or unread).
+func (st *Stream) holdsReceived() bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.reader.holdsShared()
+}
+
 // deliver hands a received message to the stream. It reports false when
 // the stream no longer takes data; the caller then frees the slices.
 func (st *Stream) deliver(slices []segment, heap []byte) bool {
