@@ -299,7 +299,7 @@ func shmEchoServer(st *Stream, size int) {
 			return
 		}
 		copy(p, req)
-		st.ReleaseReadAndReuse()
+		st.BufferReader().ReleasePreviousRead()
 		if err := st.Flush(false); err != nil {
 			return
 		}
@@ -329,7 +329,7 @@ func (c *shmClient) roundTrip() error {
 	if reply[0] != 1 || reply[c.size-1] != 2 {
 		return errEchoDiffers
 	}
-	c.st.ReleaseReadAndReuse()
+	c.st.BufferReader().ReleasePreviousRead()
 	return nil
 }
 

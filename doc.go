@@ -39,7 +39,7 @@
 // out reusable streams and reconnects; Listener.Serve, Listener.ServeHandler
 // and OnData serve streams with callbacks; Listener.HotRestart hands the
 // clients of one server process over to the next. Session.Stats,
-// AggregateStats, Monitor and PublishExpvar report what is going on, and
+// AggregateStats and PublishExpvar report what is going on, and
 // Config.Logger receives log records (none by default).
 //
 // When shared memory or the peer's queue is full, writers wait for room

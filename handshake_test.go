@@ -386,8 +386,8 @@ func TestHandshakeEcho(t *testing.T) {
 			if r.err != nil {
 				t.Fatalf("Dial: %v", r.err)
 			}
-			if !r.s.IsClient() || r.s.version != c.version {
-				t.Errorf("client session: IsClient %v, version %d; want true, %d", r.s.IsClient(), r.s.version, c.version)
+			if !r.s.isClient || r.s.version != c.version {
+				t.Errorf("client session: isClient %v, version %d; want true, %d", r.s.isClient, r.s.version, c.version)
 			}
 			hsCheckFiles(t, conf)
 			hsEchoOnce(t, r.s)
@@ -413,8 +413,8 @@ func TestHandshakeEcho(t *testing.T) {
 			if sr.err != nil {
 				t.Fatalf("Server: %v", sr.err)
 			}
-			if sr.s.IsClient() || sr.s.version != c.version || cr.s.version != c.version {
-				t.Errorf("versions: client %d, server %d (server IsClient %v); want %d", cr.s.version, sr.s.version, sr.s.IsClient(), c.version)
+			if sr.s.isClient || sr.s.version != c.version || cr.s.version != c.version {
+				t.Errorf("versions: client %d, server %d (server isClient %v); want %d", cr.s.version, sr.s.version, sr.s.isClient, c.version)
 			}
 			hsCheckFiles(t, conf)
 			go func() {
@@ -539,8 +539,8 @@ func TestClientHandshakeBytesMemfd(t *testing.T) {
 			if r.err != nil {
 				t.Fatalf("Client: %v", r.err)
 			}
-			if !r.s.IsClient() || r.s.version != 3 {
-				t.Errorf("session: IsClient %v, version %d", r.s.IsClient(), r.s.version)
+			if !r.s.isClient || r.s.version != 3 {
+				t.Errorf("session: isClient %v, version %d", r.s.isClient, r.s.version)
 			}
 			r.s.Close()
 			if got := hsExpectClosed(t, raw, 2*time.Second); len(got) != 0 {
@@ -824,8 +824,8 @@ func TestServerHandshakeBytes(t *testing.T) {
 		if r.err != nil {
 			t.Fatalf("Server: %v", r.err)
 		}
-		if r.s.IsClient() || r.s.version != 3 {
-			t.Errorf("session: IsClient %v, version %d", r.s.IsClient(), r.s.version)
+		if r.s.isClient || r.s.version != 3 {
+			t.Errorf("session: isClient %v, version %d", r.s.isClient, r.s.version)
 		}
 		// The server mapped the very regions the raw client created.
 		if got := r.s.queueRegion.mem; len(got) != len(rr.queue.mem) {
@@ -872,8 +872,8 @@ func TestServerHandshakeBytes(t *testing.T) {
 		if r.err != nil {
 			t.Fatalf("Server: %v", r.err)
 		}
-		if r.s.version != 2 || r.s.IsClient() {
-			t.Errorf("session: version %d, IsClient %v", r.s.version, r.s.IsClient())
+		if r.s.version != 2 || r.s.isClient {
+			t.Errorf("session: version %d, isClient %v", r.s.version, r.s.isClient)
 		}
 		hsExpectNothing(t, raw, 100*time.Millisecond)
 		// The client going away ends the session with EOF, not a protocol

@@ -267,7 +267,7 @@ func TestIsolationFaultWhileReaderWaits(t *testing.T) {
 	}
 }
 
-// Stats (and so AggregateStats, Monitor, PublishExpvar) reads the queue
+// Stats (and so AggregateStats and PublishExpvar) reads the queue
 // counters in shared memory: a truncated queue file must end that session,
 // not the process.
 func TestIsolationFaultDuringStats(t *testing.T) {

@@ -180,7 +180,7 @@ func TestServeHandlerAsync(t *testing.T) {
 	if c := h.calls.Load(); c < 1 || c > 8 { // once if all pieces came before the first call
 		t.Errorf("OnData called %d times for a frame sent in 4 pieces", c)
 	}
-	st.ReleaseReadAndReuse()
+	st.BufferReader().ReleasePreviousRead()
 
 	// Pipelined frames in one write, answered in order.
 	var batch, want []byte

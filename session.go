@@ -87,9 +87,6 @@ func (s *Session) start() {
 	go s.recvLoop()
 }
 
-// IsClient reports whether this is the client side of the session.
-func (s *Session) IsClient() bool { return s.isClient }
-
 // LocalAddr returns the local address of the session's connection.
 func (s *Session) LocalAddr() net.Addr { return s.ec.conn.LocalAddr() }
 

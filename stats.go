@@ -1,12 +1,10 @@
 package shmipc
 
 import (
-	"context"
 	"expvar"
 	"log/slog"
 	"sync"
 	"sync/atomic"
-	"time"
 )
 
 // Stats are a session's counters, or the sum over sessions (AggregateStats).
@@ -200,23 +198,6 @@ func (t *RegionStats) add(r RegionStats) {
 	t.Committed += r.Committed
 	t.InUse += r.InUse
 	t.Sessions++
-}
-
-// Monitor calls report with AggregateStats every interval until ctx is done.
-// It runs report on its own goroutine.
-func Monitor(ctx context.Context, interval time.Duration, report func(Stats)) {
-	go func() {
-		t := time.NewTicker(interval)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				report(AggregateStats())
-			}
-		}
-	}()
 }
 
 // PublishExpvar publishes AggregateStats as the expvar variable name (shown

@@ -420,13 +420,6 @@ func (st *Stream) dropRef() {
 	}
 }
 
-// ReleaseReadAndReuse releases everything read so far, so that a pooled
-// stream can carry its next request. Slices returned by earlier reads become
-// invalid.
-func (st *Stream) ReleaseReadAndReuse() {
-	st.BufferReader().ReleasePreviousRead()
-}
-
 // LocalAddr returns the local address of the session's connection.
 func (st *Stream) LocalAddr() net.Addr { return st.s.LocalAddr() }
 
