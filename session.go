@@ -23,11 +23,15 @@ type Session struct {
 	sendQ       *ioQueue
 	recvQ       *ioQueue
 
-	mu       sync.Mutex
-	streams  map[uint32]*Stream
-	nextID   uint32
-	accepted streamQueue
-	onAccept func(st *Stream, limit int) error // where new streams go (streamQueue.push); set before start
+	mu      sync.Mutex
+	streams map[uint32]*Stream
+	nextID  uint32
+	// closedIDs are ids of streams this server closed while the client
+	// had not: data the client sent before it saw the close must not open
+	// a new stream.
+	closedIDs recentIDs
+	accepted  streamQueue
+	onAccept  func(st *Stream, limit int) error // where new streams go (streamQueue.push); set before start
 
 	closeOnce  sync.Once
 	closed     chan struct{}
@@ -219,12 +223,12 @@ func (s *Session) lookup(id uint32) *Stream {
 
 // streamFor returns the stream data for id goes to. On a server an unknown
 // id opens a stream (PROTOCOL.md §6.2), unless the peer already has
-// Config.MaxStreams open, which ends the session; on a client it returns
-// nil.
+// Config.MaxStreams open, which ends the session, or the server closed a
+// stream of that id recently (late data; nil); on a client it returns nil.
 func (s *Session) streamFor(id uint32) (*Stream, error) {
 	s.mu.Lock()
 	st := s.streams[id]
-	if st != nil || s.isClient || s.IsClosed() {
+	if st != nil || s.isClient || s.IsClosed() || s.closedIDs.has(id) {
 		s.mu.Unlock()
 		return st, nil
 	}
@@ -250,11 +254,15 @@ func (s *Session) streamFor(id uint32) (*Stream, error) {
 	return st, nil
 }
 
-// forgetStream removes a closed stream from the table.
-func (s *Session) forgetStream(st *Stream) {
+// forgetStream removes a closed stream from the table. open says the peer
+// had not closed it.
+func (s *Session) forgetStream(st *Stream, open bool) {
 	s.mu.Lock()
 	if s.streams[st.id] == st {
 		delete(s.streams, st.id)
+		if open && !s.isClient {
+			s.closedIDs.add(st.id)
+		}
 	}
 	s.mu.Unlock()
 }
@@ -284,4 +292,38 @@ func (s *Session) teardown() {
 	if s.onTeardown != nil {
 		s.onTeardown(s)
 	}
+}
+
+// recentIDsKept is how many ids recentIDs remembers: far more than the
+// streams a client can close in the time its late data takes to arrive.
+const recentIDsKept = 1024
+
+// recentIDs remembers the last recentIDsKept ids added. Clients never reuse
+// the id of a stream they saw closed (they count ids up, PROTOCOL.md §6.1),
+// so forgetting the oldest ones is safe.
+type recentIDs struct {
+	ring []uint32
+	next int
+	set  map[uint32]struct{}
+}
+
+func (r *recentIDs) add(id uint32) {
+	if r.set == nil {
+		r.ring = make([]uint32, recentIDsKept)
+		r.set = make(map[uint32]struct{}, recentIDsKept)
+	}
+	if _, ok := r.set[id]; ok {
+		return
+	}
+	if old := r.ring[r.next]; old != 0 {
+		delete(r.set, old)
+	}
+	r.ring[r.next] = id
+	r.next = (r.next + 1) % len(r.ring)
+	r.set[id] = struct{}{}
+}
+
+func (r *recentIDs) has(id uint32) bool {
+	_, ok := r.set[id]
+	return ok
 }

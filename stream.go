@@ -355,7 +355,7 @@ func (st *Stream) Close() error {
 	if werr := st.discardWriter(); err == nil {
 		err = werr
 	}
-	st.s.forgetStream(st)
+	st.s.forgetStream(st, tellPeer)
 	if tellPeer {
 		_ = st.s.access(func() error {
 			st.s.sendStreamClose(st.id, st.fallback.Load())
