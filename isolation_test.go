@@ -1,7 +1,7 @@
 package shmipc
 
 // Isolation: a peer can hurt only its own session. Each test plays a hostile
-// client (hostile_test.go's raw peer) against a real server and checks that
+// client (the raw peer of rawpeer_test.go) against a real server and checks that
 // the server process survives, that the victim session ends with an error
 // naming what went wrong, and that a well-behaved session of the same
 // process keeps working.
