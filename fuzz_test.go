@@ -52,23 +52,6 @@ func (s *fzScript) u32() uint32 { return uint32(s.u16()) | uint32(s.u16())<<16 }
 
 func (s *fzScript) u64() uint64 { return uint64(s.u32()) | uint64(s.u32())<<32 }
 
-// fzAlignedBytes returns a zeroed, 8-byte aligned byte slice of n bytes
-// (rounded up to a multiple of 8), so that atomics on offsets that are
-// multiples of 4 are aligned as in a real mapping.
-func fzAlignedBytes(n int) []byte {
-	words := max((n+7)/8, 1)
-	backing := make([]uint64, words)
-	return unsafe.Slice((*byte)(unsafe.Pointer(&backing[0])), words*8)
-}
-
-// fzRegion wraps heap memory in a region. It must never be released: that
-// would munmap Go heap memory.
-func fzRegion(mem []byte) *region {
-	r := &region{mem: mem, path: "fuzz"}
-	r.refs.Store(1)
-	return r
-}
-
 var errFzConnGone = errors.New("fuzz conn: connection reset")
 
 // fzAddr is the address of the fake connection.
@@ -965,9 +948,9 @@ func FuzzBufferRegion(f *testing.F) {
 	}
 
 	f.Fuzz(func(t *testing.T, data, script []byte, creator bool) {
-		mem := fzAlignedBytes(max(len(data), managerHeaderSize))
+		mem := alignedBytes(max(len(data), managerHeaderSize))
 		copy(mem, data)
-		m, err := newBufferManager(fzRegion(mem), creator)
+		m, err := newBufferManager(heapRegion(mem), creator)
 		if err != nil {
 			if m != nil {
 				t.Fatalf("newBufferManager returned a manager and error %v", err)
@@ -1022,9 +1005,9 @@ func FuzzReadChain(f *testing.F) {
 
 	f.Fuzz(func(t *testing.T, layout uint8, script []byte) {
 		tp := templates[int(layout&0x7F)%len(templates)]
-		mem := fzAlignedBytes(tp.size)[:tp.size]
+		mem := alignedBytes(tp.size)[:tp.size]
 		copy(mem, tp.mem)
-		m, err := newBufferManager(fzRegion(mem), layout&0x80 == 0)
+		m, err := newBufferManager(heapRegion(mem), layout&0x80 == 0)
 		if err != nil {
 			t.Fatalf("valid layout %d: %v", layout, err)
 		}
@@ -1110,7 +1093,7 @@ func FuzzQueue(f *testing.F) {
 
 	f.Fuzz(func(t *testing.T, data []byte, sizeSel uint8, script []byte) {
 		size := fzQueueSize(data, sizeSel)
-		mem := fzAlignedBytes(size)[:size]
+		mem := alignedBytes(size)[:size]
 		copy(mem, data)
 		if sizeSel&fix != 0 && size >= 2*queueHeaderSize && size%2 == 0 {
 			half := size / 2
