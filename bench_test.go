@@ -446,14 +446,11 @@ const benchHogRole = "cpu-hog"
 // each, and stops them when b ends.
 func startBenchHogs(b *testing.B, n int) {
 	for range n {
-		c := proctest.Start(b, proctest.Config{
+		c, _ := startChild(b, proctest.Config{
 			TestName: "TestBenchHogChild",
 			Role:     benchHogRole,
 			Timeout:  24 * time.Hour, // a full benchmark run takes long; Stop and the parent's death end it
 		})
-		if _, err := c.WaitReady(10 * time.Second); err != nil {
-			b.Fatalf("CPU hog did not start: %v\n%s", err, c.Output())
-		}
 		b.Cleanup(func() {
 			if err := c.Stop(10 * time.Second); err != nil {
 				b.Errorf("CPU hog: %v\n%s", err, c.Output())

@@ -9,12 +9,12 @@ import (
 	"errors"
 	"io"
 	"net"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 )
 
+// hpPlans returns an initBuf that lays out the given lists.
 func hpPlans(plans ...listPlan) func(buf []byte) {
 	return func(buf []byte) { initBufferRegion(buf, plans) }
 }
@@ -37,47 +37,47 @@ func TestHostileClientHandshake(t *testing.T) {
 	qsize := queueRegionSize(64)
 	cases := []struct {
 		name string
-		lay  hpLayout
+		lay  rawLayout
 		want []string
 	}{
-		{"queue cap field not matching its size", hpLayout{mutate: func(_, q []byte) { le.PutUint32(q, 32) }}, []string{"capacity 32"}},
-		{"second queue cap field not matching", hpLayout{mutate: func(_, q []byte) { le.PutUint32(q[len(q)/2:], 128) }}, []string{"server-to-client", "capacity"}},
-		{"queue region of odd size", hpLayout{queueSize: qsize + 1}, []string{"queue region"}},
-		{"queue region not two whole queues", hpLayout{queueSize: qsize + 2}, []string{"queue region"}},
-		{"queue cap not a multiple of 16", hpLayout{queueSize: queueRegionSize(24)}, []string{"multiple of 16"}},
-		{"queue region of 16 bytes", hpLayout{queueSize: 16}, []string{"size 16"}},
-		{"queue head and tail 2^32 apart", hpLayout{mutate: func(_, q []byte) { le.PutUint64(q[queueTailOff:], 1<<32) }}, []string{"apart"}},
-		{"queue tail behind head", hpLayout{mutate: func(_, q []byte) { le.PutUint64(q[queueHeadOff:], 10); le.PutUint64(q[queueTailOff:], 5) }}, []string{"apart"}},
-		{"buffer with zero lists", hpLayout{mutate: func(b, _ []byte) { le.PutUint16(b, 0) }}, []string{"no lists"}},
-		{"buffer used field beyond the region", hpLayout{mutate: func(b, _ []byte) { le.PutUint32(b[4:], 1<<20) }}, []string{"claims"}},
-		{"buffer used field 0xFFFFFFFF", hpLayout{mutate: func(b, _ []byte) { le.PutUint32(b[4:], 0xFFFFFFFF) }}, []string{"claims"}},
-		{"buffer list overrunning the region", hpLayout{mutate: func(b, _ []byte) {
+		{"queue cap field not matching its size", rawLayout{mutate: func(_, q []byte) { le.PutUint32(q, 32) }}, []string{"capacity 32"}},
+		{"second queue cap field not matching", rawLayout{mutate: func(_, q []byte) { le.PutUint32(q[len(q)/2:], 128) }}, []string{"server-to-client", "capacity"}},
+		{"queue region of odd size", rawLayout{queueSize: qsize + 1}, []string{"queue region"}},
+		{"queue region not two whole queues", rawLayout{queueSize: qsize + 2}, []string{"queue region"}},
+		{"queue cap not a multiple of 16", rawLayout{queueSize: queueRegionSize(24)}, []string{"multiple of 16"}},
+		{"queue region of 16 bytes", rawLayout{queueSize: 16}, []string{"size 16"}},
+		{"queue head and tail 2^32 apart", rawLayout{mutate: func(_, q []byte) { le.PutUint64(q[queueTailOff:], 1<<32) }}, []string{"apart"}},
+		{"queue tail behind head", rawLayout{mutate: func(_, q []byte) { le.PutUint64(q[queueHeadOff:], 10); le.PutUint64(q[queueTailOff:], 5) }}, []string{"apart"}},
+		{"buffer with zero lists", rawLayout{mutate: func(b, _ []byte) { le.PutUint16(b, 0) }}, []string{"no lists"}},
+		{"buffer used field beyond the region", rawLayout{mutate: func(b, _ []byte) { le.PutUint32(b[4:], 1<<20) }}, []string{"claims"}},
+		{"buffer used field 0xFFFFFFFF", rawLayout{mutate: func(b, _ []byte) { le.PutUint32(b[4:], 0xFFFFFFFF) }}, []string{"claims"}},
+		{"buffer list overrunning the region", rawLayout{mutate: func(b, _ []byte) {
 			h := hpListHeader(2)
 			le.PutUint32(b[h+listCountOff:], 100)
 		}}, []string{"past"}},
-		{"buffer list count 0xFFFFFFFF", hpLayout{mutate: func(b, _ []byte) {
+		{"buffer list count 0xFFFFFFFF", rawLayout{mutate: func(b, _ []byte) {
 			h := hpListHeader(0)
 			le.PutUint32(b[h+listCountOff:], 0xFFFFFFFF)
 			le.PutUint32(b[h+listCapOff:], 0xFFFFFFFC)
 		}}, []string{"past"}},
-		{"more lists than the used bytes hold", hpLayout{mutate: func(b, _ []byte) { le.PutUint16(b, 200) }}, []string{"outside"}},
-		{"list with no slices", hpLayout{mutate: func(b, _ []byte) { le.PutUint32(b[hpListHeader(1)+listCountOff:], 0) }}, []string{"no slices"}},
-		{"duplicate slice sizes", hpLayout{initBuf: hpPlans(listPlan{4096, 100}, listPlan{4096, 100})}, []string{"two lists", "4096"}},
-		{"slice size not a multiple of 4", hpLayout{initBuf: hpPlans(listPlan{4098, 100})}, []string{"multiple of 4"}},
-		{"slice size 0", hpLayout{initBuf: hpPlans(listPlan{0, 100})}, []string{"multiple of 4"}},
-		{"buffer region of 16 bytes", hpLayout{bufSize: 16, initBuf: func([]byte) {}}, []string{"size 16"}},
+		{"more lists than the used bytes hold", rawLayout{mutate: func(b, _ []byte) { le.PutUint16(b, 200) }}, []string{"outside"}},
+		{"list with no slices", rawLayout{mutate: func(b, _ []byte) { le.PutUint32(b[hpListHeader(1)+listCountOff:], 0) }}, []string{"no slices"}},
+		{"duplicate slice sizes", rawLayout{initBuf: hpPlans(listPlan{4096, 100}, listPlan{4096, 100})}, []string{"two lists", "4096"}},
+		{"slice size not a multiple of 4", rawLayout{initBuf: hpPlans(listPlan{4098, 100})}, []string{"multiple of 4"}},
+		{"slice size 0", rawLayout{initBuf: hpPlans(listPlan{0, 100})}, []string{"multiple of 4"}},
+		{"buffer region of 16 bytes", rawLayout{bufSize: 16, initBuf: func([]byte) {}}, []string{"size 16"}},
 	}
-	env := hpStartServer(t, defaultConsumerSpinTime)
-	for _, mode := range hpModes {
+	env := startTestServer(t, defaultConsumerSpinTime)
+	for _, mode := range bothModes {
 		for _, tc := range cases {
-			t.Run(hpModeName(mode)+"/"+tc.name, func(t *testing.T) {
-				r := hpCreate(t, hpConfig(t, mode, 0), mode, tc.lay)
-				cli, srv := hpUnixPair(t)
-				ch := hpGo(func() (*Session, error) { return Server(srv, env.conf) })
+			t.Run(modeName(mode)+"/"+tc.name, func(t *testing.T) {
+				r := createRawRegions(t, peerConfig(t, mode, 0), mode, tc.lay)
+				cli, srv := unixPair(t)
+				ch := startHandshake(func() (*Session, error) { return Server(srv, env.conf) })
 				if _, err := r.handshake(cli, mode); err != nil {
 					t.Logf("raw client handshake: %v", err)
 				}
-				res := hpAwait(t, ch)
+				res := awaitHandshake(t, ch, peerTimeout)
 				if res.err == nil {
 					t.Fatalf("Server accepted the regions")
 				}
@@ -91,7 +91,7 @@ func TestHostileClientHandshake(t *testing.T) {
 						t.Errorf("Server error %q does not mention %q", res.err, w)
 					}
 				}
-				cli.SetReadDeadline(time.Now().Add(hpTimeout))
+				cli.SetReadDeadline(time.Now().Add(peerTimeout))
 				if _, err := io.Copy(io.Discard, cli); err != nil {
 					t.Errorf("connection not closed after the failed handshake: %v", err)
 				}
@@ -105,12 +105,12 @@ func TestHostileClientHandshake(t *testing.T) {
 // Dial fail with ErrHandshake.
 func TestHostileServerHandshake(t *testing.T) {
 	read := func(c *net.UnixConn) error {
-		h, err := hpReadN(c, 8)
+		h, err := readN(c, 8)
 		if err != nil {
 			return err
 		}
 		if n := binary.BigEndian.Uint32(h); n > 8 {
-			_, err = hpReadN(c, int(n)-8)
+			_, err = readN(c, int(n)-8)
 		}
 		return err
 	}
@@ -119,7 +119,7 @@ func TestHostileServerHandshake(t *testing.T) {
 		if err := read(c); err != nil {
 			return err
 		}
-		if err := write(c, hpFrame(8, hpMagic, 3, 4)); err != nil {
+		if err := write(c, rawFrame(8, rawMagic, 3, 4)); err != nil {
 			return err
 		}
 		return read(c)
@@ -128,10 +128,10 @@ func TestHostileServerHandshake(t *testing.T) {
 		if err := toPaths(c); err != nil {
 			return err
 		}
-		if err := write(c, hpFrame(8, hpMagic, 3, 7)); err != nil {
+		if err := write(c, rawFrame(8, rawMagic, 3, 7)); err != nil {
 			return err
 		}
-		fds, err := hpRecvFds(c)
+		fds, err := rawRecvFds(c)
 		closeFds(fds...)
 		return err
 	}
@@ -144,61 +144,51 @@ func TestHostileServerHandshake(t *testing.T) {
 			if err := read(c); err != nil {
 				return err
 			}
-			return write(c, hpFrame(12, hpMagic, 3, 4, 0, 0, 0, 0))
+			return write(c, rawFrame(12, rawMagic, 3, 4, 0, 0, 0, 0))
 		}, []string{"ExchangeProtoVersion", "12"}},
 		{"ExchangeProtoVersion reply with version 2", func(c *net.UnixConn) error {
 			if err := read(c); err != nil {
 				return err
 			}
-			return write(c, hpFrame(8, hpMagic, 2, 4))
+			return write(c, rawFrame(8, rawMagic, 2, 4))
 		}, []string{"version 2"}},
 		{"AckReadyRecvFD with bad magic", func(c *net.UnixConn) error {
 			if err := toPaths(c); err != nil {
 				return err
 			}
-			return write(c, hpFrame(8, 0xBEEF, 3, 7))
+			return write(c, rawFrame(8, 0xBEEF, 3, 7))
 		}, []string{"magic"}},
 		{"unknown type instead of AckReadyRecvFD", func(c *net.UnixConn) error {
 			if err := toPaths(c); err != nil {
 				return err
 			}
-			return write(c, hpFrame(8, hpMagic, 3, 10))
+			return write(c, rawFrame(8, rawMagic, 3, 10))
 		}, []string{"type"}},
 		{"Polling instead of AckShareMemory", func(c *net.UnixConn) error {
 			if err := toFds(c); err != nil {
 				return err
 			}
-			return write(c, hpFrame(8, hpMagic, 3, 1))
+			return write(c, rawFrame(8, rawMagic, 3, 1))
 		}, []string{"AckShareMemory"}},
 		{"AckShareMemory of 9 bytes", func(c *net.UnixConn) error {
 			if err := toFds(c); err != nil {
 				return err
 			}
-			return write(c, hpFrame(9, hpMagic, 3, 6, 0))
+			return write(c, rawFrame(9, rawMagic, 3, 6, 0))
 		}, []string{"AckShareMemory", "9"}},
 	}
-	env := hpStartServer(t, defaultConsumerSpinTime)
+	env := startTestServer(t, defaultConsumerSpinTime)
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			conf := hpConfig(t, MemMapTypeMemFd, 0)
-			sock := filepath.Join(t.TempDir(), "raw.sock")
-			ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer ln.Close()
-			ch := hpGo(func() (*Session, error) { return Dial("unix", sock, conf) })
-			ln.SetDeadline(time.Now().Add(hpTimeout))
-			c, err := ln.AcceptUnix()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			c.SetDeadline(time.Now().Add(hpTimeout))
+			conf := peerConfig(t, MemMapTypeMemFd, 0)
+			ln, sock := listenRaw(t)
+			ch := startHandshake(func() (*Session, error) { return Dial("unix", sock, conf) })
+			c := acceptRaw(t, ln)
+			c.SetDeadline(time.Now().Add(peerTimeout))
 			if err := tc.script(c); err != nil {
 				t.Fatalf("raw server: %v", err)
 			}
-			res := hpAwait(t, ch)
+			res := awaitHandshake(t, ch, peerTimeout)
 			if res.err == nil {
 				t.Fatal("Dial succeeded")
 			}
@@ -220,18 +210,18 @@ func TestHostileServerHandshake(t *testing.T) {
 // TestHostileListenerStillAccepts: after all that, a new client can still
 // connect to a listener that served hostile clients.
 func TestHostileListenerStillAccepts(t *testing.T) {
-	env := hpStartServer(t, defaultConsumerSpinTime)
-	for _, mode := range hpModes {
+	env := startTestServer(t, defaultConsumerSpinTime)
+	for _, mode := range bothModes {
 		c := hpServerCase(t, env, mode, false)
 		c.publish(c.id, 0xFFFFFFF0, statusOpened)
-		hpExpectClosed(t, c.victim, nil, []string{"offset"})
+		expectClosedWith(t, c.victim, nil, []string{"offset"})
 	}
-	s, err := Dial("unix", env.addr, hpConfig(t, MemMapTypeDevShmFile, 0))
+	s, err := Dial("unix", env.addr, peerConfig(t, MemMapTypeDevShmFile, 0))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	if err := hpEcho(s, "new client"); err != nil {
+	if err := echoRoundTrip(s, "new client"); err != nil {
 		t.Fatal(err)
 	}
 	env.checkGood(t)

@@ -7,8 +7,8 @@ package shmipc
 // unknown stream means differs between a server and a client.
 
 import (
+	"fmt"
 	"testing"
-	"time"
 )
 
 // hpQueueCases are the IO queue corruptions both victims face.
@@ -79,27 +79,21 @@ func TestHostileServerQueue(t *testing.T) {
 // TestHostileServerStrayData: data for a stream the client never opened is
 // freed and dropped (PROTOCOL.md §6.2).
 func TestHostileServerStrayData(t *testing.T) {
-	env := hpStartServer(t, defaultConsumerSpinTime)
-	for _, mode := range hpModes {
-		t.Run(hpModeName(mode), func(t *testing.T) {
+	env := startTestServer(t, defaultConsumerSpinTime)
+	for _, mode := range bothModes {
+		t.Run(modeName(mode), func(t *testing.T) {
 			c := hpClientCase(t, mode, false)
 			before := c.p.bm.freeCounts()[0]
 			c.publish(99, c.p.msg("stray"), statusOpened)
-			deadline := time.Now().Add(hpTimeout)
-			for c.p.bm.freeCounts()[0] != before {
-				if time.Now().After(deadline) {
-					t.Fatalf("free count of list 0 is %d, want %d back: the stray slice was not freed", c.p.bm.freeCounts()[0], before)
-				}
-				time.Sleep(time.Millisecond)
-			}
-			c.p.write(hpFallback(c.p.version, 0, 97, 0, "stray fallback"))
+			waitUntil(t, fmt.Sprintf("the stray slice is freed (free count of list 0 back to %d)", before), peerTimeout, func() bool { return c.p.bm.freeCounts()[0] == before })
+			c.p.write(rawFallbackFrame(c.p.version, 0, 97, 0, "stray fallback"))
 			if err := hpSurviveRoundTrip(c); err != nil {
 				t.Error(err)
 			}
 			if c.victim.IsClosed() {
 				t.Errorf("victim closed: %v", c.victim.Err())
 			}
-			hpCloseBounded(t, c.victim)
+			closeWithin(t, c.victim, peerTimeout)
 			env.checkGood(t)
 		})
 	}

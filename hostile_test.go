@@ -49,7 +49,7 @@ func hpStartReader(st *Stream) *hpReader {
 // hpCtx is what a case works with.
 type hpCtx struct {
 	t      *testing.T
-	p      *hpPeer
+	p      *rawPeer
 	victim *Session
 	id     uint32    // a stream open on both sides
 	reader bool      // wake the victim as a well-behaved producer would
@@ -129,8 +129,8 @@ func (c *hpCtx) expectData(id uint32, data string) error {
 	case err := <-c.rd.err:
 		c.rd.err <- err
 		return fmt.Errorf("victim read failed: %w", err)
-	case <-time.After(hpTimeout):
-		return fmt.Errorf("victim did not receive %q within %v", data, hpTimeout)
+	case <-time.After(peerTimeout):
+		return fmt.Errorf("victim did not receive %q within %v", data, peerTimeout)
 	}
 }
 
@@ -175,7 +175,7 @@ func hpFinish(c *hpCtx, tc hpCase) {
 			t.Errorf("the victim session closed: %v", c.victim.Err())
 		}
 	} else {
-		hpExpectClosed(t, c.victim, tc.is, tc.want)
+		expectClosedWith(t, c.victim, tc.is, tc.want)
 		hpCheckReleased(c)
 		if c.rd != nil {
 			select {
@@ -183,12 +183,12 @@ func hpFinish(c *hpCtx, tc hpCase) {
 				if err == nil {
 					t.Error("the reader of the closed session returned no error")
 				}
-			case <-time.After(hpTimeout):
-				t.Errorf("a reader of the closed session still blocks after %v", hpTimeout)
+			case <-time.After(peerTimeout):
+				t.Errorf("a reader of the closed session still blocks after %v", peerTimeout)
 			}
 		}
 	}
-	hpCloseBounded(t, c.victim)
+	closeWithin(t, c.victim, peerTimeout)
 	hpCheckReleased(c)
 }
 
@@ -217,7 +217,7 @@ func hpCheckReleased(c *hpCtx) {
 	}
 	t.Errorf("BUG: the victim session is closed (%v) but 1.5s later its queue region is still referenced (%d): a reader is stuck in pollFor, looping between stopPolling and drainNow on the corrupt queue", c.victim.Err(), c.victim.queueRegion.refs.Load())
 	c.p.send.setTail(c.victim.recvQ.chead.Load())
-	if !released(hpTimeout) {
+	if !released(peerTimeout) {
 		t.Errorf("the queue region is still referenced after the queue was repaired")
 	}
 }
@@ -232,9 +232,9 @@ func hpWakeName(reader bool) string {
 // ---- hostile client against a real server ----
 
 // hpServerCase sets up a server victim with stream 2 open on both sides.
-func hpServerCase(t *testing.T, env *hpServerEnv, mode MemMapType, reader bool) *hpCtx {
+func hpServerCase(t *testing.T, env *testServer, mode MemMapType, reader bool) *hpCtx {
 	t.Helper()
-	p, victim := hpConnectClient(t, env, mode)
+	p, victim := connectRawClient(t, env, mode)
 	c := &hpCtx{t: t, p: p, victim: victim, id: 2, reader: reader}
 	if err := c.roundTrip("hello", 0); err != nil {
 		t.Fatalf("valid echo before the damage: %v", err)
@@ -254,15 +254,15 @@ func hpClientCase(t *testing.T, mode MemMapType, reader bool) *hpCtx {
 	t.Helper()
 	spin := defaultConsumerSpinTime
 	if reader {
-		spin = hpReaderSpin
+		spin = readerSpin
 	}
-	p, victim := hpAcceptVictim(t, mode, spin)
+	p, victim := acceptRawVictim(t, mode, spin)
 	st, err := victim.OpenStream()
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { st.Close() })
-	st.SetDeadline(time.Now().Add(3 * hpTimeout))
+	st.SetDeadline(time.Now().Add(3 * peerTimeout))
 	if _, err := st.Write([]byte("ping")); err != nil {
 		t.Fatal(err)
 	}
@@ -293,15 +293,15 @@ func hpAgainstServer(t *testing.T, cases []hpCase) {
 	for _, reader := range []bool{false, true} {
 		spin := defaultConsumerSpinTime
 		if reader {
-			spin = hpReaderSpin
+			spin = readerSpin
 		}
-		env := hpStartServer(t, spin)
-		for _, mode := range hpModes {
+		env := startTestServer(t, spin)
+		for _, mode := range bothModes {
 			if reader && mode != MemMapTypeMemFd {
 				continue // the wake-up path does not depend on the mode
 			}
 			for _, tc := range cases {
-				t.Run(hpModeName(mode)+"/"+hpWakeName(reader)+"/"+tc.name, func(t *testing.T) {
+				t.Run(modeName(mode)+"/"+hpWakeName(reader)+"/"+tc.name, func(t *testing.T) {
 					c := hpServerCase(t, env, mode, reader)
 					tc.do(c)
 					hpFinish(c, tc)
@@ -315,14 +315,14 @@ func hpAgainstServer(t *testing.T, cases []hpCase) {
 // hpAgainstClient runs cases against a real client, woken by Polling frames
 // in both modes and by a reader polling its queue.
 func hpAgainstClient(t *testing.T, cases []hpCase) {
-	env := hpStartServer(t, defaultConsumerSpinTime)
+	env := startTestServer(t, defaultConsumerSpinTime)
 	for _, reader := range []bool{false, true} {
-		for _, mode := range hpModes {
+		for _, mode := range bothModes {
 			if reader && mode != MemMapTypeMemFd {
 				continue // the wake-up path does not depend on the mode
 			}
 			for _, tc := range cases {
-				t.Run(hpModeName(mode)+"/"+hpWakeName(reader)+"/"+tc.name, func(t *testing.T) {
+				t.Run(modeName(mode)+"/"+hpWakeName(reader)+"/"+tc.name, func(t *testing.T) {
 					c := hpClientCase(t, mode, reader)
 					tc.do(c)
 					hpFinish(c, tc)

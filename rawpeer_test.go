@@ -18,32 +18,37 @@ import (
 
 // ---- frames, written by hand (PROTOCOL.md §2) ----
 
-func hpFrame(length uint32, magic uint16, version, typ byte, payload ...byte) []byte {
+// rawFrame builds a header (PROTOCOL.md §2.1) followed by payload.
+func rawFrame(length uint32, magic uint16, version, typ byte, payload ...byte) []byte {
 	b := binary.BigEndian.AppendUint32(nil, length)
 	b = binary.BigEndian.AppendUint16(b, magic)
 	b = append(b, version, typ)
 	return append(b, payload...)
 }
 
-func hpPaths(version, typ byte, queuePath, bufPath string) []byte {
-	b := hpFrame(uint32(12+len(queuePath)+len(bufPath)), hpMagic, version, typ)
+// rawPathFrame builds a ShareMemoryByFilePath or ShareMemoryByMemfd frame:
+// queue path first, then buffer path.
+func rawPathFrame(version, typ byte, queuePath, bufPath string) []byte {
+	b := rawFrame(uint32(12+len(queuePath)+len(bufPath)), rawMagic, version, typ)
 	b = binary.BigEndian.AppendUint16(b, uint16(len(queuePath)))
 	b = append(b, queuePath...)
 	b = binary.BigEndian.AppendUint16(b, uint16(len(bufPath)))
 	return append(b, bufPath...)
 }
 
-func hpFallback(version byte, length uint32, id, status uint32, data string) []byte {
+// rawFallbackFrame builds a FallbackData frame; length 0 means the length
+// its payload gives.
+func rawFallbackFrame(version byte, length uint32, id, status uint32, data string) []byte {
 	p := binary.BigEndian.AppendUint32(nil, id)
 	p = binary.BigEndian.AppendUint32(p, status)
 	p = append(p, data...)
 	if length == 0 {
 		length = uint32(8 + len(p))
 	}
-	return hpFrame(length, hpMagic, version, 3, p...)
+	return rawFrame(length, rawMagic, version, 3, p...)
 }
 
-func hpDecodePaths(p []byte) (queuePath, bufPath string, err error) {
+func decodeRawPaths(p []byte) (queuePath, bufPath string, err error) {
 	if len(p) < 2 {
 		return "", "", fmt.Errorf("path payload of %d bytes", len(p))
 	}
@@ -58,7 +63,7 @@ func hpDecodePaths(p []byte) (queuePath, bufPath string, err error) {
 	return string(p[2 : 2+q]), string(p[4+q:]), nil
 }
 
-func hpReadN(c net.Conn, n int) ([]byte, error) {
+func readN(c net.Conn, n int) ([]byte, error) {
 	b := make([]byte, n)
 	_, err := io.ReadFull(c, b)
 	return b, err
@@ -66,28 +71,28 @@ func hpReadN(c net.Conn, n int) ([]byte, error) {
 
 // ---- raw access to one queue half (PROTOCOL.md §5) ----
 
-type hpQueue struct {
+type rawQueue struct {
 	mem []byte
 	cap uint32 // the capacity the region's size gives, whatever the header says
 }
 
-func (q hpQueue) i64(off int) *int64   { return (*int64)(unsafe.Pointer(&q.mem[off])) }
-func (q hpQueue) u32(off int) *uint32  { return (*uint32)(unsafe.Pointer(&q.mem[off])) }
-func (q hpQueue) head() int64          { return atomic.LoadInt64(q.i64(queueHeadOff)) }
-func (q hpQueue) tail() int64          { return atomic.LoadInt64(q.i64(queueTailOff)) }
-func (q hpQueue) setHead(v int64)      { atomic.StoreInt64(q.i64(queueHeadOff), v) }
-func (q hpQueue) setTail(v int64)      { atomic.StoreInt64(q.i64(queueTailOff), v) }
-func (q hpQueue) flag() uint32         { return atomic.LoadUint32(q.u32(queueFlagOff)) }
-func (q hpQueue) casFlag() bool        { return atomic.CompareAndSwapUint32(q.u32(queueFlagOff), 0, 1) }
-func (q hpQueue) setCapField(v uint32) { atomic.StoreUint32(q.u32(queueCapOff), v) }
+func (q rawQueue) i64(off int) *int64   { return (*int64)(unsafe.Pointer(&q.mem[off])) }
+func (q rawQueue) u32(off int) *uint32  { return (*uint32)(unsafe.Pointer(&q.mem[off])) }
+func (q rawQueue) head() int64          { return atomic.LoadInt64(q.i64(queueHeadOff)) }
+func (q rawQueue) tail() int64          { return atomic.LoadInt64(q.i64(queueTailOff)) }
+func (q rawQueue) setHead(v int64)      { atomic.StoreInt64(q.i64(queueHeadOff), v) }
+func (q rawQueue) setTail(v int64)      { atomic.StoreInt64(q.i64(queueTailOff), v) }
+func (q rawQueue) flag() uint32         { return atomic.LoadUint32(q.u32(queueFlagOff)) }
+func (q rawQueue) casFlag() bool        { return atomic.CompareAndSwapUint32(q.u32(queueFlagOff), 0, 1) }
+func (q rawQueue) setCapField(v uint32) { atomic.StoreUint32(q.u32(queueCapOff), v) }
 
-func (q hpQueue) slot(c int64) []byte {
+func (q rawQueue) slot(c int64) []byte {
 	off := queueHeaderSize + int(uint64(c)%uint64(q.cap))*queueElemSize
 	return q.mem[off : off+queueElemSize]
 }
 
 // put writes an element at the tail and publishes it, as a producer does.
-func (q hpQueue) put(id, offset, status uint32) {
+func (q rawQueue) put(id, offset, status uint32) {
 	t := q.tail()
 	s := q.slot(t)
 	binary.LittleEndian.PutUint32(s[0:], id)
@@ -96,7 +101,7 @@ func (q hpQueue) put(id, offset, status uint32) {
 	q.setTail(t + 1)
 }
 
-func (q hpQueue) pop() (queueElem, bool) {
+func (q rawQueue) pop() (queueElem, bool) {
 	h, t := q.head(), q.tail()
 	if h >= t {
 		return queueElem{}, false
@@ -113,39 +118,39 @@ func (q hpQueue) pop() (queueElem, bool) {
 
 // ---- the raw peer ----
 
-// hpPeer is the hostile side of a session, after a correct handshake: its
+// rawPeer is the hostile side of a session, after a correct handshake: its
 // connection, its own mapping of the buffer region and its queue halves.
-type hpPeer struct {
+type rawPeer struct {
 	t       *testing.T
 	conn    *net.UnixConn
 	version byte
 	buf     []byte
 	bm      *bufferManager // our own view of the buffer region, to build valid messages
-	send    hpQueue        // the queue we produce into: the victim's receive queue
-	recv    hpQueue        // the queue the victim produces into
+	send    rawQueue       // the queue we produce into: the victim's receive queue
+	recv    rawQueue       // the queue the victim produces into
 }
 
-func (p *hpPeer) write(b []byte) {
-	p.conn.SetWriteDeadline(time.Now().Add(hpTimeout))
+func (p *rawPeer) write(b []byte) {
+	p.conn.SetWriteDeadline(time.Now().Add(peerTimeout))
 	if _, err := p.conn.Write(b); err != nil {
 		p.t.Logf("raw peer write of %d bytes: %v", len(b), err)
 	}
 }
 
 // poll sends a Polling frame.
-func (p *hpPeer) poll() { p.write(hpFrame(8, hpMagic, p.version, 1)) }
+func (p *rawPeer) poll() { p.write(rawFrame(8, rawMagic, p.version, 1)) }
 
-func (p *hpPeer) u32(off uint32) uint32 {
+func (p *rawPeer) u32(off uint32) uint32 {
 	return atomic.LoadUint32((*uint32)(unsafe.Pointer(&p.buf[off])))
 }
 
-func (p *hpPeer) setU32(off, v uint32) {
+func (p *rawPeer) setU32(off, v uint32) {
 	atomic.StoreUint32((*uint32)(unsafe.Pointer(&p.buf[off])), v)
 }
 
 // msg builds a valid one-slice message holding data and returns the
 // absolute offset of its slice header.
-func (p *hpPeer) msg(data string) uint32 {
+func (p *rawPeer) msg(data string) uint32 {
 	p.t.Helper()
 	li, off, err := p.bm.alloc(len(data), false)
 	if err != nil || li < 0 {
@@ -157,15 +162,15 @@ func (p *hpPeer) msg(data string) uint32 {
 }
 
 // link makes the slice at a continue with the slice at b.
-func (p *hpPeer) link(a, b uint32) {
+func (p *rawPeer) link(a, b uint32) {
 	p.setU32(a+sliceNextOff, b)
 	p.buf[a+sliceFlagsOff] = flagInUse | flagHasNext
 }
 
-func (p *hpPeer) list(i int) sliceList { return p.bm.lists[i] }
+func (p *rawPeer) list(i int) sliceList { return p.bm.lists[i] }
 
 // readMsg reads the message at root and frees its slices.
-func (p *hpPeer) readMsg(root uint32) (string, error) {
+func (p *rawPeer) readMsg(root uint32) (string, error) {
 	slices, err := p.bm.readChain(nil, root)
 	if err != nil {
 		return "", err
@@ -183,25 +188,25 @@ func (p *hpPeer) readMsg(root uint32) (string, error) {
 }
 
 // waitElem waits for the victim to publish an element.
-func (p *hpPeer) waitElem() (queueElem, error) {
-	deadline := time.Now().Add(hpTimeout)
+func (p *rawPeer) waitElem() (queueElem, error) {
+	deadline := time.Now().Add(peerTimeout)
 	for {
 		if e, ok := p.recv.pop(); ok {
 			return e, nil
 		}
 		if time.Now().After(deadline) {
-			return queueElem{}, fmt.Errorf("no element from the victim within %v", hpTimeout)
+			return queueElem{}, fmt.Errorf("no element from the victim within %v", peerTimeout)
 		}
 		time.Sleep(200 * time.Microsecond)
 	}
 }
 
 // readFrame returns the next frame from the victim that is not Polling.
-func (p *hpPeer) readFrame() ([]byte, error) {
-	p.conn.SetReadDeadline(time.Now().Add(hpTimeout))
+func (p *rawPeer) readFrame() ([]byte, error) {
+	p.conn.SetReadDeadline(time.Now().Add(peerTimeout))
 	defer p.conn.SetReadDeadline(time.Time{})
 	for {
-		h, err := hpReadN(p.conn, 8)
+		h, err := readN(p.conn, 8)
 		if err != nil {
 			return nil, err
 		}
@@ -209,7 +214,7 @@ func (p *hpPeer) readFrame() ([]byte, error) {
 		if n < 8 || n > 1<<20 {
 			return nil, fmt.Errorf("frame header % x", h)
 		}
-		rest, err := hpReadN(p.conn, int(n)-8)
+		rest, err := readN(p.conn, int(n)-8)
 		if err != nil {
 			return nil, err
 		}

@@ -17,105 +17,168 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
-// hpTimeout bounds every wait of these tests.
-const hpTimeout = 5 * time.Second
+// peerTimeout bounds every wait of these tests.
+const peerTimeout = 5 * time.Second
 
-// hpReaderSpin is the ConsumerSpinTime of victims whose corruption must be
+// readerSpin is the ConsumerSpinTime of victims whose corruption must be
 // found by a reader polling the queue rather than by a wake-up frame.
-const hpReaderSpin = 300 * time.Millisecond
+const readerSpin = 300 * time.Millisecond
 
-const hpMagic = 0x7758
+const rawMagic = 0x7758
 
-var hpSeq atomic.Uint32
+var rawRegionSeq atomic.Uint32
 
-// hpModes: version 2 over /dev/shm files and version 3 over memfds.
-var hpModes = []MemMapType{MemMapTypeDevShmFile, MemMapTypeMemFd}
+// bothModes: version 2 over /dev/shm files and version 3 over memfds.
+var bothModes = []MemMapType{MemMapTypeDevShmFile, MemMapTypeMemFd}
 
-// hpPrefix returns /dev/shm/shmipc_hp_<pid>_<rand> and removes whatever is
-// left under it when the test ends.
-func hpPrefix(t *testing.T) string {
+// shmPrefix returns a ShareMemoryPathPrefix no other test or process uses,
+// /dev/shm/shmipc_<tag>_<pid>_<random>, and removes whatever is left under it
+// when the test ends.
+func shmPrefix(t testing.TB, tag string) string {
 	t.Helper()
-	p := fmt.Sprintf("/dev/shm/shmipc_hp_%d_%08x", os.Getpid(), rand.Uint32())
+	p := fmt.Sprintf("/dev/shm/shmipc_%s_%d_%08x", tag, os.Getpid(), rand.Uint32())
 	t.Cleanup(func() {
-		m, _ := filepath.Glob(p + "_*")
-		for _, f := range m {
-			os.Remove(f)
+		for _, f := range shmFiles(p) {
+			_ = os.Remove(f)
 		}
 	})
 	return p
 }
 
-// hpConfig is a small configuration: a 1 MiB buffer region of the
+// shmFiles lists the files whose path starts with prefix.
+func shmFiles(prefix string) []string {
+	dir, base := filepath.Dir(prefix), filepath.Base(prefix)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return []string{"readdir " + dir + ": " + err.Error()}
+	}
+	var out []string
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), base) {
+			out = append(out, filepath.Join(dir, e.Name()))
+		}
+	}
+	return out
+}
+
+// peerConfig is a small configuration: a 1 MiB buffer region of the
 // reference slice sizes (63, 9 and 1 slices), 64-element queues.
-func hpConfig(t *testing.T, mode MemMapType, spin time.Duration) *Config {
+func peerConfig(t *testing.T, mode MemMapType, spin time.Duration) *Config {
 	t.Helper()
 	c := DefaultConfig()
 	c.MemMapType = mode
 	c.ShareMemoryBufferCap = 1 << 20
 	c.BufferSliceSizes = ReferenceSliceSizes()
 	c.QueueCap = 64
-	c.InitializeTimeout = hpTimeout
+	c.InitializeTimeout = peerTimeout
 	c.MaxFallbackFrameSize = minFallbackFrame
 	c.ConsumerSpinTime = spin
-	c.ShareMemoryPathPrefix = hpPrefix(t)
+	c.ShareMemoryPathPrefix = shmPrefix(t, "hp")
 	return c
 }
 
 // ---- the real server side: a Listener with an echo handler and a good
 // client session ----
 
-type hpServerEnv struct {
+type testServer struct {
 	conf *Config
 	ln   *Listener
 	addr string
 	good *Session
 }
 
-func hpStartServer(t *testing.T, spin time.Duration) *hpServerEnv {
+func startTestServer(t *testing.T, spin time.Duration) *testServer {
 	t.Helper()
-	conf := hpConfig(t, MemMapTypeMemFd, spin)
+	conf := peerConfig(t, MemMapTypeMemFd, spin)
 	ln, err := Listen("unix", filepath.Join(t.TempDir(), "hp.sock"), conf)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			st, err := ln.AcceptStream()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer st.Close()
-				io.Copy(st, st)
-			}()
-		}
-	}()
-	env := &hpServerEnv{conf: conf, ln: ln, addr: ln.Addr().String()}
-	good, err := Dial("unix", env.addr, hpConfig(t, MemMapTypeMemFd, 0))
+	go serveStreams(ln, echoStream)
+	env := &testServer{conf: conf, ln: ln, addr: ln.Addr().String()}
+	good, err := Dial("unix", env.addr, peerConfig(t, MemMapTypeMemFd, 0))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { good.Close() })
 	env.good = good
-	if err := hpEcho(good, "warm-up"); err != nil {
+	if err := echoRoundTrip(good, "warm-up"); err != nil {
 		t.Fatalf("good session: %v", err)
 	}
 	return env
 }
 
-// hpEcho does one echo round trip on a client session.
-func hpEcho(s *Session, msg string) error {
+// streamAcceptor is a Listener or a Session.
+type streamAcceptor interface {
+	AcceptStream() (*Stream, error)
+}
+
+// serveStreams runs handle on a goroutine of its own for every stream a
+// accepts, until accepting fails.
+func serveStreams(a streamAcceptor, handle func(*Stream)) {
+	for {
+		st, err := a.AcceptStream()
+		if err != nil {
+			return
+		}
+		go handle(st)
+	}
+}
+
+// echoStream echoes a stream until it ends, then closes it.
+func echoStream(st *Stream) {
+	defer st.Close()
+	_, _ = io.Copy(st, st)
+}
+
+// acceptWithin waits up to within for the next stream a accepts.
+func acceptWithin(t testing.TB, a streamAcceptor, within time.Duration) *Stream {
+	t.Helper()
+	type result struct {
+		st  *Stream
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		st, err := a.AcceptStream()
+		ch <- result{st, err}
+	}()
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			t.Fatalf("AcceptStream: %v", r.err)
+		}
+		return r.st
+	case <-time.After(within):
+		t.Fatalf("no stream accepted within %v", within)
+		return nil
+	}
+}
+
+// startEchoListener listens on a socket of the test's own with conf and
+// echoes every stream; the listener is closed when the test ends.
+func startEchoListener(t testing.TB, conf *Config) *Listener {
+	t.Helper()
+	ln, err := Listen("unix", sockPath(t), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go serveStreams(ln, echoStream)
+	return ln
+}
+
+// echoRoundTrip does one echo round trip on a client session.
+func echoRoundTrip(s *Session, msg string) error {
 	st, err := s.OpenStream()
 	if err != nil {
 		return fmt.Errorf("OpenStream: %w", err)
 	}
 	defer st.Close()
-	st.SetDeadline(time.Now().Add(hpTimeout))
+	st.SetDeadline(time.Now().Add(peerTimeout))
 	if _, err := st.Write([]byte(msg)); err != nil {
 		return fmt.Errorf("Write: %w", err)
 	}
@@ -129,15 +192,24 @@ func hpEcho(s *Session, msg string) error {
 	return nil
 }
 
-// checkGood runs an echo on the well-behaved session after a case.
-func (e *hpServerEnv) checkGood(t *testing.T) {
+// mustEcho does one echo round trip on a client session and fails the test
+// if it does not come back.
+func mustEcho(t testing.TB, s *Session) {
 	t.Helper()
-	if err := hpEcho(e.good, "still fine after "+t.Name()); err != nil {
+	if err := echoRoundTrip(s, "hello, shmipc"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkGood runs an echo on the well-behaved session after a case.
+func (e *testServer) checkGood(t *testing.T) {
+	t.Helper()
+	if err := echoRoundTrip(e.good, "still fine after "+t.Name()); err != nil {
 		t.Errorf("the other session stopped working: %v", err)
 	}
 }
 
-func (e *hpServerEnv) sessionSet() map[*Session]bool {
+func (e *testServer) sessionSet() map[*Session]bool {
 	e.ln.mu.Lock()
 	defer e.ln.mu.Unlock()
 	m := make(map[*Session]bool, len(e.ln.sessions))
@@ -148,62 +220,79 @@ func (e *hpServerEnv) sessionSet() map[*Session]bool {
 }
 
 // waitSession returns the session the listener registered after before.
-func (e *hpServerEnv) waitSession(t *testing.T, before map[*Session]bool) *Session {
+func (e *testServer) waitSession(t *testing.T, before map[*Session]bool) *Session {
 	t.Helper()
-	deadline := time.Now().Add(hpTimeout)
-	for {
+	var found *Session
+	waitUntil(t, "the listener registers a session for the raw client", peerTimeout, func() bool {
 		for s := range e.sessionSet() {
 			if !before[s] {
-				return s
+				found = s
 			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the listener registered no session for the raw client within %v", hpTimeout)
-		}
-		time.Sleep(time.Millisecond)
-	}
+		return found != nil
+	})
+	return found
 }
 
-// ---- hostile server ----
-
-type hpResult struct {
-	s   *Session
-	err error
+// handshakeResult is what Client, Server or Dial returned, and how long it
+// took.
+type handshakeResult struct {
+	s    *Session
+	err  error
+	took time.Duration
 }
 
-func hpGo(f func() (*Session, error)) <-chan hpResult {
-	ch := make(chan hpResult, 1)
+// startHandshake runs f (Client, Server or Dial) in the background.
+func startHandshake(f func() (*Session, error)) <-chan handshakeResult {
+	ch := make(chan handshakeResult, 1)
+	start := time.Now()
 	go func() {
 		s, err := f()
-		ch <- hpResult{s, err}
+		ch <- handshakeResult{s, err, time.Since(start)}
 	}()
 	return ch
 }
 
-func hpAwait(t *testing.T, ch <-chan hpResult) hpResult {
+// awaitHandshake waits up to within for the result of startHandshake. A
+// session it returns is closed when the test ends.
+func awaitHandshake(t *testing.T, ch <-chan handshakeResult, within time.Duration) handshakeResult {
 	t.Helper()
 	select {
 	case r := <-ch:
 		if r.s != nil {
-			t.Cleanup(func() { hpCloseBounded(t, r.s) })
+			t.Cleanup(func() { closeWithin(t, r.s, peerTimeout) })
 		}
 		return r
-	case <-time.After(hpTimeout):
-		t.Fatalf("handshake still running after %v", hpTimeout)
-		return hpResult{}
+	case <-time.After(within):
+		t.Fatalf("handshake still running after %v", within)
+		return handshakeResult{}
 	}
 }
 
-func hpExpectClosed(t *testing.T, s *Session, is error, want []string) {
+// waitUntil polls cond until it holds, for up to within.
+func waitUntil(t testing.TB, what string, within time.Duration, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(hpTimeout)
-	for !s.IsClosed() {
+	deadline := time.Now().Add(within)
+	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("the victim session is still open %v after the corruption", hpTimeout)
+			t.Fatalf("%s: not within %v", what, within)
 		}
 		time.Sleep(time.Millisecond)
 	}
-	err := s.Err()
+}
+
+// waitSessionClosed waits up to within for s to end and returns its error.
+func waitSessionClosed(t testing.TB, s *Session, within time.Duration) error {
+	t.Helper()
+	waitUntil(t, "the "+s.role()+" session ends", within, s.IsClosed)
+	return s.Err()
+}
+
+// expectClosedWith waits for a victim session to close and checks that its
+// error wraps is (ErrProtocol when nil) and mentions every word of want.
+func expectClosedWith(t *testing.T, s *Session, is error, want []string) {
+	t.Helper()
+	err := waitSessionClosed(t, s, peerTimeout)
 	t.Logf("victim: %v", err)
 	if is == nil {
 		is = ErrProtocol
@@ -219,8 +308,10 @@ func hpExpectClosed(t *testing.T, s *Session, is error, want []string) {
 	}
 }
 
-// hpCloseBounded closes s and fails if that hangs.
-func hpCloseBounded(t *testing.T, s *Session) {
+// closeWithin closes s and fails the test if Close does not return within
+// the given time.
+func closeWithin(t testing.TB, s *Session, within time.Duration) {
+	t.Helper()
 	done := make(chan struct{})
 	go func() {
 		s.Close()
@@ -228,33 +319,79 @@ func hpCloseBounded(t *testing.T, s *Session) {
 	}()
 	select {
 	case <-done:
-	case <-time.After(hpTimeout):
-		t.Errorf("Session.Close still running after %v", hpTimeout)
+	case <-time.After(within):
+		t.Errorf("Session.Close still running after %v", within)
 	}
 }
 
-func hpModeName(mode MemMapType) string {
+// modeName names a mode in subtest names.
+func modeName(mode MemMapType) string {
 	if mode == MemMapTypeMemFd {
 		return "v3 memfd"
 	}
 	return "v2 file"
 }
 
-func hpUnixPair(t *testing.T) (dialed, accepted *net.UnixConn) {
+// sockPath is a socket path in a directory of the test's own.
+func sockPath(t testing.TB) string {
+	return filepath.Join(t.TempDir(), "s.sock")
+}
+
+// unixPair returns both ends of a Unix stream connection made through a
+// socket of the test's own: the dialing end and the accepted end.
+func unixPair(t *testing.T) (dialed, accepted *net.UnixConn) {
 	t.Helper()
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sockPath(t), Net: "unix"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	conn := func(fd int) *net.UnixConn {
-		f := os.NewFile(uintptr(fd), "hp-socketpair")
-		defer f.Close()
-		c, err := net.FileConn(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		return c.(*net.UnixConn)
+	defer ln.Close()
+	ch := make(chan *net.UnixConn, 1)
+	go func() {
+		c, _ := ln.AcceptUnix()
+		ch <- c
+	}()
+	dialed, err = net.DialUnix("unix", nil, ln.Addr().(*net.UnixAddr))
+	if err != nil {
+		t.Fatal(err)
 	}
-	return conn(fds[0]), conn(fds[1])
+	accepted = <-ch
+	if accepted == nil {
+		dialed.Close()
+		t.Fatal("accept failed")
+	}
+	t.Cleanup(func() {
+		dialed.Close()
+		accepted.Close()
+	})
+	return dialed, accepted
+}
+
+// tcpPair is unixPair over TCP loopback.
+func tcpPair(t *testing.T) (dialed, accepted net.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	ch := make(chan net.Conn, 1)
+	go func() {
+		c, _ := ln.Accept()
+		ch <- c
+	}()
+	dialed, err = net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	accepted = <-ch
+	if accepted == nil {
+		dialed.Close()
+		t.Fatal("accept failed")
+	}
+	t.Cleanup(func() {
+		dialed.Close()
+		accepted.Close()
+	})
+	return dialed, accepted
 }
