@@ -5,10 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
-	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -253,10 +250,6 @@ var (
 
 var errEchoDiffers = errors.New("the echo differs from the message")
 
-func benchSocketPath(b *testing.B) string {
-	return filepath.Join(b.TempDir(), fmt.Sprintf("bench_%d_%x.sock", os.Getpid(), rand.Uint32()))
-}
-
 // serveEach runs serve on every connection ln accepts until ln is closed.
 // The returned function, called once ln is closed, waits for the accept
 // loop and the servers to finish.
@@ -285,7 +278,7 @@ func serveEach(ln net.Listener, serve func(net.Conn)) (wait func()) {
 // serveShm listens for shmipc sessions and echoes on their streams. All
 // clients share one session, a stream each.
 func serveShm(b *testing.B, size int) benchServer {
-	sock := benchSocketPath(b)
+	sock := sockPath(b)
 	conf := DefaultConfig()
 	ln, err := Listen("unix", sock, conf)
 	if err != nil {
@@ -371,7 +364,7 @@ func (c *shmClient) Close() error { return c.st.Close() }
 // serveUds listens on a Unix socket and echoes on every connection; each
 // client has its own connection.
 func serveUds(b *testing.B, size int) benchServer {
-	sock := benchSocketPath(b)
+	sock := sockPath(b)
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
 		b.Fatal(err)

@@ -28,10 +28,7 @@ import (
 // isoServer is a server whose streams are handled by handle, with a good
 // client session for checking that the process still serves others.
 type isoServer struct {
-	conf    *Config
-	ln      *Listener
-	addr    string
-	good    *Session
+	testServer
 	goodSrv atomic.Pointer[Session] // the server side of good
 }
 
@@ -42,7 +39,7 @@ func isoStartServer(t *testing.T, conf *Config, handle func(*Stream)) *isoServer
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { ln.Close() })
-	e := &isoServer{conf: conf, ln: ln, addr: ln.Addr().String()}
+	e := &isoServer{testServer: testServer{conf: conf, ln: ln, addr: ln.Addr().String()}}
 	go serveStreams(ln, func(st *Stream) {
 		if st.Session() == e.goodSrv.Load() {
 			echoStream(st)
@@ -57,39 +54,21 @@ func isoStartServer(t *testing.T, conf *Config, handle func(*Stream)) *isoServer
 // echoes.
 func (e *isoServer) dialGood(t *testing.T) {
 	t.Helper()
-	env := &testServer{conf: e.conf, ln: e.ln, addr: e.addr}
-	before := env.sessionSet()
+	before := e.sessionSet()
 	good, err := Dial("unix", e.addr, peerConfig(t, MemMapTypeMemFd, 0))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { good.Close() })
 	e.good = good
-	e.goodSrv.Store(env.waitSession(t, before))
-}
-
-// checkGood requires an echo on the good session within peerTimeout.
-func (e *isoServer) checkGood(t *testing.T) {
-	t.Helper()
-	if err := echoRoundTrip(e.good, "still fine after "+t.Name()); err != nil {
-		t.Errorf("the other session stopped working: %v", err)
-	}
+	e.goodSrv.Store(e.waitSession(t, before))
 }
 
 // connect makes a hostile client of mode with valid regions and returns it
 // with its regions and the server session it got.
 func (e *isoServer) connect(t *testing.T, mode MemMapType) (*rawPeer, *rawRegions, *Session) {
 	t.Helper()
-	return connectRawClientRegions(t, &testServer{conf: e.conf, ln: e.ln, addr: e.addr}, mode)
-}
-
-// publish puts an element on the victim's receive queue and wakes it if
-// its working flag was clear, as a correct producer does.
-func isoPublish(p *rawPeer, id, off, status uint32) {
-	p.send.put(id, off, status)
-	if p.send.casFlag() {
-		p.poll()
-	}
+	return connectRawClientRegions(t, &e.testServer, mode)
 }
 
 // isoReadMethods are the ways an application can wait for data. Each reads
@@ -191,7 +170,7 @@ func TestIsolationFaultWhileReaderWaits(t *testing.T) {
 			})
 			srv.dialGood(t)
 			p, r, victim := srv.connect(t, MemMapTypeDevShmFile)
-			isoPublish(p, 2, p.msg("hello"), statusOpened)
+			p.publish(2, p.msg("hello"), statusOpened)
 			// A slice near the end of the region, for the message that will
 			// lie beyond the file's new end.
 			var far uint32
@@ -211,7 +190,7 @@ func TestIsolationFaultWhileReaderWaits(t *testing.T) {
 			if err := os.Truncate(r.bufPath, 4096); err != nil {
 				t.Fatal(err)
 			}
-			isoPublish(p, 2, far, statusOpened)
+			p.publish(2, far, statusOpened)
 			select {
 			case err := <-readErr:
 				if err == nil || !errors.Is(err, ErrSessionClosed) {
@@ -297,7 +276,7 @@ func TestIsolationNoDeliveryAfterClose(t *testing.T) {
 			}
 			copy(victimPeer.bm.sliceData(li, off), "abcd")
 			victimPeer.bm.linkSlice(off, 4, 0)
-			isoPublish(victimPeer, 2, off, statusOpened)
+			victimPeer.publish(2, off, statusOpened)
 			sent.Add(1)
 		}
 	}()
@@ -342,7 +321,7 @@ func TestIsolationCyclicChainFreesNothingTwice(t *testing.T) {
 			p.bm.linkSlice(off, size, 0)
 			p.link(off, off) // next = itself, HAS_NEXT
 			l := p.list(li)
-			isoPublish(p, 2, off, statusOpened)
+			p.publish(2, off, statusOpened)
 			err = waitSessionClosed(t, victim, peerTimeout)
 			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "twice") {
 				t.Errorf("victim session error %v, want ErrProtocol naming the slice linked twice", err)
@@ -501,7 +480,7 @@ func TestIsolationPollingStorm(t *testing.T) {
 	p := rawPeerOf(t, conn, v, r, conf)
 	echo := func(msg string) {
 		t.Helper()
-		isoPublish(p, 2, p.msg(msg), statusOpened)
+		p.publish(2, p.msg(msg), statusOpened)
 		e, err := p.waitElem()
 		if err != nil {
 			t.Fatal(err)
@@ -544,7 +523,7 @@ func TestIsolationAcceptFlood(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { ln.Close() })
-	srv := &isoServer{conf: conf, ln: ln, addr: ln.Addr().String()} // nothing accepts yet
+	srv := &isoServer{testServer: testServer{conf: conf, ln: ln, addr: ln.Addr().String()}} // nothing accepts yet
 	p, _, victim := srv.connect(t, MemMapTypeMemFd)
 	var frames []byte
 	for id := uint32(2); id < 2002; id++ {

@@ -87,7 +87,7 @@ func TestShareMemoryFileMode(t *testing.T) {
 	conf.MemMapType = MemMapTypeDevShmFile
 	conf.ShareMemoryBufferCap = 2 << 20
 	conf.BufferSliceSizes = ReferenceSliceSizes()
-	conf.ShareMemoryPathPrefix = filepath.Join("/dev/shm", "shmipc_perm_"+filepath.Base(t.TempDir()))
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "perm")
 	ln, err := Listen("unix", sock, conf)
 	if err != nil {
 		t.Fatal(err)

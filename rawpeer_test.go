@@ -140,6 +140,18 @@ func (p *rawPeer) write(b []byte) {
 // poll sends a Polling frame.
 func (p *rawPeer) poll() { p.write(rawFrame(8, rawMagic, p.version, 1)) }
 
+// publish puts an element on the victim's receive queue and wakes the
+// victim as a correct producer does: with a Polling frame only if the
+// working flag was clear. It reports whether it sent one.
+func (p *rawPeer) publish(id, off, status uint32) bool {
+	p.send.put(id, off, status)
+	if p.send.casFlag() {
+		p.poll()
+		return true
+	}
+	return false
+}
+
 func (p *rawPeer) u32(off uint32) uint32 {
 	return atomic.LoadUint32((*uint32)(unsafe.Pointer(&p.buf[off])))
 }

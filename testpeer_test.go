@@ -341,30 +341,12 @@ func sockPath(t testing.TB) string {
 // socket of the test's own: the dialing end and the accepted end.
 func unixPair(t *testing.T) (dialed, accepted *net.UnixConn) {
 	t.Helper()
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sockPath(t), Net: "unix"})
+	ln, err := net.Listen("unix", sockPath(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	ch := make(chan *net.UnixConn, 1)
-	go func() {
-		c, _ := ln.AcceptUnix()
-		ch <- c
-	}()
-	dialed, err = net.DialUnix("unix", nil, ln.Addr().(*net.UnixAddr))
-	if err != nil {
-		t.Fatal(err)
-	}
-	accepted = <-ch
-	if accepted == nil {
-		dialed.Close()
-		t.Fatal("accept failed")
-	}
-	t.Cleanup(func() {
-		dialed.Close()
-		accepted.Close()
-	})
-	return dialed, accepted
+	d, a := connPair(t, ln)
+	return d.(*net.UnixConn), a.(*net.UnixConn)
 }
 
 // tcpPair is unixPair over TCP loopback.
@@ -374,13 +356,20 @@ func tcpPair(t *testing.T) (dialed, accepted net.Conn) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return connPair(t, ln)
+}
+
+// connPair dials ln, accepts the connection and closes ln. Both ends are
+// closed when the test ends.
+func connPair(t *testing.T, ln net.Listener) (dialed, accepted net.Conn) {
+	t.Helper()
 	defer ln.Close()
 	ch := make(chan net.Conn, 1)
 	go func() {
 		c, _ := ln.Accept()
 		ch <- c
 	}()
-	dialed, err = net.Dial("tcp", ln.Addr().String())
+	dialed, err := net.Dial(ln.Addr().Network(), ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
