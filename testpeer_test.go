@@ -75,7 +75,7 @@ func peerConfig(t *testing.T, mode MemMapType, spin time.Duration) *Config {
 	c.InitializeTimeout = peerTimeout
 	c.MaxFallbackFrameSize = minFallbackFrame
 	c.ConsumerSpinTime = spin
-	c.ShareMemoryPathPrefix = shmPrefix(t, "hp")
+	c.ShareMemoryPathPrefix = shmPrefix(t, "peer")
 	return c
 }
 
@@ -293,17 +293,27 @@ func waitSessionClosed(t testing.TB, s *Session, within time.Duration) error {
 func expectClosedWith(t *testing.T, s *Session, is error, want []string) {
 	t.Helper()
 	err := waitSessionClosed(t, s, peerTimeout)
-	t.Logf("victim: %v", err)
 	if is == nil {
 		is = ErrProtocol
 	}
-	if !errors.Is(err, ErrSessionClosed) || !errors.Is(err, is) {
-		t.Errorf("session error %v: want ErrSessionClosed wrapping %v", err, is)
+	if !errors.Is(err, ErrSessionClosed) {
+		t.Errorf("session error %v: want ErrSessionClosed", err)
+	}
+	checkVictimError(t, "session error", err, is, want)
+}
+
+// checkVictimError checks the error a victim of a hostile peer returned:
+// it must wrap is and mention every word of want (in any case).
+func checkVictimError(t *testing.T, what string, err, is error, want []string) {
+	t.Helper()
+	t.Logf("victim: %v", err)
+	if !errors.Is(err, is) {
+		t.Errorf("%s %v: want %v", what, err, is)
 	}
 	msg := strings.ToLower(fmt.Sprint(err))
 	for _, w := range want {
 		if !strings.Contains(msg, strings.ToLower(w)) {
-			t.Errorf("session error %q does not mention %q", err, w)
+			t.Errorf("%s %q does not mention %q", what, err, w)
 		}
 	}
 }
