@@ -32,8 +32,6 @@ import (
 // side tears its sessions down on its own goroutines.
 const clSettle = 2 * time.Second
 
-var clModes = []MemMapType{MemMapTypeMemFd, MemMapTypeDevShmFile}
-
 // clConfig is the configuration of the cleanup tests.
 func clConfig(mode MemMapType, prefix string) *Config {
 	conf := DefaultConfig()
@@ -275,7 +273,7 @@ func clPeerGone(err error) bool {
 // sessions, their streams and the listener are closed, whichever side goes
 // first. In memfd mode no file may appear at all.
 func TestCleanupShmFiles(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		for _, order := range []string{"client-first", "listener-first"} {
 			t.Run(mode.String()+"/"+order, func(t *testing.T) {
 				prefix := shmPrefix(t, "cl")
@@ -366,7 +364,7 @@ func TestCleanupShmFiles(t *testing.T) {
 // fallback data), closes everything, and checks that the fd count, the
 // shmipc mappings and the files are back to the baseline.
 func TestCleanupFdsAndMappings(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			prefix := shmPrefix(t, "cl")
 			conf := clConfig(mode, prefix)
@@ -447,7 +445,7 @@ func TestCleanupFdsAndMappings(t *testing.T) {
 // leave no fd, mapping or file behind, and that a listener keeps serving
 // after clients that broke the handshake.
 func TestCleanupFailedHandshake(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run("client/"+mode.String(), func(t *testing.T) {
 			prefix := shmPrefix(t, "cl")
 			conf := clConfig(mode, prefix)
@@ -709,7 +707,7 @@ func TestCleanupFailedHandshake(t *testing.T) {
 		}
 
 		// The listener still serves real clients.
-		for _, mode := range clModes {
+		for _, mode := range bothModes {
 			cconf := clConfig(mode, prefix)
 			s, err := Dial("unix", sock, cconf)
 			if err != nil {
@@ -841,7 +839,7 @@ func clExpectHangUp(c *net.UnixConn, d time.Duration) error {
 // read), then closes the streams: everything must go away. It also checks
 // what the streams see in between.
 func TestCleanupCloseSessionWithUnreadData(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		for _, closer := range []string{"client", "server"} {
 			t.Run(mode.String()+"/"+closer+"-closes", func(t *testing.T) {
 				prefix := shmPrefix(t, "cl")

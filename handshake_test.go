@@ -825,7 +825,7 @@ func TestClientHandshakeStalledPeer(t *testing.T) {
 // TestListenerSurvivesRejectedHandshakes: bad and stalled connections do not
 // stop a Listener from serving good clients.
 func TestListenerSurvivesRejectedHandshakes(t *testing.T) {
-	for _, mode := range []MemMapType{MemMapTypeMemFd, MemMapTypeDevShmFile} {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			conf := hsConfig(t, mode)
 			ln, err := Listen("unix", sockPath(t), conf)

@@ -196,7 +196,7 @@ func mpConfig(mode MemMapType, prefix string) *Config {
 }
 
 func mpParseMode(t testing.TB, s string) MemMapType {
-	for _, m := range clModes {
+	for _, m := range bothModes {
 		if m.String() == s {
 			return m
 		}
@@ -293,7 +293,7 @@ func mpWaitGone(t testing.TB, what, pid, prefix string, d time.Duration) {
 // it in each mapping mode and runs the echo suite. Afterwards the child must
 // have released the session's fds and mappings, and exit cleanly.
 func TestMultiProcessEchoServer(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			prefix := shmPrefix(t, "mp")
 			sock := filepath.Join(t.TempDir(), "s.sock")
@@ -344,7 +344,7 @@ func TestMultiProcessEchoServer(t *testing.T) {
 // TestMultiProcessEchoClient is the reverse: the parent serves the echo and
 // the child runs the echo suite as the client, in each mapping mode.
 func TestMultiProcessEchoClient(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			prefix := shmPrefix(t, "mp")
 			sock := filepath.Join(t.TempDir(), "s.sock")
@@ -416,7 +416,7 @@ func mpExpectPeerDeath(t *testing.T, sess *Session, res <-chan error) {
 // TestMultiProcessPeerDeath: the parent is the client of a child server
 // that is SIGKILLed while the parent waits in Read.
 func TestMultiProcessPeerDeath(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			prefix := shmPrefix(t, "mp")
 			sock := filepath.Join(t.TempDir(), "s.sock")
@@ -471,7 +471,7 @@ func TestMultiProcessPeerDeath(t *testing.T) {
 // is SIGKILLed while the parent waits in Read on its stream. The server must
 // also remove the files the dead client can no longer remove.
 func TestMultiProcessClientDeath(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			prefix := shmPrefix(t, "mp")
 			sock := filepath.Join(t.TempDir(), "s.sock")

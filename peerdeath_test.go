@@ -950,7 +950,7 @@ func TestPeerDeathKillLoop(t *testing.T) {
 		if i%2 == 1 {
 			side = "client"
 		}
-		mode := clModes[(i/2)%2]
+		mode := bothModes[(i/2)%2]
 		ok := t.Run(fmt.Sprintf("%d", i), func(t *testing.T) {
 			nstreams := 1 + rand.IntN(6)
 			p := pdConnect(t, side, "mixed", "default", mode, prefix, nstreams)

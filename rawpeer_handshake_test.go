@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,6 +19,9 @@ import (
 )
 
 // ---- hostile client: regions and handshake ----
+
+// rawRegionSeq numbers the regions raw clients create, for unique names.
+var rawRegionSeq atomic.Uint32
 
 // rawRegions are the regions a raw client made with the package's own
 // helpers, mapped, with their names and descriptors.

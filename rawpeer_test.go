@@ -18,6 +18,9 @@ import (
 
 // ---- frames, written by hand (PROTOCOL.md §2) ----
 
+// rawMagic is the magic field of every frame header.
+const rawMagic = 0x7758
+
 // rawFrame builds a header (PROTOCOL.md §2.1) followed by payload.
 func rawFrame(length uint32, magic uint16, version, typ byte, payload ...byte) []byte {
 	b := binary.BigEndian.AppendUint32(nil, length)

@@ -20,17 +20,14 @@ import (
 // wake-up fails the test instead of hanging it.
 const streamTestTimeout = 20 * time.Second
 
-// streamTestModes is the transport matrix: every test runs over a Unix socket
-// with memfd regions and with /dev/shm file regions.
-var streamTestModes = []MemMapType{MemMapTypeMemFd, MemMapTypeDevShmFile}
-
 // streamTestSizes are message sizes around the slice sizes of the default
 // configuration (8172, 32748 and 131052 data bytes per slice).
 var streamTestSizes = []int{1, 64, 4096, 8172, 8173, 32748, 131052, 131053, 300000, 1 << 20, 4 << 20}
 
-// forEachStreamMode runs test as a subtest for each transport of the matrix.
+// forEachStreamMode runs test as a subtest for each transport of the
+// matrix: a Unix socket with memfd regions and with /dev/shm file regions.
 func forEachStreamMode(t *testing.T, test func(t *testing.T, mode MemMapType)) {
-	for _, mode := range streamTestModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) { test(t, mode) })
 	}
 }

@@ -1,9 +1,9 @@
 package shmipc
 
-// Test peers shared by the tests that play one side of a session by hand:
-// unique /dev/shm names, a small configuration, a real server with an echo
-// handler and a well-behaved session, and bounded waits for a session to
-// start or end.
+// Test peers shared by the test files: unique names for sockets and
+// /dev/shm files, connection pairs, echo servers, a real server with a
+// well-behaved session beside the one under test, handshakes run in the
+// background, and bounded waits.
 
 import (
 	"errors"
@@ -14,24 +14,26 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 )
 
+// ---- names and configuration ----
+
 // peerTimeout bounds every wait of these tests.
 const peerTimeout = 5 * time.Second
 
-// readerSpin is the ConsumerSpinTime of victims whose corruption must be
-// found by a reader polling the queue rather than by a wake-up frame.
-const readerSpin = 300 * time.Millisecond
-
-const rawMagic = 0x7758
-
-var rawRegionSeq atomic.Uint32
-
-// bothModes: version 2 over /dev/shm files and version 3 over memfds.
+// bothModes are the two kinds of shared memory: /dev/shm files (which
+// protocol version 2 requires) and memfds (version 3 only).
 var bothModes = []MemMapType{MemMapTypeDevShmFile, MemMapTypeMemFd}
+
+// modeName names a mode in subtest names.
+func modeName(mode MemMapType) string {
+	if mode == MemMapTypeMemFd {
+		return "v3 memfd"
+	}
+	return "v2 file"
+}
 
 // shmPrefix returns a ShareMemoryPathPrefix no other test or process uses,
 // /dev/shm/shmipc_<tag>_<pid>_<random>, and removes whatever is left under it
@@ -63,6 +65,11 @@ func shmFiles(prefix string) []string {
 	return out
 }
 
+// sockPath is a socket path in a directory of the test's own.
+func sockPath(t testing.TB) string {
+	return filepath.Join(t.TempDir(), "s.sock")
+}
+
 // peerConfig is a small configuration: a 1 MiB buffer region of the
 // reference slice sizes (63, 9 and 1 slices), 64-element queues.
 func peerConfig(t *testing.T, mode MemMapType, spin time.Duration) *Config {
@@ -79,37 +86,61 @@ func peerConfig(t *testing.T, mode MemMapType, spin time.Duration) *Config {
 	return c
 }
 
-// ---- the real server side: a Listener with an echo handler and a good
-// client session ----
+// readerSpin is the ConsumerSpinTime of victims whose corruption must be
+// found by a reader polling the queue rather than by a wake-up frame.
+const readerSpin = 300 * time.Millisecond
 
-type testServer struct {
-	conf *Config
-	ln   *Listener
-	addr string
-	good *Session
-}
+// ---- connections ----
 
-func startTestServer(t *testing.T, spin time.Duration) *testServer {
+// unixPair returns both ends of a Unix stream connection made through a
+// socket of the test's own: the dialing end and the accepted end.
+func unixPair(t *testing.T) (dialed, accepted *net.UnixConn) {
 	t.Helper()
-	conf := peerConfig(t, MemMapTypeMemFd, spin)
-	ln, err := Listen("unix", filepath.Join(t.TempDir(), "hp.sock"), conf)
+	ln, err := net.Listen("unix", sockPath(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { ln.Close() })
-	go serveStreams(ln, echoStream)
-	env := &testServer{conf: conf, ln: ln, addr: ln.Addr().String()}
-	good, err := Dial("unix", env.addr, peerConfig(t, MemMapTypeMemFd, 0))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { good.Close() })
-	env.good = good
-	if err := echoRoundTrip(good, "warm-up"); err != nil {
-		t.Fatalf("good session: %v", err)
-	}
-	return env
+	d, a := connPair(t, ln)
+	return d.(*net.UnixConn), a.(*net.UnixConn)
 }
+
+// tcpPair is unixPair over TCP loopback.
+func tcpPair(t *testing.T) (dialed, accepted net.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return connPair(t, ln)
+}
+
+// connPair dials ln, accepts the connection and closes ln. Both ends are
+// closed when the test ends.
+func connPair(t *testing.T, ln net.Listener) (dialed, accepted net.Conn) {
+	t.Helper()
+	defer ln.Close()
+	ch := make(chan net.Conn, 1)
+	go func() {
+		c, _ := ln.Accept()
+		ch <- c
+	}()
+	dialed, err := net.Dial(ln.Addr().Network(), ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	accepted = <-ch
+	if accepted == nil {
+		dialed.Close()
+		t.Fatal("accept failed")
+	}
+	t.Cleanup(func() {
+		dialed.Close()
+		accepted.Close()
+	})
+	return dialed, accepted
+}
+
+// ---- serving streams ----
 
 // streamAcceptor is a Listener or a Session.
 type streamAcceptor interface {
@@ -201,6 +232,39 @@ func mustEcho(t testing.TB, s *Session) {
 	}
 }
 
+// ---- a real server with a good session ----
+
+// testServer is a Listener that echoes every stream, with a well-behaved
+// client session for checking that the process still serves others.
+type testServer struct {
+	conf *Config
+	ln   *Listener
+	addr string
+	good *Session
+}
+
+func startTestServer(t *testing.T, spin time.Duration) *testServer {
+	t.Helper()
+	conf := peerConfig(t, MemMapTypeMemFd, spin)
+	ln, err := Listen("unix", filepath.Join(t.TempDir(), "hp.sock"), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go serveStreams(ln, echoStream)
+	env := &testServer{conf: conf, ln: ln, addr: ln.Addr().String()}
+	good, err := Dial("unix", env.addr, peerConfig(t, MemMapTypeMemFd, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { good.Close() })
+	env.good = good
+	if err := echoRoundTrip(good, "warm-up"); err != nil {
+		t.Fatalf("good session: %v", err)
+	}
+	return env
+}
+
 // checkGood runs an echo on the well-behaved session after a case.
 func (e *testServer) checkGood(t *testing.T) {
 	t.Helper()
@@ -233,6 +297,8 @@ func (e *testServer) waitSession(t *testing.T, before map[*Session]bool) *Sessio
 	})
 	return found
 }
+
+// ---- handshakes in the background ----
 
 // handshakeResult is what Client, Server or Dial returned, and how long it
 // took.
@@ -269,6 +335,8 @@ func awaitHandshake(t *testing.T, ch <-chan handshakeResult, within time.Duratio
 	}
 }
 
+// ---- waiting and closing ----
+
 // waitUntil polls cond until it holds, for up to within.
 func waitUntil(t testing.TB, what string, within time.Duration, cond func() bool) {
 	t.Helper()
@@ -286,6 +354,22 @@ func waitSessionClosed(t testing.TB, s *Session, within time.Duration) error {
 	t.Helper()
 	waitUntil(t, "the "+s.role()+" session ends", within, s.IsClosed)
 	return s.Err()
+}
+
+// closeWithin closes s and fails the test if Close does not return within
+// the given time.
+func closeWithin(t testing.TB, s *Session, within time.Duration) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		s.Close()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(within):
+		t.Errorf("Session.Close still running after %v", within)
+	}
 }
 
 // expectClosedWith waits for a victim session to close and checks that its
@@ -316,81 +400,4 @@ func checkVictimError(t *testing.T, what string, err, is error, want []string) {
 			t.Errorf("%s %q does not mention %q", what, err, w)
 		}
 	}
-}
-
-// closeWithin closes s and fails the test if Close does not return within
-// the given time.
-func closeWithin(t testing.TB, s *Session, within time.Duration) {
-	t.Helper()
-	done := make(chan struct{})
-	go func() {
-		s.Close()
-		close(done)
-	}()
-	select {
-	case <-done:
-	case <-time.After(within):
-		t.Errorf("Session.Close still running after %v", within)
-	}
-}
-
-// modeName names a mode in subtest names.
-func modeName(mode MemMapType) string {
-	if mode == MemMapTypeMemFd {
-		return "v3 memfd"
-	}
-	return "v2 file"
-}
-
-// sockPath is a socket path in a directory of the test's own.
-func sockPath(t testing.TB) string {
-	return filepath.Join(t.TempDir(), "s.sock")
-}
-
-// unixPair returns both ends of a Unix stream connection made through a
-// socket of the test's own: the dialing end and the accepted end.
-func unixPair(t *testing.T) (dialed, accepted *net.UnixConn) {
-	t.Helper()
-	ln, err := net.Listen("unix", sockPath(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	d, a := connPair(t, ln)
-	return d.(*net.UnixConn), a.(*net.UnixConn)
-}
-
-// tcpPair is unixPair over TCP loopback.
-func tcpPair(t *testing.T) (dialed, accepted net.Conn) {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return connPair(t, ln)
-}
-
-// connPair dials ln, accepts the connection and closes ln. Both ends are
-// closed when the test ends.
-func connPair(t *testing.T, ln net.Listener) (dialed, accepted net.Conn) {
-	t.Helper()
-	defer ln.Close()
-	ch := make(chan net.Conn, 1)
-	go func() {
-		c, _ := ln.Accept()
-		ch <- c
-	}()
-	dialed, err := net.Dial(ln.Addr().Network(), ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	accepted = <-ch
-	if accepted == nil {
-		dialed.Close()
-		t.Fatal("accept failed")
-	}
-	t.Cleanup(func() {
-		dialed.Close()
-		accepted.Close()
-	})
-	return dialed, accepted
 }
