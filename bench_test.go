@@ -5,10 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
-	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -222,10 +219,6 @@ var (
 
 var errEchoDiffers = errors.New("the echo differs from the message")
 
-func benchSocketPath(b *testing.B) string {
-	return filepath.Join(b.TempDir(), fmt.Sprintf("bench_%d_%x.sock", os.Getpid(), rand.Uint32()))
-}
-
 // serveEach runs serve on every connection ln accepts until ln is closed.
 // The returned function, called once ln is closed, waits for the accept
 // loop and the servers to finish.
@@ -254,7 +247,7 @@ func serveEach(ln net.Listener, serve func(net.Conn)) (wait func()) {
 // serveShm listens for shmipc sessions and echoes on their streams. All
 // clients share one session, a stream each.
 func serveShm(b *testing.B, size int) benchServer {
-	sock := benchSocketPath(b)
+	sock := sockPath(b)
 	conf := DefaultConfig()
 	ln, err := Listen("unix", sock, conf)
 	if err != nil {
@@ -340,7 +333,7 @@ func (c *shmClient) Close() error { return c.st.Close() }
 // serveUds listens on a Unix socket and echoes on every connection; each
 // client has its own connection.
 func serveUds(b *testing.B, size int) benchServer {
-	sock := benchSocketPath(b)
+	sock := sockPath(b)
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
 		b.Fatal(err)
@@ -415,14 +408,11 @@ const benchHogRole = "cpu-hog"
 // each, and stops them when b ends.
 func startBenchHogs(b *testing.B, n int) {
 	for range n {
-		c := proctest.Start(b, proctest.Config{
+		c, _ := startChild(b, proctest.Config{
 			TestName: "TestBenchHogChild",
 			Role:     benchHogRole,
 			Timeout:  24 * time.Hour, // a full benchmark run takes long; Stop and the parent's death end it
 		})
-		if _, err := c.WaitReady(10 * time.Second); err != nil {
-			b.Fatalf("CPU hog did not start: %v\n%s", err, c.Output())
-		}
 		b.Cleanup(func() {
 			if err := c.Stop(10 * time.Second); err != nil {
 				b.Errorf("CPU hog: %v\n%s", err, c.Output())

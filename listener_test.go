@@ -44,14 +44,11 @@ func TestListenerChild(t *testing.T) {
 // lnStartChild starts a child in role on sock and waits until it is ready.
 func lnStartChild(t *testing.T, role, sock, prefix string) *proctest.Child {
 	t.Helper()
-	c := proctest.Start(t, proctest.Config{
+	c, _ := startChild(t, proctest.Config{
 		TestName: lnChildTest,
 		Role:     role,
 		Args:     map[string]string{"SOCK": sock, "PREFIX": prefix},
 	})
-	if _, err := c.WaitReady(mpStartTimeout); err != nil {
-		t.Fatalf("%v\n%s", err, c.Output())
-	}
 	return c
 }
 
@@ -75,7 +72,7 @@ func lnEchoOnce(sock string, conf *Config) error {
 // its socket file behind; a new Listen on the path succeeds (nobody listens
 // there, so the file is stale) and serves clients.
 func TestListenTakesOverStaleSocket(t *testing.T) {
-	prefix := clPrefix(t, "ln")
+	prefix := shmPrefix(t, "ln")
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	c := lnStartChild(t, lnRoleEcho, sock, prefix)
 	if err := c.Kill(); err != nil {
@@ -102,7 +99,7 @@ func TestListenTakesOverStaleSocket(t *testing.T) {
 // TestListenRefusesLiveSocket: Listen on the path of a live server (another
 // process) fails with EADDRINUSE and leaves that server working.
 func TestListenRefusesLiveSocket(t *testing.T) {
-	prefix := clPrefix(t, "ln")
+	prefix := shmPrefix(t, "ln")
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	c := lnStartChild(t, lnRoleEcho, sock, prefix)
 	conf := clConfig(MemMapTypeMemFd, prefix)
@@ -130,7 +127,7 @@ func TestListenRefusesNonSocketFile(t *testing.T) {
 	if err := os.WriteFile(path, []byte("keep me"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	ln, err := Listen("unix", path, clConfig(MemMapTypeMemFd, clPrefix(t, "ln")))
+	ln, err := Listen("unix", path, clConfig(MemMapTypeMemFd, shmPrefix(t, "ln")))
 	if err == nil {
 		ln.Close()
 		t.Fatal("Listen over a regular file succeeded")
@@ -200,7 +197,7 @@ func (h *lnRecorder) matching(level slog.Level, msg, attr string) []slog.Record 
 // logs each failure as a warning, tries again, and serves the client that
 // connected meanwhile.
 func TestListenerRetriesAcceptErrors(t *testing.T) {
-	prefix := clPrefix(t, "ln")
+	prefix := shmPrefix(t, "ln")
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	raw, err := net.Listen("unix", sock)
 	if err != nil {

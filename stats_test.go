@@ -36,7 +36,7 @@ func TestStats(t *testing.T) {
 			case srvSess <- st.Session():
 			default:
 			}
-			go func() { defer st.Close(); io.Copy(st, st) }()
+			go echoStream(st)
 		}
 	}()
 	sess, err := Dial("unix", ln.Addr().String(), conf)
