@@ -161,7 +161,7 @@ func TestBufferExhaustion(t *testing.T) {
 	owner := map[uint32]int{}
 	var wg sync.WaitGroup
 	errs := make(chan error, 2)
-	held := make([][]shmSlice, 2)
+	held := make([][]segment, 2)
 	for side, bm := range []*bufferManager{m, peer} {
 		wg.Add(1)
 		go func() {
@@ -183,7 +183,7 @@ func TestBufferExhaustion(t *testing.T) {
 					errs <- fmt.Errorf("slice at %d handed to side %d and to side %d", off, prev, side)
 					return
 				}
-				held[side] = append(held[side], shmSlice{list: int32(li), off: off})
+				held[side] = append(held[side], segment{list: int32(li), off: off})
 			}
 		}()
 	}
@@ -233,7 +233,7 @@ func bufTestMsg(t *testing.T, m *bufferManager, parts ...string) (root uint32, o
 	return offs[0], offs
 }
 
-func chainText(slices []shmSlice) string {
+func chainText(slices []segment) string {
 	var b strings.Builder
 	for _, s := range slices {
 		b.Write(s.data)
@@ -247,7 +247,7 @@ func TestBufferReadChain(t *testing.T) {
 	m, peer := newHeapBuffer(t, bufTestPlans...)
 	root, offs := bufTestMsg(t, m, "first", "", strings.Repeat("s", 40), "last")
 	before := peer.freeCounts()
-	dst := []shmSlice{{off: 1}} // what the caller had: kept in front
+	dst := []segment{{off: 1}} // what the caller had: kept in front
 	got, err := peer.readChain(dst, root)
 	if err != nil {
 		t.Fatalf("readChain: %v", err)
@@ -358,7 +358,7 @@ func TestBufferReadChainRejects(t *testing.T) {
 func checkRejected(t *testing.T, m *bufferManager, root uint32, want string) {
 	t.Helper()
 	before := fmt.Sprint(m.freeCounts())
-	dst := []shmSlice{{off: 7}}
+	dst := []segment{{off: 7}}
 	got, err := m.readChain(dst, root)
 	if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), want) {
 		t.Errorf("readChain: %v; want ErrProtocol saying %q", err, want)
