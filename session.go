@@ -195,6 +195,9 @@ func (s *Session) closeWithError(cause error) {
 			s.err = fmt.Errorf("%w: %w", ErrSessionClosed, cause)
 		}
 		close(s.closed)
+		if s.buf != nil {
+			s.buf.unparkAll() // before the peer sees the end: its lists are full
+		}
 		s.ec.conn.Close()
 	})
 }

@@ -51,8 +51,9 @@ type RegionStats struct {
 	// Shmem in /proc/meminfo, counted once.
 	Committed uint64
 	// InUse is the data capacity of the slices handed out and not yet
-	// freed, by either process (buffer regions only). What one session
-	// holds of a shared region is not told apart from what the others hold.
+	// freed, by either process (buffer regions only; parked slices are
+	// free). What one session holds of a shared region is not told apart
+	// from what the others hold.
 	InUse uint64
 	// Sessions is the number of this process's sessions using the region
 	// (or, for AggregateStats, the number of regions summed).
@@ -63,7 +64,12 @@ type RegionStats struct {
 type ListStats struct {
 	SliceSize uint32 // data bytes per slice
 	Slices    uint32 // slices in the class
-	Free      int32  // slices free now
+	Free      int32  // slices free now, parked ones included
+	// Parked is how many of the free slices the process that created the
+	// region has taken out of circulation, their pages given back, while
+	// traffic needs fewer (circulation.go); it hands them out on demand.
+	// Always 0 in a process that did not create the region.
+	Parked int32
 }
 
 // sessionCounters are updated on the hot paths with atomic adds. Writers
@@ -115,10 +121,10 @@ func (s *Session) Stats() Stats {
 		st.RecvQueueDepth = s.recvQ.depth()
 		if s.buf.region.acquire() {
 			defer s.buf.region.release()
-			free := s.buf.freeCounts()
+			free, parked := s.buf.counts()
 			st.Lists = make([]ListStats, len(s.buf.lists))
 			for i, l := range s.buf.lists {
-				st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i]}
+				st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i], Parked: parked[i]}
 			}
 			st.Buffer = s.buf.regionStats(free)
 		}
