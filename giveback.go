@@ -31,9 +31,15 @@ import (
 // created.
 var giveBackPeriod = time.Second
 
-// listSample is what a list's header said at one look: its free count and
-// both processes' counter words, which change with every pop and push.
-type listSample struct{ free, creator, mapper int32 }
+// listSample is what a list's header said at one look: its free count,
+// head and tail, which move with every pop and push, and both processes'
+// counter words. A list that pops and pushes as much as it pushes between
+// two looks can show the same free count and counters at both; its head
+// and tail have moved, unless by exactly a multiple of the list's length.
+type listSample struct {
+	free, creator, mapper int32
+	head, tail            uint32
+}
 
 // sample reads list li's header words.
 func (m *bufferManager) sample(li int) listSample {
@@ -42,6 +48,8 @@ func (m *bufferManager) sample(li int) listSample {
 		free:    atomic.LoadInt32(m.i32(h + listFreeOff)),
 		creator: atomic.LoadInt32(m.i32(h + creatorCounter)),
 		mapper:  atomic.LoadInt32(m.i32(h + mapperCounter)),
+		head:    atomic.LoadUint32(m.u32(h + listHeadOff)),
+		tail:    atomic.LoadUint32(m.u32(h + listTailOff)),
 	}
 }
 
