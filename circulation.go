@@ -320,6 +320,13 @@ func (c *circulation) unparkOne(m *bufferManager, li int) (uint32, error) {
 	return off, c.refillLocked(m, li)
 }
 
+// unparkList pushes every parked slice of list li back.
+func (c *circulation) unparkList(m *bufferManager, li int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.unparkListLocked(m, li)
+}
+
 // unparkListLocked pushes every parked slice of list li back.
 func (c *circulation) unparkListLocked(m *bufferManager, li int) {
 	defer c.setFloorLocked(li)
@@ -393,9 +400,7 @@ func (m *bufferManager) look(period, giveBack time.Duration) {
 				break
 			}
 			c.settled[li] = true
-			c.mu.Lock()
-			c.unparkListLocked(m, li)
-			c.mu.Unlock()
+			c.unparkList(m, li)
 			_ = c.unkeep(m, li, math.MaxInt32)
 			if resident == nil {
 				if resident = residentPages(m.mem); resident == nil {
@@ -423,22 +428,7 @@ func (m *bufferManager) steer(li int) {
 	c.spare[li] = spare
 	park := time.Now().After(c.hold) && m.sessions.Load() > 0
 	c.mu.Unlock()
-	for park {
-		c.mu.Lock()
-		circulating := int32(l.count) - int32(len(c.parked[li]))
-		if circulating <= peak+spare || atomic.LoadInt32(free) <= spare {
-			c.mu.Unlock()
-			break
-		}
-		off, _, err := m.popList(li)
-		if off == 0 || err != nil {
-			c.mu.Unlock()
-			break
-		}
-		m.punch(li, off)
-		c.parked[li] = append(c.parked[li], off)
-		c.setFloorLocked(li)
-		c.mu.Unlock()
+	for park && c.parkOne(m, li, peak+spare) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -446,4 +436,26 @@ func (m *bufferManager) steer(li int) {
 		_ = c.refillLocked(m, li)
 	}
 	c.setFloorLocked(li)
+}
+
+// parkOne parks a slice of list li if more than keep of its slices are in
+// circulation and the list holds more than its spare; it reports whether
+// it did. The lock is held for one slice at a time, so an allocation that
+// needs a parked slice waits for one punch at most.
+func (c *circulation) parkOne(m *bufferManager, li int, keep int32) bool {
+	l := &m.lists[li]
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	circulating := int32(l.count) - int32(len(c.parked[li]))
+	if circulating <= keep || atomic.LoadInt32(m.i32(l.header+listFreeOff)) <= c.spare[li] {
+		return false
+	}
+	off, _, err := m.popList(li)
+	if off == 0 || err != nil {
+		return false
+	}
+	m.punch(li, off)
+	c.parked[li] = append(c.parked[li], off)
+	c.setFloorLocked(li)
+	return true
 }
