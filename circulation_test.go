@@ -267,3 +267,85 @@ func circLogLists(t *testing.T, sess *Session, when string) {
 			when, l.sliceCap, n*pageSize>>10, st.Lists[li].Free, st.Lists[li].Parked, c.kept(li), c.spare[li], c.lists[li].floor.Load(), c.peaks[li], c.quiet[li])
 	}
 }
+
+// TestParkedSlicesReachThePeer checks that parking never keeps slices from
+// the peer: once a list has parked slices, the peer (here the server side
+// of an in-process session, popping directly as any peer does) can take
+// every slice of the list but the last, each within a few periods of
+// finding the list short, without this process allocating anything; and
+// once it pushes them back, every list is full.
+func TestParkedSlicesReachThePeer(t *testing.T) {
+	old := giveBackPeriod
+	giveBackPeriod = time.Minute // no quiet give-back: only the refills return slices
+	defer func() { giveBackPeriod = old }()
+	conf := DefaultConfig()
+	ln := fpEchoListener(t, conf)
+	sess, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+	m := sess.buf
+	li := circListFor(t, m, 100<<10)
+
+	// Traffic in the class until some of its slices are parked.
+	msg := make([]byte, 100<<10)
+	deadline := time.Now().Add(10 * time.Second)
+	for sess.Stats().Lists[li].Parked == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("no slice of the %d-byte class parked after 10 s of traffic: %+v", m.lists[li].sliceCap, sess.Stats().Lists[li])
+		}
+		for range 20 {
+			fpEcho(t, sess, msg).Close()
+		}
+	}
+	t.Logf("before the peer takes them: %+v", sess.Stats().Lists[li])
+
+	var peer *Session
+	registry.Lock()
+	for s := range registry.live {
+		if !s.isClient && s.buf.region.path == m.region.path {
+			peer = s
+		}
+	}
+	registry.Unlock()
+	if peer == nil {
+		t.Fatal("no server session maps the client's region")
+	}
+	pm := peer.buf
+	count := int(m.lists[li].count)
+	var held []uint32
+	var waits int
+	var longest time.Duration
+	for len(held) < count-1 {
+		start := time.Now()
+		var off uint32
+		for {
+			if off, err = pm.pop(li); err != nil {
+				t.Fatal(err)
+			}
+			if off != 0 {
+				break
+			}
+			if time.Since(start) > 20*circulationPeriod {
+				t.Fatalf("the peer holds %d of %d slices and has found none for %v: %+v", len(held), count, time.Since(start), sess.Stats().Lists[li])
+			}
+			time.Sleep(time.Millisecond)
+		}
+		if d := time.Since(start); d > time.Millisecond {
+			waits++
+			longest = max(longest, d)
+		}
+		held = append(held, off)
+	}
+	t.Logf("the peer took all %d slices but the last; it waited %d times, at most %v", len(held), waits, longest)
+	if st := sess.Stats().Lists[li]; st.Parked != 0 {
+		t.Errorf("%d slices still parked while the peer holds all it can: %+v", st.Parked, st)
+	}
+	for _, off := range held {
+		if err := pm.push(li, off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fpWaitFull(t, sess)
+}
