@@ -277,11 +277,6 @@ func (m *bufferManager) popList(li int) (uint32, int32, error) {
 // push returns the slice at absolute offset off, which belongs to list li, to
 // its free list (PROTOCOL.md §4.9).
 func (m *bufferManager) push(li int, off uint32) error {
-	if m.circ != nil {
-		if kept, err := m.circ.keep(m, li, off); kept {
-			return err
-		}
-	}
 	left, err := m.pushList(li, off)
 	if err == nil && m.circ != nil {
 		// Just before this push the list held one slice fewer.
@@ -354,15 +349,10 @@ func (m *bufferManager) alloc(n int, split bool) (li int, off uint32, err error)
 	return -1, 0, nil
 }
 
-// take pops a slice of list li for this process's own use: one it kept
-// when it freed it, or one from the free list, or when that has none to
-// spare, one of the list's parked slices (circulation.go).
+// take pops a slice of list li for this process's own use: from the free
+// list, or when that has none to spare, one of the list's parked slices
+// (circulation.go).
 func (m *bufferManager) take(li int) (uint32, error) {
-	if m.circ != nil {
-		if off, err := m.circ.reuse(m, li); off != 0 {
-			return off, err
-		}
-	}
 	off, err := m.pop(li)
 	if off == 0 && err == nil && m.circ != nil {
 		off, err = m.circ.unparkOne(m, li)
@@ -488,15 +478,15 @@ func seen(slices []shmSlice, off uint32) bool {
 }
 
 // freeCounts returns the free slices of each list, for tests and
-// statistics: those on the free list, and those this process holds back
-// (circulation.go: parked or kept for reuse), which it hands out on demand.
+// statistics: those on the free list and those this process has parked
+// (circulation.go), which are free and handed out on demand.
 func (m *bufferManager) freeCounts() []int32 {
 	free, _ := m.counts()
 	return free
 }
 
-// counts returns the free slices of each list (those held back included)
-// and, of those, how many this process has parked.
+// counts returns the free slices of each list (parked ones included) and,
+// of those, how many this process has parked.
 func (m *bufferManager) counts() (free, parked []int32) {
 	free = make([]int32, len(m.lists))
 	parked = make([]int32, len(m.lists))
@@ -509,7 +499,7 @@ func (m *bufferManager) counts() (free, parked []int32) {
 		free[i] = atomic.LoadInt32(m.i32(m.lists[i].header + listFreeOff))
 		if c != nil {
 			parked[i] = int32(len(c.parked[i]))
-			free[i] += parked[i] + c.kept(i)
+			free[i] += parked[i]
 		}
 	}
 	return free, parked

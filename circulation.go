@@ -1,7 +1,6 @@
 package shmipc
 
 import (
-	"math"
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
@@ -57,19 +56,6 @@ import (
 //
 // Parked slices count as free in Stats and freeCounts: they are free, and
 // this process hands them out on demand.
-//
-// Kept for reuse. The creating process also keeps a few of the slices it
-// frees, at most keepMax and a sixteenth of the list, and hands them out
-// again for its own next allocations, the most recently freed first. In
-// request/response traffic it then rarely touches the list header, whose
-// cache line would otherwise bounce between the two processes on every pop
-// and push, and the slices it reuses are the ones whose pages are in use
-// anyway. Kept slices are free in Stats, but the lists count them as in
-// flight, so peak_c above includes them. They go back to the list with the
-// parked ones: when a session ends, when the list is quiet, before the
-// region is unmapped, and when a refill has no parked slice left. Lists
-// of fewer than 16 slices keep none: each of their slices is a large part
-// of what the peer can have.
 
 // circulationPeriod is how often a region's lists are looked at. A region
 // takes the value when it is created.
@@ -85,8 +71,6 @@ const (
 	minSpare   = 2
 	// parkHold is how long no slice is parked after a session ends.
 	parkHold = 250 * time.Millisecond
-	// keepMax is the most slices of one list kept for reuse.
-	keepMax = 32
 )
 
 // circList is what the hot path reads and writes of a list's circulation:
@@ -98,27 +82,9 @@ type circList struct {
 	_     [56]byte
 }
 
-// keptList holds the slices of one list kept for reuse, on a cache line
-// of its own.
-type keptList struct {
-	mu   sync.Mutex
-	offs []uint32 // LIFO; its capacity is the most kept
-	ops  uint32   // keeps and reuses, for sampling the free count
-	_    [28]byte
-}
-
-// keptSample is how often (every keptSample-th keep or reuse) the free
-// count of the list is read and observed, as pops and pushes observe it.
-// A process that reuses what it frees seldom pops or pushes, but the lowest
-// free count must still be seen, and a list the peer has emptied refilled;
-// reading the list header on every reuse would bring back the cache-line
-// traffic that keeping saves.
-const keptSample = 8
-
 // circulation is the circulation control of a region this process created.
 type circulation struct {
 	lists []circList
-	keeps []keptList
 
 	mu     sync.Mutex
 	parked [][]uint32 // per list, the header offsets of its parked slices
@@ -129,7 +95,6 @@ type circulation struct {
 	peaks   [][circulationWindow]int32
 	pos     int
 	last    []listSample
-	lastOps []uint32 // the keeps' ops at the last look
 	quiet   []time.Duration
 	settled []bool // given back since its last traffic
 }
@@ -144,13 +109,10 @@ func (m *bufferManager) startCirculation() {
 		spare:   make([]int32, n),
 		peaks:   make([][circulationWindow]int32, n),
 		last:    make([]listSample, n),
-		lastOps: make([]uint32, n),
 		quiet:   make([]time.Duration, n),
 		settled: make([]bool, n),
 	}
-	c.keeps = make([]keptList, n)
 	for li := range m.lists {
-		c.keeps[li].offs = make([]uint32, 0, min(keepMax, m.lists[li].count/16))
 		c.lists[li].low.Store(int32(m.lists[li].count))
 		c.spare[li] = m.spareFor(li, 0)
 		c.last[li] = m.sample(li)
@@ -178,89 +140,6 @@ func (m *bufferManager) spareFor(li int, peak int32) int32 {
 	return min(spare, int32(l.count))
 }
 
-// keep keeps the slice at off of list li, which this process frees, for
-// its own reuse; it reports false when there is no room.
-func (c *circulation) keep(m *bufferManager, li int, off uint32) (bool, error) {
-	k := &c.keeps[li]
-	if cap(k.offs) == 0 {
-		return false, nil
-	}
-	k.mu.Lock()
-	if len(k.offs) == cap(k.offs) {
-		k.mu.Unlock()
-		return false, nil
-	}
-	k.offs = append(k.offs, off)
-	k.ops++
-	sample := k.ops%keptSample == 0
-	k.mu.Unlock()
-	if sample {
-		return true, c.observe(m, li, atomic.LoadInt32(m.i32(m.lists[li].header+listFreeOff)))
-	}
-	return true, nil
-}
-
-// reuse hands out the slice of list li kept last, or returns 0.
-func (c *circulation) reuse(m *bufferManager, li int) (uint32, error) {
-	k := &c.keeps[li]
-	if cap(k.offs) == 0 {
-		return 0, nil
-	}
-	k.mu.Lock()
-	n := len(k.offs)
-	if n == 0 {
-		k.mu.Unlock()
-		return 0, nil
-	}
-	off := k.offs[n-1]
-	k.offs = k.offs[:n-1]
-	k.ops++
-	sample := k.ops%keptSample == 0
-	k.mu.Unlock()
-	if sample {
-		return off, c.observe(m, li, atomic.LoadInt32(m.i32(m.lists[li].header+listFreeOff)))
-	}
-	return off, nil
-}
-
-// kept returns how many slices of list li are kept for reuse.
-func (c *circulation) kept(li int) int32 {
-	n, _ := c.keptOps(li)
-	return n
-}
-
-// keptOps returns how many slices of list li are kept for reuse, and how
-// many keeps and reuses there have been.
-func (c *circulation) keptOps(li int) (int32, uint32) {
-	k := &c.keeps[li]
-	if cap(k.offs) == 0 {
-		return 0, 0
-	}
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	return int32(len(k.offs)), k.ops
-}
-
-// unkeep pushes the slices of list li kept for reuse back to the list,
-// while its free count is below until.
-func (c *circulation) unkeep(m *bufferManager, li int, until int32) error {
-	k := &c.keeps[li]
-	if cap(k.offs) == 0 {
-		return nil
-	}
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	free := m.i32(m.lists[li].header + listFreeOff)
-	for len(k.offs) > 0 && atomic.LoadInt32(free) < until {
-		off := k.offs[len(k.offs)-1]
-		k.offs = k.offs[:len(k.offs)-1]
-		if _, err := m.pushList(li, off); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
 // observe notes that list li was left with left free slices by a pop or
 // push of this process, and refills the list if it is short.
 func (c *circulation) observe(m *bufferManager, li int, left int32) error {
@@ -283,8 +162,7 @@ func (c *circulation) setFloorLocked(li int) {
 	c.lists[li].floor.Store(floor)
 }
 
-// refill pushes parked slices of list li until it holds its spare, and
-// kept ones if the parked ones are not enough.
+// refill pushes parked slices of list li until it holds its spare.
 func (c *circulation) refill(m *bufferManager, li int) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -303,7 +181,7 @@ func (c *circulation) refillLocked(m *bufferManager, li int) error {
 			return err
 		}
 	}
-	return c.unkeep(m, li, c.spare[li])
+	return nil
 }
 
 // unparkOne hands out a parked slice of list li, whose free list had none
@@ -342,8 +220,7 @@ func (c *circulation) unparkListLocked(m *bufferManager, li int) {
 	}
 }
 
-// unparkAll pushes every parked slice and every slice kept for reuse back,
-// and parks none for parkHold. It runs when a session using the region ends
+// unparkAll pushes every parked slice back and parks none for parkHold. It runs when a session using the region ends
 // and before the region is unmapped. A fault (a region shrunk under us)
 // ends the work quietly.
 func (m *bufferManager) unparkAll() {
@@ -362,7 +239,6 @@ func (m *bufferManager) unparkAll() {
 	c.hold = time.Now().Add(parkHold)
 	for li := range c.parked {
 		c.unparkListLocked(m, li)
-		_ = c.unkeep(m, li, math.MaxInt32)
 	}
 }
 
@@ -387,11 +263,8 @@ func (m *bufferManager) look(period, giveBack time.Duration) {
 		parked := int32(len(c.parked[li]))
 		c.mu.Unlock()
 		c.peaks[li][c.pos] = max(0, int32(m.lists[li].count)-parked-low)
-		_, ops := c.keptOps(li)
-		busy := now != c.last[li] || ops != c.lastOps[li]
-		c.lastOps[li] = ops
 		switch {
-		case busy:
+		case now != c.last[li]:
 			c.quiet[li], c.settled[li] = 0, false
 			m.steer(li)
 		case !c.settled[li]:
@@ -401,7 +274,6 @@ func (m *bufferManager) look(period, giveBack time.Duration) {
 			}
 			c.settled[li] = true
 			c.unparkList(m, li)
-			_ = c.unkeep(m, li, math.MaxInt32)
 			if resident == nil {
 				if resident = residentPages(m.mem); resident == nil {
 					break

@@ -152,8 +152,7 @@ func TestCommittedFollowsInFlight(t *testing.T) {
 
 	// Streams by message size. A stream has at most three slices in
 	// flight: its request, the reply, and its next request reserved before
-	// the server has released the previous one; and the client may keep
-	// some freed slices for reuse, which the lists count as in flight.
+	// the server has released the previous one.
 	loads := []struct{ size, streams int }{
 		{1 << 20, 1},   // the 1 MiB class: 8 slices
 		{100 << 10, 2}, // the 128 KiB class: 66 slices
@@ -162,7 +161,7 @@ func TestCommittedFollowsInFlight(t *testing.T) {
 	for _, ld := range loads {
 		li := circListFor(t, m, ld.size)
 		l := &m.lists[li]
-		peak := int32(3*ld.streams + cap(m.circ.keeps[li].offs))
+		peak := int32(3 * ld.streams)
 		cycling := min(int32(l.count), peak+m.spareFor(li, peak))
 		bound += uint64(cycling) * uint64(l.stride)
 		all += uint64(l.count) * uint64(l.stride)
@@ -248,8 +247,8 @@ func TestCommittedFollowsInFlight(t *testing.T) {
 }
 
 // circLogLists logs the state of every list of sess's buffer region: its
-// resident data, free, parked and kept slices, and the circulation
-// control's view of it.
+// resident data, free and parked slices, and the circulation control's
+// view of it.
 func circLogLists(t *testing.T, sess *Session, when string) {
 	t.Helper()
 	m := sess.buf
@@ -263,8 +262,8 @@ func circLogLists(t *testing.T, sess *Session, when string) {
 		for p := int(l.header) / pageSize; res != nil && p < int(l.end())/pageSize; p++ {
 			n += int(res[p] & 1)
 		}
-		t.Logf("%s: list of %d-byte slices: %d KiB resident, %d free, %d parked, %d kept; spare %d, floor %d, peaks %v, quiet %v",
-			when, l.sliceCap, n*pageSize>>10, st.Lists[li].Free, st.Lists[li].Parked, c.kept(li), c.spare[li], c.lists[li].floor.Load(), c.peaks[li], c.quiet[li])
+		t.Logf("%s: list of %d-byte slices: %d KiB resident, %d free, %d parked; spare %d, floor %d, peaks %v, quiet %v",
+			when, l.sliceCap, n*pageSize>>10, st.Lists[li].Free, st.Lists[li].Parked, c.spare[li], c.lists[li].floor.Load(), c.peaks[li], c.quiet[li])
 	}
 }
 
