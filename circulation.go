@@ -38,9 +38,11 @@ import (
 //     this process's pushes soon after they happen, and by the next look at
 //     the latest: a peer that finds a list short (and waits, or sends
 //     fallback data) does so for at most one period;
-//   - when a session using the region ends, every parked slice is pushed
-//     back before its connection closes (the peer may check that its lists
-//     are full), and no slice is parked for parkHold after that;
+//   - when the last session using the region ends, every parked slice is
+//     pushed back before its connection closes (the peer may check that its
+//     lists are full), and no slice is parked for parkHold after that;
+//     sessions that end while others go on leave the parked slices to
+//     those, as they belong to the region, not to a session;
 //   - when a list has been quiet for giveBackPeriod, its parked slices go
 //     back (their pages are already given back) and the pages of the others
 //     are given back too (giveback.go): an idle region has full lists and
@@ -220,9 +222,19 @@ func (c *circulation) unparkListLocked(m *bufferManager, li int) {
 	}
 }
 
-// unparkAll pushes every parked slice back and parks none for parkHold. It runs when a session using the region ends
-// and before the region is unmapped. A fault (a region shrunk under us)
-// ends the work quietly.
+// sessionEnding runs when a session using the region ends, before its
+// connection closes: if no other session of this process uses the region,
+// every parked slice goes back, so that the peer finds its lists full.
+func (m *bufferManager) sessionEnding() {
+	if m.circ != nil && m.sessions.Load() <= 1 {
+		m.unparkAll()
+	}
+}
+
+// unparkAll pushes every parked slice back and parks none for parkHold.
+// It runs when the last session using the region ends and before the
+// region is unmapped. A fault (a region shrunk under us) ends the work
+// quietly.
 func (m *bufferManager) unparkAll() {
 	c := m.circ
 	if c == nil {

@@ -196,7 +196,7 @@ func (s *Session) closeWithError(cause error) {
 		}
 		close(s.closed)
 		if s.buf != nil {
-			s.buf.unparkAll() // before the peer sees the end: its lists are full
+			s.buf.sessionEnding() // before the peer sees the end
 		}
 		s.ec.conn.Close()
 	})
