@@ -71,7 +71,8 @@ const (
 	// last slice, so 2 leave one that can be popped).
 	spareBytes = 1 << 20
 	minSpare   = 2
-	// parkHold is how long no slice is parked after a session ends.
+	// parkHold is how long no slice is parked after the last session
+	// using the region ends.
 	parkHold = 250 * time.Millisecond
 )
 

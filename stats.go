@@ -65,10 +65,11 @@ type ListStats struct {
 	SliceSize uint32 // data bytes per slice
 	Slices    uint32 // slices in the class
 	Free      int32  // slices free now, parked ones included
-	// Parked is how many of the free slices the process that created the
-	// region has taken out of circulation, their pages given back, while
-	// traffic needs fewer (circulation.go); it hands them out on demand.
-	// Always 0 in a process that did not create the region.
+	// Parked is how many of the free slices this process, which created
+	// the region, has taken out of circulation with their pages given
+	// back, because traffic needs fewer; it hands them out again on demand.
+	// A process that did not create the region parks none, and does not
+	// count the creator's parked slices as free.
 	Parked int32
 }
 
