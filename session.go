@@ -185,6 +185,9 @@ func (s *Session) closeWithError(cause error) {
 			s.err = fmt.Errorf("%w: %w", ErrSessionClosed, cause)
 		}
 		close(s.closed)
+		if s.buf != nil {
+			s.buf.sessionEnding() // before the peer sees the end
+		}
 		s.ec.conn.Close()
 	})
 }

@@ -49,8 +49,9 @@ type RegionStats struct {
 	// Shmem in /proc/meminfo, counted once.
 	Committed uint64
 	// InUse is the data capacity of the slices handed out and not yet
-	// freed, by either process (buffer regions only). What one session
-	// holds of a shared region is not told apart from what the others hold.
+	// freed, by either process (buffer regions only; parked slices are
+	// free). What one session holds of a shared region is not told apart
+	// from what the others hold.
 	InUse uint64
 	// Sessions is the number of this process's sessions using the region
 	// (or, for AggregateStats, the number of regions summed).
@@ -61,7 +62,13 @@ type RegionStats struct {
 type ListStats struct {
 	SliceSize uint32 // data bytes per slice
 	Slices    uint32 // slices in the class
-	Free      int32  // slices free now
+	Free      int32  // slices free now, parked ones included
+	// Parked is how many of the free slices this process, which created
+	// the region, has taken out of circulation with their pages given
+	// back, because traffic needs fewer; it hands them out again on demand.
+	// A process that did not create the region parks none, and does not
+	// count the creator's parked slices as free.
+	Parked int32
 }
 
 // sessionCounters are updated on the hot paths with atomic adds. Writers
@@ -113,10 +120,10 @@ func (s *Session) Stats() Stats {
 		st.RecvQueueDepth = s.recvQ.depth()
 		if s.buf.region.acquire() {
 			defer s.buf.region.release()
-			free := s.buf.freeCounts()
+			free, parked := s.buf.counts()
 			st.Lists = make([]ListStats, len(s.buf.lists))
 			for i, l := range s.buf.lists {
-				st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i]}
+				st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i], Parked: parked[i]}
 			}
 			st.Buffer = s.buf.regionStats(free)
 		}
