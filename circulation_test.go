@@ -278,7 +278,7 @@ func TestParkedSlicesReachThePeer(t *testing.T) {
 	giveBackPeriod = time.Minute // no quiet give-back: only the refills return slices
 	defer func() { giveBackPeriod = old }()
 	conf := DefaultConfig()
-	ln := fpEchoListener(t, conf)
+	ln := startEchoListener(t, conf)
 	sess, err := Dial("unix", ln.Addr().String(), conf)
 	if err != nil {
 		t.Fatal(err)
