@@ -152,7 +152,7 @@ func aqSmallRegion(c *Config) {
 // session is made here as Listener.serve makes it, so that the stream
 // certainly comes after Close.
 func TestListenerStreamAfterClose(t *testing.T) {
-	prefix := clPrefix(t, "aq")
+	prefix := shmPrefix(t, "aq")
 	conf := clConfig(MemMapTypeMemFd, prefix)
 	ln, err := Listen("unix", filepath.Join(t.TempDir(), "s.sock"), conf)
 	if err != nil {

@@ -5,10 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
-	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -41,8 +38,7 @@ import (
 // binary that spin until the benchmark ends.
 
 var (
-	benchHogs       = flag.Int("hogs", 0, "run the ping-pong benchmarks while this many CPU-bound processes compete for the cores")
-	benchOvercommit = flag.Bool("overcommit", false, "also run the shm ping-pong benchmarks whose messages in flight need more large slices than the default region has (see shmSlotsShort)")
+	benchHogs = flag.Int("hogs", 0, "run the ping-pong benchmarks while this many CPU-bound processes compete for the cores")
 )
 
 // pingPongSizes are the message sizes of the ping-pong benchmarks.
@@ -101,11 +97,6 @@ func BenchmarkParallelPingPongByUds4MB(b *testing.B)   { benchmarkParallel(b, ud
 // benchmarkStreams runs b.N round trips of size bytes on streams clients
 // at once.
 func benchmarkStreams(b *testing.B, tr benchTransport, streams, size int) {
-	if tr.name == shmTransport.name && !*benchOvercommit {
-		if err := shmSlotsShort(DefaultConfig(), streams, size); err != nil {
-			b.Skipf("%v (-overcommit runs it anyway)", err)
-		}
-	}
 	srv := tr.serve(b, size)
 	clients := make([]pingClient, streams)
 	for i := range clients {
@@ -156,31 +147,6 @@ func benchmarkStreams(b *testing.B, tr benchTransport, streams, size int) {
 	if wakeups >= 0 {
 		b.ReportMetric(float64(srv.wakeups()-wakeups)/float64(b.N), "wakeups/op")
 	}
-}
-
-// shmSlotsShort reports whether the requests of streams clients of the
-// shm echo can hold every slice of at least size bytes that a region of
-// conf has. Every message is reserved whole, so it takes one slice of its
-// size class or a larger one, and the echo server holds a request until it
-// has reserved the reply. When the requests hold all those slices, every
-// server waits for space (back-pressure) that only its own request could
-// give back: the round trips stall until WriteSpaceTimeout.
-func shmSlotsShort(conf *Config, streams, size int) error {
-	plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
-	if err != nil {
-		return err
-	}
-	slots := 0
-	for _, p := range plans {
-		if int(p.sliceCap) >= size {
-			slots += int(p.count)
-		}
-	}
-	if streams >= slots {
-		return fmt.Errorf("the requests of %d streams × %d B can hold all %d slices of at least %d B of the default region, and then the echo stalls",
-			streams, size, slots, size)
-	}
-	return nil
 }
 
 // slowestFastest is the smallest count divided by the largest.
@@ -253,10 +219,6 @@ var (
 
 var errEchoDiffers = errors.New("the echo differs from the message")
 
-func benchSocketPath(b *testing.B) string {
-	return filepath.Join(b.TempDir(), fmt.Sprintf("bench_%d_%x.sock", os.Getpid(), rand.Uint32()))
-}
-
 // serveEach runs serve on every connection ln accepts until ln is closed.
 // The returned function, called once ln is closed, waits for the accept
 // loop and the servers to finish.
@@ -285,7 +247,7 @@ func serveEach(ln net.Listener, serve func(net.Conn)) (wait func()) {
 // serveShm listens for shmipc sessions and echoes on their streams. All
 // clients share one session, a stream each.
 func serveShm(b *testing.B, size int) benchServer {
-	sock := benchSocketPath(b)
+	sock := sockPath(b)
 	conf := DefaultConfig()
 	ln, err := Listen("unix", sock, conf)
 	if err != nil {
@@ -330,7 +292,7 @@ func shmEchoServer(st *Stream, size int) {
 			return
 		}
 		copy(p, req)
-		st.ReleaseReadAndReuse()
+		st.BufferReader().ReleasePreviousRead()
 		if err := st.Flush(false); err != nil {
 			return
 		}
@@ -360,7 +322,7 @@ func (c *shmClient) roundTrip() error {
 	if reply[0] != 1 || reply[c.size-1] != 2 {
 		return errEchoDiffers
 	}
-	c.st.ReleaseReadAndReuse()
+	c.st.BufferReader().ReleasePreviousRead()
 	return nil
 }
 
@@ -371,7 +333,7 @@ func (c *shmClient) Close() error { return c.st.Close() }
 // serveUds listens on a Unix socket and echoes on every connection; each
 // client has its own connection.
 func serveUds(b *testing.B, size int) benchServer {
-	sock := benchSocketPath(b)
+	sock := sockPath(b)
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
 		b.Fatal(err)
@@ -446,14 +408,11 @@ const benchHogRole = "cpu-hog"
 // each, and stops them when b ends.
 func startBenchHogs(b *testing.B, n int) {
 	for range n {
-		c := proctest.Start(b, proctest.Config{
+		c, _ := startChild(b, proctest.Config{
 			TestName: "TestBenchHogChild",
 			Role:     benchHogRole,
 			Timeout:  24 * time.Hour, // a full benchmark run takes long; Stop and the parent's death end it
 		})
-		if _, err := c.WaitReady(10 * time.Second); err != nil {
-			b.Fatalf("CPU hog did not start: %v\n%s", err, c.Output())
-		}
 		b.Cleanup(func() {
 			if err := c.Stop(10 * time.Second); err != nil {
 				b.Errorf("CPU hog: %v\n%s", err, c.Output())

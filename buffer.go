@@ -70,6 +70,7 @@ type bufferManager struct {
 	usable   uint32       // the largest slice size that can be handed out
 	counter  uint32       // offset of our counter word in a list header
 	sessions atomic.Int32 // sessions of this process using the region
+	circ     *circulation // slices taken out of circulation (creator only)
 }
 
 // initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.
@@ -227,17 +228,28 @@ func corrupt(format string, args ...any) error {
 // absolute offset of the slice header, or 0 when the list has no slice to
 // spare. An error means the list is corrupt.
 func (m *bufferManager) pop(li int) (uint32, error) {
+	off, left, err := m.popList(li)
+	if off != 0 && m.circ != nil {
+		err = m.circ.observe(m, li, left)
+	}
+	return off, err
+}
+
+// popList is pop without the circulation bookkeeping. It also returns the
+// free count the list was left with.
+func (m *bufferManager) popList(li int) (uint32, int32, error) {
 	l := &m.lists[li]
 	free, head := m.i32(l.header+listFreeOff), m.u32(l.header+listHeadOff)
 	h := atomic.LoadUint32(head)
-	if atomic.AddInt32(free, -1) <= 0 {
+	left := atomic.AddInt32(free, -1)
+	if left <= 0 {
 		atomic.AddInt32(free, 1)
-		return 0, nil
+		return 0, 0, nil
 	}
 	for range popAttempts {
 		if !l.validRelative(h) {
 			atomic.AddInt32(free, 1)
-			return 0, corrupt("list of %d-byte slices: head %d is not a slice", l.sliceCap, h)
+			return 0, 0, corrupt("list of %d-byte slices: head %d is not a slice", l.sliceCap, h)
 		}
 		hdr := l.area + h
 		if m.flags(hdr)&flagHasNext != 0 {
@@ -245,26 +257,37 @@ func (m *bufferManager) pop(li int) (uint32, error) {
 			if !l.validRelative(next) {
 				if atomic.LoadUint32(head) == h {
 					atomic.AddInt32(free, 1)
-					return 0, corrupt("list of %d-byte slices: free slice %d links to %d, not a slice", l.sliceCap, h, next)
+					return 0, 0, corrupt("list of %d-byte slices: free slice %d links to %d, not a slice", l.sliceCap, h, next)
 				}
 			} else if atomic.CompareAndSwapUint32(head, h, next) {
 				m.setFlags(hdr, flagInUse)
 				atomic.AddInt32(m.i32(l.header+m.counter), 1)
-				return hdr, nil
+				return hdr, left, nil
 			}
 		} else if atomic.LoadInt32(free) <= 1 {
 			atomic.AddInt32(free, 1)
-			return 0, nil
+			return 0, 0, nil
 		}
 		h = atomic.LoadUint32(head)
 	}
 	atomic.AddInt32(free, 1)
-	return 0, nil
+	return 0, 0, nil
 }
 
 // push returns the slice at absolute offset off, which belongs to list li, to
 // its free list (PROTOCOL.md §4.9).
 func (m *bufferManager) push(li int, off uint32) error {
+	left, err := m.pushList(li, off)
+	if err == nil && m.circ != nil {
+		// Just before this push the list held one slice fewer.
+		err = m.circ.observe(m, li, left-1)
+	}
+	return err
+}
+
+// pushList is push without the circulation bookkeeping. It also returns the
+// free count the list was left with.
+func (m *bufferManager) pushList(li int, off uint32) (int32, error) {
 	l := &m.lists[li]
 	binary.LittleEndian.PutUint32(m.mem[off+sliceSizeOff:], 0)
 	binary.LittleEndian.PutUint32(m.mem[off+sliceStartOff:], 0)
@@ -274,18 +297,18 @@ func (m *bufferManager) push(li int, off uint32) error {
 	for range pushAttempts {
 		t := atomic.LoadUint32(tail)
 		if !l.validRelative(t) {
-			return corrupt("list of %d-byte slices: tail %d is not a slice", l.sliceCap, t)
+			return 0, corrupt("list of %d-byte slices: tail %d is not a slice", l.sliceCap, t)
 		}
 		if atomic.CompareAndSwapUint32(tail, t, rel) {
 			prev := l.area + t
 			atomic.StoreUint32(m.u32(prev+sliceNextOff), rel)
 			atomic.OrUint32(m.u32(prev+sliceFlagsOff), flagHasNext)
-			atomic.AddInt32(m.i32(l.header+listFreeOff), 1)
+			left := atomic.AddInt32(m.i32(l.header+listFreeOff), 1)
 			atomic.AddInt32(m.i32(l.header+m.counter), -1)
-			return nil
+			return left, nil
 		}
 	}
-	return corrupt("list of %d-byte slices: tail kept moving for %d attempts", l.sliceCap, pushAttempts)
+	return 0, corrupt("list of %d-byte slices: tail kept moving for %d attempts", l.sliceCap, pushAttempts)
 }
 
 // locate returns the list holding the slice whose header is at absolute
@@ -310,7 +333,7 @@ func (m *bufferManager) locate(off uint32) (int, error) {
 func (m *bufferManager) alloc(n int, split bool) (li int, off uint32, err error) {
 	start := sort.Search(len(m.bySize), func(i int) bool { return int(m.lists[m.bySize[i]].sliceCap) >= n })
 	for _, i := range m.bySize[start:] {
-		if off, err = m.pop(i); off != 0 || err != nil {
+		if off, err = m.take(i); off != 0 || err != nil {
 			return i, off, err
 		}
 	}
@@ -319,11 +342,22 @@ func (m *bufferManager) alloc(n int, split bool) (li int, off uint32, err error)
 	}
 	for k := start - 1; k >= 0; k-- {
 		i := m.bySize[k]
-		if off, err = m.pop(i); off != 0 || err != nil {
+		if off, err = m.take(i); off != 0 || err != nil {
 			return i, off, err
 		}
 	}
 	return -1, 0, nil
+}
+
+// take pops a slice of list li for this process's own use: from the free
+// list, or when that has none to spare, one of the list's parked slices
+// (circulation.go).
+func (m *bufferManager) take(li int) (uint32, error) {
+	off, err := m.pop(li)
+	if off == 0 && err == nil && m.circ != nil {
+		off, err = m.circ.unparkOne(m, li)
+	}
+	return off, err
 }
 
 // sliceData returns the whole data area of the slice at off in list li.
@@ -435,13 +469,32 @@ func seen(slices []segment, off uint32) bool {
 	return false
 }
 
-// freeCount returns the free count of each list, for tests and statistics.
+// freeCounts returns the free slices of each list, for tests and
+// statistics: those on the free list and those this process has parked
+// (circulation.go), which are free and handed out on demand.
 func (m *bufferManager) freeCounts() []int32 {
-	out := make([]int32, len(m.lists))
-	for i := range m.lists {
-		out[i] = atomic.LoadInt32(m.i32(m.lists[i].header + listFreeOff))
+	free, _ := m.counts()
+	return free
+}
+
+// counts returns the free slices of each list (parked ones included) and,
+// of those, how many this process has parked.
+func (m *bufferManager) counts() (free, parked []int32) {
+	free = make([]int32, len(m.lists))
+	parked = make([]int32, len(m.lists))
+	c := m.circ
+	if c != nil {
+		c.mu.Lock()
+		defer c.mu.Unlock()
 	}
-	return out
+	for i := range m.lists {
+		free[i] = atomic.LoadInt32(m.i32(m.lists[i].header + listFreeOff))
+		if c != nil {
+			parked[i] = int32(len(c.parked[i]))
+			free[i] += parked[i]
+		}
+	}
+	return free, parked
 }
 
 // segment is one piece of a received or outgoing message: a slice of the

@@ -13,7 +13,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
@@ -33,22 +32,6 @@ import (
 // side tears its sessions down on its own goroutines.
 const clSettle = 2 * time.Second
 
-var clModes = []MemMapType{MemMapTypeMemFd, MemMapTypeDevShmFile}
-
-// clPrefix returns a ShareMemoryPathPrefix no other test or process uses,
-// /dev/shm/shmipc_<tag>_<pid>_<random>, and removes whatever is left under it
-// when the test ends.
-func clPrefix(t testing.TB, tag string) string {
-	t.Helper()
-	p := fmt.Sprintf("/dev/shm/shmipc_%s_%d_%08x", tag, os.Getpid(), rand.Uint32())
-	t.Cleanup(func() {
-		for _, f := range clShmFiles(p) {
-			_ = os.Remove(f)
-		}
-	})
-	return p
-}
-
 // clConfig is the configuration of the cleanup tests.
 func clConfig(mode MemMapType, prefix string) *Config {
 	conf := DefaultConfig()
@@ -61,22 +44,6 @@ func clConfig(mode MemMapType, prefix string) *Config {
 	// would deadlock until WriteSpaceTimeout; overflow goes as fallback data.
 	conf.FallbackWhenFull = true
 	return conf
-}
-
-// clShmFiles lists the files whose path starts with prefix.
-func clShmFiles(prefix string) []string {
-	dir, base := filepath.Dir(prefix), filepath.Base(prefix)
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return []string{"readdir " + dir + ": " + err.Error()}
-	}
-	var out []string
-	for _, e := range ents {
-		if strings.HasPrefix(e.Name(), base) {
-			out = append(out, filepath.Join(dir, e.Name()))
-		}
-	}
-	return out
 }
 
 // clFds returns the open file descriptors of process pid ("self" for this
@@ -139,7 +106,7 @@ func clTake(t testing.TB, prefix string) clSnapshot {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return clSnapshot{fds: fds, memfd: memfd, ours: ours, files: clShmFiles(prefix)}
+	return clSnapshot{fds: fds, memfd: memfd, ours: ours, files: shmFiles(prefix)}
 }
 
 // clWarmUp makes the runtime create what it creates once per process on
@@ -303,26 +270,14 @@ func clPeerGone(err error) bool {
 	return errors.Is(err, ErrSessionClosed) && errors.Is(err, ErrPeerClosed)
 }
 
-// clWaitClosed waits until s has ended.
-func clWaitClosed(t testing.TB, s *Session, d time.Duration) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !s.IsClosed() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s session still open %v after its peer went away", s.role(), d)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // TestCleanupShmFiles checks that no file under the prefix is left once the
 // sessions, their streams and the listener are closed, whichever side goes
 // first. In memfd mode no file may appear at all.
 func TestCleanupShmFiles(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		for _, order := range []string{"client-first", "listener-first"} {
 			t.Run(mode.String()+"/"+order, func(t *testing.T) {
-				prefix := clPrefix(t, "cl")
+				prefix := shmPrefix(t, "cl")
 				conf := clConfig(mode, prefix)
 				srv := clStartEcho(t, filepath.Join(t.TempDir(), "s.sock"), conf)
 				defer srv.ln.Close()
@@ -355,7 +310,7 @@ func TestCleanupShmFiles(t *testing.T) {
 					}
 				}
 
-				files := clShmFiles(prefix)
+				files := shmFiles(prefix)
 				want := 0
 				if mode == MemMapTypeDevShmFile {
 					want = 2 * nSessions // a buffer and a queue file per session
@@ -385,7 +340,7 @@ func TestCleanupShmFiles(t *testing.T) {
 				case "listener-first":
 					srv.close(t)
 					for _, s := range sessions {
-						clWaitClosed(t, s, 5*time.Second)
+						waitSessionClosed(t, s, 5*time.Second)
 						if err := s.Err(); !clPeerGone(err) {
 							t.Errorf("client session after the listener closed: Err() = %v, want ErrSessionClosed wrapping io.EOF or ECONNRESET", err)
 						}
@@ -394,10 +349,10 @@ func TestCleanupShmFiles(t *testing.T) {
 				}
 
 				deadline := time.Now().Add(clSettle)
-				for len(clShmFiles(prefix)) > 0 && time.Now().Before(deadline) {
+				for len(shmFiles(prefix)) > 0 && time.Now().Before(deadline) {
 					time.Sleep(10 * time.Millisecond)
 				}
-				if files := clShmFiles(prefix); len(files) > 0 {
+				if files := shmFiles(prefix); len(files) > 0 {
 					t.Errorf("files left %v after everything was closed: %q", clSettle, files)
 				}
 			})
@@ -410,9 +365,9 @@ func TestCleanupShmFiles(t *testing.T) {
 // fallback data), closes everything, and checks that the fd count, the
 // shmipc mappings and the files are back to the baseline.
 func TestCleanupFdsAndMappings(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
-			prefix := clPrefix(t, "cl")
+			prefix := shmPrefix(t, "cl")
 			conf := clConfig(mode, prefix)
 			sock := filepath.Join(t.TempDir(), "s.sock")
 			base := clBaseline(t, prefix)
@@ -491,9 +446,9 @@ func TestCleanupFdsAndMappings(t *testing.T) {
 // leave no fd, mapping or file behind, and that a listener keeps serving
 // after clients that broke the handshake.
 func TestCleanupFailedHandshake(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run("client/"+mode.String(), func(t *testing.T) {
-			prefix := clPrefix(t, "cl")
+			prefix := shmPrefix(t, "cl")
 			conf := clConfig(mode, prefix)
 			conf.InitializeTimeout = 300 * time.Millisecond
 			dir := t.TempDir()
@@ -524,7 +479,7 @@ func TestCleanupFailedHandshake(t *testing.T) {
 					if mode != MemMapTypeDevShmFile {
 						t.Fatalf("dial %d: handshake with a server that closes at once succeeded", i)
 					}
-					clWaitClosed(t, s, 5*time.Second)
+					waitSessionClosed(t, s, 5*time.Second)
 					if err := s.Err(); !errors.Is(err, ErrSessionClosed) {
 						t.Errorf("dial %d: Err() = %v, want ErrSessionClosed", i, err)
 					}
@@ -577,7 +532,7 @@ func TestCleanupFailedHandshake(t *testing.T) {
 				if err != nil {
 					t.Fatalf("dial: %v", err)
 				}
-				clWaitClosed(t, s, 5*time.Second)
+				waitSessionClosed(t, s, 5*time.Second)
 				if err := s.Err(); !clPeerGone(err) {
 					t.Errorf("session whose paths the server refused: Err() = %v, want the peer to have closed", err)
 				}
@@ -591,7 +546,7 @@ func TestCleanupFailedHandshake(t *testing.T) {
 	}
 
 	t.Run("server", func(t *testing.T) {
-		prefix := clPrefix(t, "cl")
+		prefix := shmPrefix(t, "cl")
 		conf := clConfig(MemMapTypeMemFd, prefix)
 		conf.InitializeTimeout = 500 * time.Millisecond
 		sock := filepath.Join(t.TempDir(), "s.sock")
@@ -753,7 +708,7 @@ func TestCleanupFailedHandshake(t *testing.T) {
 		}
 
 		// The listener still serves real clients.
-		for _, mode := range clModes {
+		for _, mode := range bothModes {
 			cconf := clConfig(mode, prefix)
 			s, err := Dial("unix", sock, cconf)
 			if err != nil {
@@ -885,10 +840,10 @@ func clExpectHangUp(c *net.UnixConn, d time.Duration) error {
 // read), then closes the streams: everything must go away. It also checks
 // what the streams see in between.
 func TestCleanupCloseSessionWithUnreadData(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		for _, closer := range []string{"client", "server"} {
 			t.Run(mode.String()+"/"+closer+"-closes", func(t *testing.T) {
-				prefix := clPrefix(t, "cl")
+				prefix := shmPrefix(t, "cl")
 				conf := clConfig(mode, prefix)
 				sock := filepath.Join(t.TempDir(), "s.sock")
 				base := clBaseline(t, prefix)
@@ -922,7 +877,7 @@ func TestCleanupCloseSessionWithUnreadData(t *testing.T) {
 					cs = append(cs, st)
 				}
 				for range nStreams {
-					st := clAccept(t, ln)
+					st := acceptWithin(t, ln, 10*time.Second)
 					defer st.Close()
 					if _, err := st.Write(mpPayload(toClient, uint64(st.ID()))); err != nil {
 						t.Fatal(err)
@@ -960,7 +915,7 @@ func TestCleanupCloseSessionWithUnreadData(t *testing.T) {
 					srvSess.Close()
 					peer = sess
 				}
-				clWaitClosed(t, peer, 5*time.Second)
+				waitSessionClosed(t, peer, 5*time.Second)
 				if err := peer.Err(); !clPeerGone(err) {
 					t.Errorf("%s session after its peer closed: Err() = %v, want ErrSessionClosed wrapping io.EOF or ECONNRESET", peer.role(), err)
 				}
@@ -1003,37 +958,8 @@ func TestCleanupCloseSessionWithUnreadData(t *testing.T) {
 	}
 }
 
-func clAccept(t testing.TB, ln *Listener) *Stream {
-	t.Helper()
-	type res struct {
-		st  *Stream
-		err error
-	}
-	ch := make(chan res, 1)
-	go func() {
-		st, err := ln.AcceptStream()
-		ch <- res{st, err}
-	}()
-	select {
-	case r := <-ch:
-		if r.err != nil {
-			t.Fatal(r.err)
-		}
-		return r.st
-	case <-time.After(10 * time.Second):
-		t.Fatal("no stream accepted within 10s")
-		return nil
-	}
-}
-
 // clWaitLen waits until st has n unread bytes.
 func clWaitLen(t testing.TB, st *Stream, n int) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for st.BufferReader().Len() < n {
-		if time.Now().After(deadline) {
-			t.Fatalf("stream %d: %d bytes arrived, want %d", st.ID(), st.BufferReader().Len(), n)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	waitUntil(t, fmt.Sprintf("%d bytes arrive on stream %d", n, st.ID()), 5*time.Second, func() bool { return st.BufferReader().Len() >= n })
 }

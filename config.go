@@ -92,12 +92,15 @@ type Config struct {
 	// net.Error; for a full queue it also wraps ErrQueueFull) and nothing of
 	// the message is sent.
 	//
-	// A writer waits for the region only before it holds any of it: a
-	// message that runs out of room part way goes on as fallback data.
-	// Waiting can still deadlock when the peer holds what it received while
-	// it waits to send (an echo that reads a whole large request before
-	// replying, on many streams at once): size the region for the data in
-	// flight, or set FallbackWhenFull.
+	// A writer waits for the region only when it holds none of it: a
+	// message that runs out of room part way goes on as fallback data, and
+	// so does a message on a stream that holds received slices (an echo
+	// that reserves its reply before releasing a large request would
+	// otherwise wait for what it holds itself). Waiting can still deadlock
+	// when every slice is held by streams other than the waiting one, whose
+	// owners wait too (a client that keeps large replies on some streams
+	// while it sends on others): size the region for the data in flight, or
+	// set FallbackWhenFull.
 	WriteSpaceTimeout time.Duration
 
 	// FallbackWhenFull sends a message over the socket as fallback data when

@@ -10,9 +10,13 @@
 // carries small event frames: wake-ups, stream closes, and fallback data
 // when shared memory cannot hold a message.
 //
-// A server accepts streams, which are net.Conns:
+// # Listening and dialling
 //
-//	ln, err := shmipc.Listen("unix", "/tmp/echo.sock", nil)
+// Listen returns a Listener, a net.Listener whose Accept returns the streams
+// clients open; Dial returns a Session (Client and Server do the same over
+// a net.Conn of your own):
+//
+//	ln, err := shmipc.Listen("unix", "/tmp/echo.sock", nil) // nil: DefaultConfig()
 //	...
 //	for {
 //		conn, err := ln.Accept()
@@ -22,33 +26,61 @@
 //		go func() { defer conn.Close(); io.Copy(conn, conn) }()
 //	}
 //
-// A client dials a session and opens streams on it:
-//
 //	sess, err := shmipc.Dial("unix", "/tmp/echo.sock", nil)
 //	...
+//	defer sess.Close()
 //	st, err := sess.OpenStream()
+//	...
+//	defer st.Close()
 //	st.Write([]byte("hello"))
 //	reply, err := st.BufferReader().ReadBytes(5) // zero-copy
 //
-// Stream.BufferWriter and Stream.BufferReader read and write shared memory
-// directly; their documentation says how long returned slices stay valid.
+// # Sessions and streams
+//
+// A Session carries any number of streams; the client opens them
+// (Session.OpenStream) and the server accepts them (Listener.AcceptStream or
+// Session.AcceptStream). A Stream is a net.Conn: Read, Write, deadlines,
+// Close.
+//
+// # Zero-copy buffers
+//
+// Stream.BufferWriter builds a message directly in shared memory and
+// Stream.Flush sends it; Stream.BufferReader returns received bytes in
+// place. Their documentation says how long returned slices stay valid.
 // Stream.NetpollReader and Stream.NetpollWriter offer the same through
 // CloudWeGo netpoll's interfaces, for RPC frameworks.
 //
-// Beyond one session: a SessionManager pools sessions to one address, hands
-// out reusable streams and reconnects; Listener.Serve, Listener.ServeHandler
-// and OnData serve streams with callbacks; Listener.HotRestart hands the
-// clients of one server process over to the next. Session.Stats,
-// AggregateStats, Monitor and PublishExpvar report what is going on, and
-// Config.Logger receives log records (none by default).
+// # Configuration
 //
-// When shared memory or the peer's queue is full, writers wait for room
-// (bounded by their write deadline and Config.WriteSpaceTimeout) rather
-// than degrade silently; see Config.FallbackWhenFull for the alternative.
+// Config holds every size and timeout, DefaultConfig its defaults. When
+// shared memory or the peer's queue is full, writers wait for room (bounded
+// by their write deadline and Config.WriteSpaceTimeout) rather than degrade
+// silently; see Config.FallbackWhenFull for the alternative.
+//
+// # Errors
+//
+// Every sentinel error is declared in one block (ErrSessionClosed,
+// ErrProtocol, ErrLimitExceeded, ...); returned errors wrap them, for
+// errors.Is. Timeouts satisfy net.Error and match os.ErrDeadlineExceeded.
 //
 // Everything read from the socket or from shared memory is checked before
 // use. A peer that breaks the protocol ends its session with an error
 // wrapping ErrProtocol that says what was wrong; other sessions go on.
+//
+// # Serving, pooling, hot restart
+//
+// Listener.Serve runs a function per stream; Listener.ServeHandler and
+// OnData call back when data has arrived. A SessionManager pools sessions to
+// one address, hands out reusable streams, re-dials sessions that die, and
+// dials streams for gRPC (SessionManager.DialContext). Listener.HotRestart
+// and ListenTakeover hand the clients of one server process over to the
+// next.
+//
+// # Statistics
+//
+// Session.Stats, AggregateStats and PublishExpvar report messages, bytes,
+// wake-ups and the memory of the shared regions; Config.Logger receives log
+// records (none by default).
 //
 // The wire protocol is that of the other Shmipc implementations, so a
 // shmipc client can talk to their servers and the other way round; the

@@ -84,7 +84,7 @@ var (
 	ErrHotRestartHandshaking = errors.New("shmipc: a session is still handshaking")
 
 	// ErrHotRestartTimeout is returned (wrapped) by WaitHotRestart when not
-	// every session acknowledged within HotRestartTimeout. The sessions stay
+	// every session acknowledged within 2 s. The sessions stay
 	// up.
 	ErrHotRestartTimeout = errors.New("shmipc: hot restart not acknowledged in time")
 

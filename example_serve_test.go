@@ -134,23 +134,31 @@ func ExampleListener_ServeHandler() {
 	// reward
 }
 
-// OnData also serves the client side: here the client handles its replies
-// as they come instead of waiting for each one.
-func ExampleOnData() {
-	sock, cleanup := exampleSocket("ondata.sock")
-	defer cleanup()
+// reverserSession starts a lineReverser server and dials it; stop closes
+// both.
+func reverserSession() (sess *shmipc.Session, stop func()) {
+	sock, cleanup := exampleSocket("reverser.sock")
 	ln, err := shmipc.Listen("unix", sock, nil)
 	if err != nil {
 		log.Fatal(err)
 	}
-	defer ln.Close()
 	go ln.ServeHandler(lineReverser{})
-
-	sess, err := shmipc.Dial("unix", sock, nil)
+	sess, err = shmipc.Dial("unix", sock, nil)
 	if err != nil {
 		log.Fatal(err)
 	}
-	defer sess.Close()
+	return sess, func() {
+		sess.Close()
+		ln.Close()
+		cleanup()
+	}
+}
+
+// OnData also serves the client side: here the client handles its replies
+// as they come instead of waiting for each one.
+func ExampleOnData() {
+	sess, stop := reverserSession() // a ServeHandler(lineReverser{}) server
+	defer stop()
 	st, err := sess.OpenStream()
 	if err != nil {
 		log.Fatal(err)

@@ -3,9 +3,7 @@ package shmipc
 import (
 	"bytes"
 	"errors"
-	"fmt"
 	"io"
-	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
@@ -18,41 +16,20 @@ import (
 // must end the sessions with an error naming a memory fault, not crash the
 // process, and other sessions must keep working.
 func TestShrunkRegionFaultsAreErrors(t *testing.T) {
-	dir := t.TempDir()
 	conf := DefaultConfig()
 	conf.MemMapType = MemMapTypeDevShmFile
 	conf.ShareMemoryBufferCap = 4 << 20
 	conf.BufferSliceSizes = ReferenceSliceSizes()
-	conf.ShareMemoryPathPrefix = fmt.Sprintf("/dev/shm/shmipc_fault_%d_%x", os.Getpid(), rand.Uint32())
-	t.Cleanup(func() {
-		files, _ := filepath.Glob(conf.ShareMemoryPathPrefix + "_*")
-		for _, f := range files {
-			os.Remove(f)
-		}
-	})
-	ln, err := Listen("unix", filepath.Join(dir, "f.sock"), conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	go func() {
-		for {
-			st, err := ln.AcceptStream()
-			if err != nil {
-				return
-			}
-			go func() { defer st.Close(); io.Copy(st, st) }()
-		}
-	}()
-
-	good, err := Dial("unix", filepath.Join(dir, "f.sock"), conf)
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "fault")
+	ln := startEchoListener(t, conf)
+	good, err := Dial("unix", ln.Addr().String(), conf)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer good.Close()
 	before, _ := filepath.Glob(conf.ShareMemoryPathPrefix + "_*_buffer")
 
-	victim, err := Dial("unix", filepath.Join(dir, "f.sock"), conf)
+	victim, err := Dial("unix", ln.Addr().String(), conf)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -145,7 +122,7 @@ func TestRequireSealedMemory(t *testing.T) {
 	conf.MemMapType = MemMapTypeDevShmFile
 	conf.ShareMemoryBufferCap = 2 << 20
 	conf.BufferSliceSizes = ReferenceSliceSizes()
-	conf.ShareMemoryPathPrefix = fmt.Sprintf("/dev/shm/shmipc_seal_%d_%x", os.Getpid(), rand.Uint32())
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "seal")
 	sess, err = Dial("unix", filepath.Join(dir, "s.sock"), conf)
 	if err != nil {
 		t.Fatal(err) // version 2 has no reply: the client learns when the session ends

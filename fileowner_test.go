@@ -14,7 +14,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -61,7 +60,7 @@ func TestFileOwnerChild(t *testing.T) {
 // tells the parent it is ready. Once the parent closes its stdin it checks
 // that its session still works with one echo round trip.
 func foVictim(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeDevShmFile, 0)
+	conf := peerConfig(t, MemMapTypeDevShmFile, 0)
 	sess, err := Dial(proctest.MustArg(t, "NET"), proctest.MustArg(t, "ADDR"), conf)
 	if err != nil {
 		t.Fatalf("victim Dial: %v", err)
@@ -77,7 +76,7 @@ func foVictim(t *testing.T) {
 	}
 	proctest.Ready()
 	<-proctest.StdinClosed()
-	if err := hpEcho(sess, "the victim, after the attack"); err != nil {
+	if err := echoRoundTrip(sess, "the victim, after the attack"); err != nil {
 		t.Fatalf("the victim's session stopped working: %v", err)
 	}
 }
@@ -90,8 +89,8 @@ func foVictim(t *testing.T) {
 // is back it pushes a queue element pointing at the victim's slice (OFFSET),
 // and prints what the server echoes: "echo <hex>", then "end <why>".
 func foAttacker(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeDevShmFile, 0)
-	own := hpCreate(t, conf, MemMapTypeDevShmFile, hpLayout{})
+	conf := peerConfig(t, MemMapTypeDevShmFile, 0)
+	own := createRawRegions(t, conf, MemMapTypeDevShmFile, rawLayout{})
 	offset, err := strconv.ParseUint(proctest.MustArg(t, "OFFSET"), 10, 32)
 	if err != nil {
 		t.Fatal(err)
@@ -101,9 +100,9 @@ func foAttacker(t *testing.T) {
 		t.Fatalf("attacker dial: %v", err)
 	}
 	defer c.Close()
-	c.SetDeadline(time.Now().Add(hpTimeout))
+	c.SetDeadline(time.Now().Add(peerTimeout))
 	const opener = "A"
-	_, err = c.Write(append(hpPaths(2, 0, own.queuePath, proctest.MustArg(t, "BUF")), hpFallback(2, 0, 2, 0, opener)...))
+	_, err = c.Write(append(rawPathFrame(2, 0, own.queuePath, proctest.MustArg(t, "BUF")), rawFallbackFrame(2, 0, 2, 0, opener)...))
 	proctest.Ready()
 	var echo []byte
 	if err == nil {
@@ -111,9 +110,9 @@ func foAttacker(t *testing.T) {
 	}
 	if err == nil && string(echo) == opener {
 		half := len(own.queue.mem) / 2
-		send := hpQueue{mem: own.queue.mem[:half], cap: conf.QueueCap}
+		send := rawQueue{mem: own.queue.mem[:half], cap: conf.QueueCap}
 		send.put(2, uint32(offset), 0)
-		if _, err = c.Write(hpFrame(8, hpMagic, 2, 1)); err == nil {
+		if _, err = c.Write(rawFrame(8, rawMagic, 2, 1)); err == nil {
 			echo, err = foReadFallback(c, echo)
 		}
 	}
@@ -125,7 +124,7 @@ func foAttacker(t *testing.T) {
 // appends its data to echo.
 func foReadFallback(c net.Conn, echo []byte) ([]byte, error) {
 	for {
-		h, err := hpReadN(c, 8)
+		h, err := readN(c, 8)
 		if err != nil {
 			return echo, err
 		}
@@ -133,7 +132,7 @@ func foReadFallback(c net.Conn, echo []byte) ([]byte, error) {
 		if n < 8 || n > 1<<20 {
 			return echo, fmt.Errorf("frame header % x", h)
 		}
-		rest, err := hpReadN(c, int(n)-8)
+		rest, err := readN(c, int(n)-8)
 		if err != nil {
 			return echo, err
 		}
@@ -148,14 +147,14 @@ func foReadFallback(c net.Conn, echo []byte) ([]byte, error) {
 // a reference Go client does (one buffer region per process). It prints the
 // buffer path with its ready line and keeps the sessions until stdin closes.
 func foNamer(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeDevShmFile, 0)
+	conf := peerConfig(t, MemMapTypeDevShmFile, 0)
 	n, err := strconv.Atoi(proctest.MustArg(t, "SESSIONS"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	buf := proctest.Arg("BUF")
 	for i := range n {
-		r := hpCreate(t, conf, MemMapTypeDevShmFile, hpLayout{})
+		r := createRawRegions(t, conf, MemMapTypeDevShmFile, rawLayout{})
 		if buf == "" {
 			buf = r.bufPath
 		}
@@ -164,7 +163,7 @@ func foNamer(t *testing.T) {
 			t.Fatalf("session %d: %v", i, err)
 		}
 		defer c.Close()
-		if _, err := c.Write(hpPaths(2, 0, r.queuePath, buf)); err != nil {
+		if _, err := c.Write(rawPathFrame(2, 0, r.queuePath, buf)); err != nil {
 			t.Fatalf("session %d: %v", i, err)
 		}
 	}
@@ -204,8 +203,8 @@ func foListen(t *testing.T, network string) (ln net.Listener, addr string) {
 
 // foServe runs Server on every connection ln accepts and sends each outcome
 // on the returned channel. Sessions nobody took are closed at the end.
-func foServe(t *testing.T, ln net.Listener, conf *Config) <-chan hpResult {
-	results := make(chan hpResult, 16)
+func foServe(t *testing.T, ln net.Listener, conf *Config) <-chan handshakeResult {
+	results := make(chan handshakeResult, 16)
 	go func() {
 		for {
 			c, err := ln.Accept()
@@ -214,7 +213,7 @@ func foServe(t *testing.T, ln net.Listener, conf *Config) <-chan hpResult {
 			}
 			go func() {
 				s, err := Server(c, conf)
-				results <- hpResult{s, err}
+				results <- handshakeResult{s: s, err: err}
 			}()
 		}
 	}()
@@ -224,7 +223,7 @@ func foServe(t *testing.T, ln net.Listener, conf *Config) <-chan hpResult {
 			select {
 			case r := <-results:
 				if r.s != nil {
-					hpCloseBounded(t, r.s)
+					closeWithin(t, r.s, peerTimeout)
 				}
 			default:
 				return
@@ -232,22 +231,6 @@ func foServe(t *testing.T, ln net.Listener, conf *Config) <-chan hpResult {
 		}
 	})
 	return results
-}
-
-// foEchoStreams echoes every stream s accepts.
-func foEchoStreams(s *Session) {
-	go func() {
-		for {
-			st, err := s.AcceptStream()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer st.Close()
-				_, _ = io.Copy(st, st)
-			}()
-		}
-	}()
 }
 
 // foRequireRoot skips a test that must start a child as another user.
@@ -268,20 +251,17 @@ func TestFileModeForeignBufferRefused(t *testing.T) {
 	foRequireRoot(t)
 	for _, network := range []string{"unix", "tcp"} {
 		t.Run(network, func(t *testing.T) {
-			conf := hpConfig(t, MemMapTypeDevShmFile, 0)
+			conf := peerConfig(t, MemMapTypeDevShmFile, 0)
 			ln, addr := foListen(t, network)
 			results := foServe(t, ln, conf)
 			secret := fmt.Sprintf("the victim's secret %d %016x", os.Getpid(), rand.Uint64())
 
-			victim := proctest.Start(t, proctest.Config{
+			victim, _ := startChild(t, proctest.Config{
 				TestName: foChildTest,
 				Role:     foRoleVictim,
 				Args:     map[string]string{"NET": network, "ADDR": addr, "SECRET": secret},
 			})
-			if _, err := victim.WaitReady(mpStartTimeout); err != nil {
-				t.Fatalf("victim: %v", err)
-			}
-			vr := hpAwait(t, results)
+			vr := awaitHandshake(t, results, peerTimeout)
 			if vr.err != nil {
 				t.Fatalf("the victim's handshake failed: %v", vr.err)
 			}
@@ -296,11 +276,11 @@ func TestFileModeForeignBufferRefused(t *testing.T) {
 			if err != nil || string(msg) != secret {
 				t.Fatalf("the victim's message: %q, %v", msg, err)
 			}
-			foEchoStreams(vs)
+			go serveStreams(vs, echoStream)
 			bufPath := vs.buf.region.path
 			offset := uintptr(unsafe.Pointer(&msg[0])) - uintptr(unsafe.Pointer(&vs.buf.mem[0])) - sliceHeaderSize
 
-			attacker := proctest.Start(t, proctest.Config{
+			attacker, _ := startChild(t, proctest.Config{
 				TestName: foChildTest,
 				Role:     foRoleAttacker,
 				Args: map[string]string{
@@ -309,13 +289,10 @@ func TestFileModeForeignBufferRefused(t *testing.T) {
 				},
 				Credential: &syscall.Credential{Uid: foAttackerUID, Gid: foAttackerUID},
 			})
-			if _, err := attacker.WaitReady(mpStartTimeout); err != nil {
-				t.Fatalf("attacker: %v", err)
-			}
-			ar := hpAwait(t, results)
+			ar := awaitHandshake(t, results, peerTimeout)
 			t.Logf("the attacker's handshake: %v", ar.err)
 			if ar.err == nil {
-				foEchoStreams(ar.s)
+				go serveStreams(ar.s, echoStream)
 				t.Errorf("the server accepted a client of uid %d that named %s, a buffer file of uid 0", foAttackerUID, bufPath)
 			} else {
 				want := fmt.Sprintf("region file %s is owned by uid 0, the peer is uid %d", bufPath, foAttackerUID)
@@ -323,7 +300,7 @@ func TestFileModeForeignBufferRefused(t *testing.T) {
 					t.Errorf("the attacker's handshake failed with %q;\nwant an ErrHandshake wrapping errRegionNotOwned and saying %q", ar.err, want)
 				}
 			}
-			if err := attacker.Wait(mpStartTimeout); err != nil {
+			if err := attacker.Wait(childStartTimeout); err != nil {
 				t.Fatalf("attacker: %v", err)
 			}
 			echo, end := foAttackerResult(t, attacker.Lines())
@@ -335,7 +312,7 @@ func TestFileModeForeignBufferRefused(t *testing.T) {
 			if leaked > 0 {
 				t.Errorf("the attacker read the victim's message through the server: echo %q", echo)
 			}
-			if err := victim.Stop(mpStartTimeout); err != nil {
+			if err := victim.Stop(childStartTimeout); err != nil {
 				t.Errorf("victim: %v", err)
 			}
 		})
@@ -373,23 +350,18 @@ func foAttackerResult(t *testing.T, lines []string) (echo []byte, end string) {
 // the file itself. The cache rule keeps one process's sessions from being
 // handed state the server built for another process.
 func TestFileModeOtherProcessMapsAnew(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeDevShmFile, 0)
+	conf := peerConfig(t, MemMapTypeDevShmFile, 0)
 	ln, addr := foListen(t, "unix")
 	results := foServe(t, ln, conf)
 	start := func(sessions int, buf string) (*proctest.Child, string) {
-		c := proctest.Start(t, proctest.Config{
+		return startChild(t, proctest.Config{
 			TestName: foChildTest,
 			Role:     foRoleNamer,
 			Args:     map[string]string{"ADDR": addr, "SESSIONS": strconv.Itoa(sessions), "BUF": buf},
 		})
-		info, err := c.WaitReady(mpStartTimeout)
-		if err != nil {
-			t.Fatalf("namer: %v", err)
-		}
-		return c, info
 	}
 	await := func(who string) *Session {
-		r := hpAwait(t, results)
+		r := awaitHandshake(t, results, peerTimeout)
 		if r.err != nil {
 			t.Fatalf("handshake of %s failed: %v", who, r.err)
 		}
@@ -413,7 +385,7 @@ func TestFileModeOtherProcessMapsAnew(t *testing.T) {
 		t.Errorf("another process naming %s was handed the owner's cached mapping (%d mappings, want 2)", bufPath, n)
 	}
 	for _, c := range []*proctest.Child{owner, other} {
-		if err := c.Stop(mpStartTimeout); err != nil {
+		if err := c.Stop(childStartTimeout); err != nil {
 			t.Errorf("namer: %v", err)
 		}
 	}

@@ -18,26 +18,6 @@ import (
 	"github.com/goshm/shmipc/internal/proctest"
 )
 
-// fpEchoListener starts an in-process echo server and returns its address.
-func fpEchoListener(t *testing.T, conf *Config) *Listener {
-	t.Helper()
-	ln, err := Listen("unix", filepath.Join(t.TempDir(), "fp.sock"), conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			st, err := ln.AcceptStream()
-			if err != nil {
-				return
-			}
-			go func() { defer st.Close(); io.Copy(st, st) }()
-		}
-	}()
-	return ln
-}
-
 // fpEcho sends msg on a new stream of sess and reads it back.
 func fpEcho(t testing.TB, sess *Session, msg []byte) *Stream {
 	t.Helper()
@@ -64,7 +44,7 @@ func fpEcho(t testing.TB, sess *Session, msg []byte) *Stream {
 // committed and in-use bytes.
 func TestRegionCommittedOnUse(t *testing.T) {
 	conf := DefaultConfig()
-	ln := fpEchoListener(t, conf)
+	ln := startEchoListener(t, conf)
 	sess, err := Dial("unix", ln.Addr().String(), conf)
 	if err != nil {
 		t.Fatal(err)
@@ -154,7 +134,7 @@ func procField(t testing.TB, path, field string) uint64 {
 // while the other goes on.
 func TestSessionsShareRegion(t *testing.T) {
 	conf := DefaultConfig()
-	ln := fpEchoListener(t, conf)
+	ln := startEchoListener(t, conf)
 	a, err := Dial("unix", ln.Addr().String(), conf)
 	if err != nil {
 		t.Fatal(err)
@@ -234,15 +214,7 @@ func TestFootprintChild(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	go func() {
-		for {
-			st, err := ln.AcceptStream()
-			if err != nil {
-				return
-			}
-			go fpServe(st)
-		}
-	}()
+	go serveStreams(ln, fpServe)
 	proctest.Ready()
 	<-proctest.StdinClosed()
 }
@@ -276,10 +248,7 @@ func fpServe(st *Stream) {
 func fpStartServer(t *testing.T) (*proctest.Child, string) {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "fp.sock")
-	c := proctest.Start(t, proctest.Config{TestName: "TestFootprintChild", Role: "echo", Args: map[string]string{"SOCK": sock}})
-	if _, err := c.WaitReady(30 * time.Second); err != nil {
-		t.Fatalf("server process did not start: %v\n%s", err, c.Output())
-	}
+	c, _ := startChild(t, proctest.Config{TestName: "TestFootprintChild", Role: "echo", Args: map[string]string{"SOCK": sock}})
 	return c, sock
 }
 
@@ -565,7 +534,7 @@ func TestGiveBackAfterQuiet(t *testing.T) {
 	giveBackPeriod = 50 * time.Millisecond
 	defer func() { giveBackPeriod = old }()
 	conf := DefaultConfig()
-	ln := fpEchoListener(t, conf)
+	ln := startEchoListener(t, conf)
 	sess, err := Dial("unix", ln.Addr().String(), conf)
 	if err != nil {
 		t.Fatal(err)

@@ -52,23 +52,6 @@ func (s *fzScript) u32() uint32 { return uint32(s.u16()) | uint32(s.u16())<<16 }
 
 func (s *fzScript) u64() uint64 { return uint64(s.u32()) | uint64(s.u32())<<32 }
 
-// fzAlignedBytes returns a zeroed, 8-byte aligned byte slice of n bytes
-// (rounded up to a multiple of 8), so that atomics on offsets that are
-// multiples of 4 are aligned as in a real mapping.
-func fzAlignedBytes(n int) []byte {
-	words := max((n+7)/8, 1)
-	backing := make([]uint64, words)
-	return unsafe.Slice((*byte)(unsafe.Pointer(&backing[0])), words*8)
-}
-
-// fzRegion wraps heap memory in a region. It must never be released: that
-// would munmap Go heap memory.
-func fzRegion(mem []byte) *region {
-	r := &region{mem: mem, path: "fuzz"}
-	r.refs.Store(1)
-	return r
-}
-
 var errFzConnGone = errors.New("fuzz conn: connection reset")
 
 // fzAddr is the address of the fake connection.
@@ -126,24 +109,6 @@ func (c *fzConn) peerCredentials() (peerID, error) {
 	return peerID{uid: uint32(os.Getuid()), pid: int32(os.Getpid())}, nil
 }
 
-// fzFrame builds a header by hand (PROTOCOL.md §2.1) followed by payload.
-func fzFrame(length uint32, magic uint16, version, typ uint8, payload ...byte) []byte {
-	b := binary.BigEndian.AppendUint32(nil, length)
-	b = binary.BigEndian.AppendUint16(b, magic)
-	b = append(b, version, typ)
-	return append(b, payload...)
-}
-
-// fzPathFrame builds a ShareMemoryByFilePath / ShareMemoryByMemfd frame.
-func fzPathFrame(version, typ uint8, queuePath, bufPath string) []byte {
-	n := wire.HeaderSize + 4 + len(queuePath) + len(bufPath)
-	b := fzFrame(uint32(n), wire.Magic, version, typ)
-	b = binary.BigEndian.AppendUint16(b, uint16(len(queuePath)))
-	b = append(b, queuePath...)
-	b = binary.BigEndian.AppendUint16(b, uint16(len(bufPath)))
-	return append(b, bufPath...)
-}
-
 // ---------------------------------------------------------------------------
 // 1. FuzzReadFrame
 
@@ -174,7 +139,7 @@ func FuzzReadFrame(f *testing.F) {
 	emptyFallback := wire.AppendFallbackHead(nil, 2, 9, statusOpened, 0)
 	hotRestart := wire.AppendHotRestart(nil, v, wire.TypeHotRestart, 42)
 	hotRestartAck := wire.AppendHotRestart(nil, v, wire.TypeHotRestartAck, 42)
-	pathFrame := fzPathFrame(2, 0, "/dev/shm/q", "/dev/shm/b")
+	pathFrame := rawPathFrame(2, 0, "/dev/shm/q", "/dev/shm/b")
 	var several []byte
 	for _, fr := range [][]byte{polling, streamClose, fallback, hotRestart, polling, emptyFallback, hotRestartAck, streamClose} {
 		several = append(several, fr...)
@@ -219,20 +184,20 @@ func FuzzReadFrame(f *testing.F) {
 		{append(append([]byte{}, several...), streamClose[:10]...), []byte{4}, lim, 2},
 		{big[:40000], nil, lim, 0},
 		// near-valid frames
-		{fzFrame(9, wire.Magic, v, 1), nil, lim, 0},                      // Polling of 9 bytes
-		{fzFrame(12, wire.Magic, v, 1, 0, 0, 0, 1), nil, lim, 0},         // Polling of 12 bytes
-		{fzFrame(8, wire.Magic, v, 2), nil, lim, 0},                      // StreamClose of 8 bytes
-		{fzFrame(15, wire.Magic, v, 3, make([]byte, 7)...), nil, lim, 0}, // FallbackData below 16
-		{fzFrame(lim+1, wire.Magic, v, 3, make([]byte, 8)...), nil, lim, 0},
-		{fzFrame(lim, wire.Magic, v, 3, make([]byte, 8)...), nil, lim, 0}, // at the limit, truncated
-		{fzFrame(0xFFFFFFFF, wire.Magic, v, 3), nil, lim, 0},
-		{fzFrame(0, wire.Magic, v, 3), nil, lim, 0},
-		{fzFrame(8, 0x5877, v, 1), nil, lim, 0},      // bad magic
-		{fzFrame(8, wire.Magic, 0, 1), nil, lim, 0},  // version 0
-		{fzFrame(8, wire.Magic, v, 10), nil, lim, 0}, // type 10
-		{fzFrame(8, wire.Magic, v, 255), nil, lim, 0},
-		{fzFrame(11, wire.Magic, 2, 0, 0, 0, 0), nil, lim, 0}, // path frame below 12
-		{fzFrame(8+4+2*0xFFFF+1, wire.Magic, 2, 5), nil, lim, 0},
+		{rawFrame(9, wire.Magic, v, 1), nil, lim, 0},                      // Polling of 9 bytes
+		{rawFrame(12, wire.Magic, v, 1, 0, 0, 0, 1), nil, lim, 0},         // Polling of 12 bytes
+		{rawFrame(8, wire.Magic, v, 2), nil, lim, 0},                      // StreamClose of 8 bytes
+		{rawFrame(15, wire.Magic, v, 3, make([]byte, 7)...), nil, lim, 0}, // FallbackData below 16
+		{rawFrame(lim+1, wire.Magic, v, 3, make([]byte, 8)...), nil, lim, 0},
+		{rawFrame(lim, wire.Magic, v, 3, make([]byte, 8)...), nil, lim, 0}, // at the limit, truncated
+		{rawFrame(0xFFFFFFFF, wire.Magic, v, 3), nil, lim, 0},
+		{rawFrame(0, wire.Magic, v, 3), nil, lim, 0},
+		{rawFrame(8, 0x5877, v, 1), nil, lim, 0},      // bad magic
+		{rawFrame(8, wire.Magic, 0, 1), nil, lim, 0},  // version 0
+		{rawFrame(8, wire.Magic, v, 10), nil, lim, 0}, // type 10
+		{rawFrame(8, wire.Magic, v, 255), nil, lim, 0},
+		{rawFrame(11, wire.Magic, 2, 0, 0, 0, 0), nil, lim, 0}, // path frame below 12
+		{rawFrame(8+4+2*0xFFFF+1, wire.Magic, 2, 5), nil, lim, 0},
 		{fallback, nil, 15, 0}, // limit below any FallbackData frame
 		{fallback, nil, uint32(len(fallback)), 0},
 		{fallback, nil, uint32(len(fallback) - 1), 0},
@@ -373,7 +338,7 @@ func FuzzServerHandshake(f *testing.F) {
 	dir := fzHandshakeDir(f)
 	pdir := fzDirBase + fzDirPlaceholder
 	q, b := pdir+"/queue", pdir+"/buf"
-	exchange := fzFrame(8, wire.Magic, 3, uint8(wire.TypeExchangeProtoVersion))
+	exchange := rawFrame(8, wire.Magic, 3, uint8(wire.TypeExchangeProtoVersion))
 	cat := func(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
 	buf, queue := fzValidBufferFile(), fzValidQueueFile(16)
 
@@ -391,48 +356,48 @@ func FuzzServerHandshake(f *testing.F) {
 
 	seeds := []struct{ stream, buf, queue []byte }{
 		// valid handshakes
-		{fzPathFrame(2, 0, q, b), buf, queue},
-		{cat(exchange, fzPathFrame(3, 0, q, b)), buf, queue},
-		{cat(fzPathFrame(2, 0, q, b), wire.AppendEvent(nil, 2, wire.TypePolling)), buf, fzValidQueueFile(32)},
+		{rawPathFrame(2, 0, q, b), buf, queue},
+		{cat(exchange, rawPathFrame(3, 0, q, b)), buf, queue},
+		{cat(rawPathFrame(2, 0, q, b), wire.AppendEvent(nil, 2, wire.TypePolling)), buf, fzValidQueueFile(32)},
 		// memfd: fds cannot pass over this conn
-		{cat(exchange, fzPathFrame(3, 5, q, b)), buf, queue},
+		{cat(exchange, rawPathFrame(3, 5, q, b)), buf, queue},
 		// paths outside the directory, relative, unclean, swapped, shared
-		{fzPathFrame(2, 0, "/etc/passwd", b), buf, queue},
-		{fzPathFrame(2, 0, q, "/tmp/buf"), buf, queue},
-		{fzPathFrame(2, 0, "queue", "buf"), buf, queue},
-		{fzPathFrame(2, 0, pdir+"/../queue", b), buf, queue},
-		{fzPathFrame(2, 0, pdir+"//queue", b), buf, queue},
-		{fzPathFrame(2, 0, pdir, b), buf, queue},
-		{fzPathFrame(2, 0, b, q), buf, queue},
-		{fzPathFrame(2, 0, q, q), buf, queue},
-		{fzPathFrame(2, 0, b, b), buf, queue},
-		{fzPathFrame(2, 0, q, b), nil, nil},
-		{fzPathFrame(2, 0, q, b), buf, nil},
+		{rawPathFrame(2, 0, "/etc/passwd", b), buf, queue},
+		{rawPathFrame(2, 0, q, "/tmp/buf"), buf, queue},
+		{rawPathFrame(2, 0, "queue", "buf"), buf, queue},
+		{rawPathFrame(2, 0, pdir+"/../queue", b), buf, queue},
+		{rawPathFrame(2, 0, pdir+"//queue", b), buf, queue},
+		{rawPathFrame(2, 0, pdir, b), buf, queue},
+		{rawPathFrame(2, 0, b, q), buf, queue},
+		{rawPathFrame(2, 0, q, q), buf, queue},
+		{rawPathFrame(2, 0, b, b), buf, queue},
+		{rawPathFrame(2, 0, q, b), nil, nil},
+		{rawPathFrame(2, 0, q, b), buf, nil},
 		// bad regions
-		{fzPathFrame(2, 0, q, b), badCount, queue},
-		{fzPathFrame(2, 0, q, b), badUsed, queue},
-		{fzPathFrame(2, 0, q, b), buf[:40], queue},
-		{fzPathFrame(2, 0, q, b), buf, badCap},
-		{fzPathFrame(2, 0, q, b), buf, badTail},
-		{fzPathFrame(2, 0, q, b), buf, negCounters},
-		{fzPathFrame(2, 0, q, b), buf, queue[:len(queue)-12]},
-		{fzPathFrame(2, 0, q, b), buf, append(append([]byte{}, queue...), 0, 0)},
+		{rawPathFrame(2, 0, q, b), badCount, queue},
+		{rawPathFrame(2, 0, q, b), badUsed, queue},
+		{rawPathFrame(2, 0, q, b), buf[:40], queue},
+		{rawPathFrame(2, 0, q, b), buf, badCap},
+		{rawPathFrame(2, 0, q, b), buf, badTail},
+		{rawPathFrame(2, 0, q, b), buf, negCounters},
+		{rawPathFrame(2, 0, q, b), buf, queue[:len(queue)-12]},
+		{rawPathFrame(2, 0, q, b), buf, append(append([]byte{}, queue...), 0, 0)},
 		// bad frames
 		{nil, buf, queue},
-		{fzPathFrame(2, 0, q, b)[:5], buf, queue},
-		{fzPathFrame(2, 0, q, b)[:20], buf, queue},
-		{fzFrame(8, 0x5877, 2, 0), buf, queue},
-		{fzFrame(8, wire.Magic, 1, 0), buf, queue},
-		{fzFrame(8, wire.Magic, 4, 4), buf, queue},
-		{fzFrame(8, wire.Magic, 2, 4), buf, queue},
-		{fzFrame(8, wire.Magic, 3, 0), buf, queue},
-		{fzFrame(9, wire.Magic, 3, 4), buf, queue},
-		{fzFrame(11, wire.Magic, 2, 0, 0, 0, 0), buf, queue},
-		{fzFrame(0xFFFFFFFF, wire.Magic, 2, 0), buf, queue},
+		{rawPathFrame(2, 0, q, b)[:5], buf, queue},
+		{rawPathFrame(2, 0, q, b)[:20], buf, queue},
+		{rawFrame(8, 0x5877, 2, 0), buf, queue},
+		{rawFrame(8, wire.Magic, 1, 0), buf, queue},
+		{rawFrame(8, wire.Magic, 4, 4), buf, queue},
+		{rawFrame(8, wire.Magic, 2, 4), buf, queue},
+		{rawFrame(8, wire.Magic, 3, 0), buf, queue},
+		{rawFrame(9, wire.Magic, 3, 4), buf, queue},
+		{rawFrame(11, wire.Magic, 2, 0, 0, 0, 0), buf, queue},
+		{rawFrame(0xFFFFFFFF, wire.Magic, 2, 0), buf, queue},
 		{cat(exchange, exchange), buf, queue},
-		{cat(exchange, fzFrame(8, wire.Magic, 3, 6)), buf, queue},
-		{fzFrame(14, wire.Magic, 2, 0, 0, 0, 0, 0, 0, 0), buf, queue},
-		{fzFrame(16, wire.Magic, 2, 0, 0, 1, 'x', 0, 0, 0, 0, 0), buf, queue},
+		{cat(exchange, rawFrame(8, wire.Magic, 3, 6)), buf, queue},
+		{rawFrame(14, wire.Magic, 2, 0, 0, 0, 0, 0, 0, 0), buf, queue},
+		{rawFrame(16, wire.Magic, 2, 0, 0, 1, 'x', 0, 0, 0, 0, 0), buf, queue},
 	}
 	for _, s := range seeds {
 		f.Add(s.stream, s.buf, s.queue)
@@ -965,9 +930,9 @@ func FuzzBufferRegion(f *testing.F) {
 	}
 
 	f.Fuzz(func(t *testing.T, data, script []byte, creator bool) {
-		mem := fzAlignedBytes(max(len(data), managerHeaderSize))
+		mem := alignedBytes(max(len(data), managerHeaderSize))
 		copy(mem, data)
-		m, err := newBufferManager(fzRegion(mem), creator)
+		m, err := newBufferManager(heapRegion(mem), creator)
 		if err != nil {
 			if m != nil {
 				t.Fatalf("newBufferManager returned a manager and error %v", err)
@@ -1022,9 +987,9 @@ func FuzzReadChain(f *testing.F) {
 
 	f.Fuzz(func(t *testing.T, layout uint8, script []byte) {
 		tp := templates[int(layout&0x7F)%len(templates)]
-		mem := fzAlignedBytes(tp.size)[:tp.size]
+		mem := alignedBytes(tp.size)[:tp.size]
 		copy(mem, tp.mem)
-		m, err := newBufferManager(fzRegion(mem), layout&0x80 == 0)
+		m, err := newBufferManager(heapRegion(mem), layout&0x80 == 0)
 		if err != nil {
 			t.Fatalf("valid layout %d: %v", layout, err)
 		}
@@ -1110,7 +1075,7 @@ func FuzzQueue(f *testing.F) {
 
 	f.Fuzz(func(t *testing.T, data []byte, sizeSel uint8, script []byte) {
 		size := fzQueueSize(data, sizeSel)
-		mem := fzAlignedBytes(size)[:size]
+		mem := alignedBytes(size)[:size]
 		copy(mem, data)
 		if sizeSel&fix != 0 && size >= 2*queueHeaderSize && size%2 == 0 {
 			half := size / 2

@@ -1,7 +1,6 @@
 package shmipc
 
 import (
-	"runtime/debug"
 	"sync/atomic"
 	"time"
 
@@ -13,43 +12,33 @@ import (
 // A buffer region's pages are committed when first written and, left alone,
 // stay committed: a burst of large messages would pin the pages of every
 // slice it used for as long as the region lives. So the process that
-// created a region (the client, which holds its descriptor) watches it, and
-// when a list has been quiet for giveBackPeriod, nothing popped or pushed
-// by either process, it punches holes in the data pages of its free slices
-// (fallocate FALLOC_FL_PUNCH_HOLE). A slice is taken off the free list
-// while its pages go, as any writer would take it, so no peer can be
-// writing to it; slice headers are never punched. A slice handed out again
-// faults its pages back in, zero-filled, as writers fill slices before they
-// publish them.
+// created a region (the client, which holds its descriptor) watches it
+// (circulation.go), and when a list has been quiet for giveBackPeriod,
+// nothing popped or pushed by either process, it punches holes in the data
+// pages of its free slices (fallocate FALLOC_FL_PUNCH_HOLE). A slice is
+// taken off the free list while its pages go, as any writer would take it,
+// so no peer can be writing to it; slice headers are never punched. A slice
+// handed out again faults its pages back in, zero-filled, as writers fill
+// slices before they publish them.
 //
 // Nothing of this runs on the hot path: a busy list is not touched, and the
 // cost (a pop, a push and a fallocate per slice with committed data pages)
-// is paid once after traffic stops.
+// is paid once after traffic stops. While traffic goes on, circulation
+// control keeps the slices that cycle few (circulation.go).
 
 // giveBackPeriod is how long a list must be quiet before the data pages of
-// its free slices are given back, and how often lists are looked at. A
-// region takes the value when it is created.
+// its free slices are given back. A region takes the value when it is
+// created.
 var giveBackPeriod = time.Second
 
-// listSample is what a list's header said at one look: its free count and
-// both processes' counter words, which change with every pop and push.
-type listSample struct{ free, creator, mapper int32 }
-
-// startGiveBack watches m, a region this process created, until it is
-// unmapped.
-func (m *bufferManager) startGiveBack() {
-	period := giveBackPeriod
-	last := make([]listSample, len(m.lists))
-	var tick func()
-	tick = func() {
-		if !m.region.acquire() {
-			return // unmapped
-		}
-		m.giveBackQuiet(last)
-		m.region.release()
-		time.AfterFunc(period, tick)
-	}
-	time.AfterFunc(period, tick)
+// listSample is what a list's header said at one look: its free count,
+// head and tail, which move with every pop and push, and both processes'
+// counter words. A list that pops and pushes as much as it pushes between
+// two looks can show the same free count and counters at both; its head
+// and tail have moved, unless by exactly a multiple of the list's length.
+type listSample struct {
+	free, creator, mapper int32
+	head, tail            uint32
 }
 
 // sample reads list li's header words.
@@ -59,37 +48,8 @@ func (m *bufferManager) sample(li int) listSample {
 		free:    atomic.LoadInt32(m.i32(h + listFreeOff)),
 		creator: atomic.LoadInt32(m.i32(h + creatorCounter)),
 		mapper:  atomic.LoadInt32(m.i32(h + mapperCounter)),
-	}
-}
-
-// giveBackQuiet gives back the data pages of the free slices of every list
-// that has not changed since the previous look (last), and records this
-// look. A fault (a region shrunk or a page not committable) ends the work
-// quietly: the sessions using the region meet it in their own accesses.
-func (m *bufferManager) giveBackQuiet(last []listSample) {
-	defer func() {
-		if r := recover(); r != nil {
-			_ = faultError(r) // re-panics anything but a memory fault
-		}
-	}()
-	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
-	var resident []byte
-	for li := range m.lists {
-		now := m.sample(li)
-		quiet := now == last[li]
-		last[li] = now
-		if !quiet {
-			continue
-		}
-		if resident == nil {
-			resident = residentPages(m.mem)
-			if resident == nil {
-				return
-			}
-		}
-		if m.giveBackList(li, resident) {
-			last[li] = m.sample(li) // our own pops and pushes are not traffic
-		}
+		head:    atomic.LoadUint32(m.u32(h + listHeadOff)),
+		tail:    atomic.LoadUint32(m.u32(h + listTailOff)),
 	}
 }
 
@@ -101,6 +61,14 @@ func (m *bufferManager) dataPages(li int, off uint32) (first, end int) {
 	first = (start + ps - 1) / ps * ps
 	end = (int(off) + int(m.lists[li].stride)) / ps * ps
 	return first, max(first, end)
+}
+
+// punch gives back the data pages of the slice at off in list li, which
+// this process has popped.
+func (m *bufferManager) punch(li int, off uint32) {
+	if first, end := m.dataPages(li, off); first < end {
+		_ = unix.Fallocate(m.region.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, int64(first), int64(end-first))
+	}
 }
 
 // hasResident reports whether any page of [first, end) is in memory.
@@ -115,6 +83,9 @@ func hasResident(resident []byte, first, end int) bool {
 
 // giveBackList cycles once through list li's free slices if any of them has
 // data pages in memory, punching those. It reports whether it popped any.
+// The slice at the tail cannot be popped while it is the last one, so the
+// cycle makes as many pops as the list holds slices, not one fewer: by the
+// last pop, the slices pushed back behind it have brought it to the head.
 func (m *bufferManager) giveBackList(li int, resident []byte) bool {
 	l := &m.lists[li]
 	found := false
@@ -128,16 +99,16 @@ func (m *bufferManager) giveBackList(li int, resident []byte) bool {
 	if !found {
 		return false
 	}
-	n := atomic.LoadInt32(m.i32(l.header+listFreeOff)) - 1
+	n := atomic.LoadInt32(m.i32(l.header + listFreeOff))
 	for range n {
-		off, err := m.pop(li)
+		off, _, err := m.popList(li)
 		if err != nil || off == 0 {
 			break
 		}
 		if first, end := m.dataPages(li, off); first < end && hasResident(resident, first, end) {
-			_ = unix.Fallocate(m.region.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, int64(first), int64(end-first))
+			m.punch(li, off)
 		}
-		if m.push(li, off) != nil {
+		if _, err := m.pushList(li, off); err != nil {
 			break
 		}
 	}

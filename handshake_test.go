@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
@@ -29,37 +28,6 @@ var (
 	hsStreamCloseV2 = []byte{0x00, 0x00, 0x00, 0x0c, 0x77, 0x58, 0x02, 0x02, 0x00, 0x00, 0x00, 0x63}
 )
 
-// hsHeader builds an 8-byte header by hand.
-func hsHeader(length uint32, magic uint16, version, typ uint8) []byte {
-	b := binary.BigEndian.AppendUint32(nil, length)
-	b = binary.BigEndian.AppendUint16(b, magic)
-	return append(b, version, typ)
-}
-
-// hsPathFrame builds a ShareMemoryByFilePath / ShareMemoryByMemfd frame by
-// hand: queue path first, then buffer path.
-func hsPathFrame(version, typ uint8, queuePath, bufPath string) []byte {
-	b := hsHeader(uint32(12+len(queuePath)+len(bufPath)), 0x7758, version, typ)
-	b = binary.BigEndian.AppendUint16(b, uint16(len(queuePath)))
-	b = append(b, queuePath...)
-	b = binary.BigEndian.AppendUint16(b, uint16(len(bufPath)))
-	return append(b, bufPath...)
-}
-
-// hsPrefix returns a ShareMemoryPathPrefix no other test uses, and removes
-// every file under it when the test ends.
-func hsPrefix(t *testing.T) string {
-	t.Helper()
-	p := fmt.Sprintf("/dev/shm/shmipc_test_%d_%d", os.Getpid(), rand.Uint32())
-	t.Cleanup(func() {
-		matches, _ := filepath.Glob(p + "_*")
-		for _, m := range matches {
-			os.Remove(m)
-		}
-	})
-	return p
-}
-
 // hsRegionFiles lists the files under prefix.
 func hsRegionFiles(t *testing.T, prefix string) []string {
 	t.Helper()
@@ -79,104 +47,8 @@ func hsConfig(t *testing.T, mode MemMapType) *Config {
 	c.BufferSliceSizes = ReferenceSliceSizes()
 	c.QueueCap = 1024
 	c.InitializeTimeout = 5 * time.Second
-	c.ShareMemoryPathPrefix = hsPrefix(t)
+	c.ShareMemoryPathPrefix = shmPrefix(t, "hs")
 	return c
-}
-
-func hsSockPath(t *testing.T) string {
-	return filepath.Join(t.TempDir(), "s.sock")
-}
-
-// hsUnixPair returns both ends of a Unix stream connection made through a
-// socket in t.TempDir(): the dialing end and the accepted end.
-func hsUnixPair(t *testing.T) (dialed, accepted *net.UnixConn) {
-	t.Helper()
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: hsSockPath(t), Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	ch := make(chan *net.UnixConn, 1)
-	go func() {
-		c, _ := ln.AcceptUnix()
-		ch <- c
-	}()
-	dialed, err = net.DialUnix("unix", nil, ln.Addr().(*net.UnixAddr))
-	if err != nil {
-		t.Fatal(err)
-	}
-	accepted = <-ch
-	if accepted == nil {
-		dialed.Close()
-		t.Fatal("accept failed")
-	}
-	t.Cleanup(func() {
-		dialed.Close()
-		accepted.Close()
-	})
-	return dialed, accepted
-}
-
-// hsTCPPair is hsUnixPair over TCP loopback.
-func hsTCPPair(t *testing.T) (dialed, accepted net.Conn) {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	ch := make(chan net.Conn, 1)
-	go func() {
-		c, _ := ln.Accept()
-		ch <- c
-	}()
-	dialed, err = net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	accepted = <-ch
-	if accepted == nil {
-		dialed.Close()
-		t.Fatal("accept failed")
-	}
-	t.Cleanup(func() {
-		dialed.Close()
-		accepted.Close()
-	})
-	return dialed, accepted
-}
-
-type hsResult struct {
-	s    *Session
-	err  error
-	took time.Duration
-}
-
-// hsStart runs f (Client, Server or Dial) in the background.
-func hsStart(f func() (*Session, error)) <-chan hsResult {
-	ch := make(chan hsResult, 1)
-	start := time.Now()
-	go func() {
-		s, err := f()
-		ch <- hsResult{s, err, time.Since(start)}
-	}()
-	return ch
-}
-
-// hsAwait waits up to within for the result of hsStart. A
-// session it returns is closed when the test ends.
-func hsAwait(t *testing.T, ch <-chan hsResult, within time.Duration) hsResult {
-	t.Helper()
-	select {
-	case r := <-ch:
-		if r.s != nil {
-			t.Cleanup(func() { r.s.Close() })
-		}
-		return r
-	case <-time.After(within):
-		t.Fatalf("handshake still running after %v", within)
-		return hsResult{}
-	}
 }
 
 func hsReadExactly(t *testing.T, c net.Conn, n int) []byte {
@@ -277,42 +149,6 @@ func hsIsTimeout(err error) bool {
 	return errors.Is(err, ErrTimeout) || errors.Is(err, os.ErrDeadlineExceeded)
 }
 
-// hsEchoOnce opens a stream, sends a message and expects it back.
-func hsEchoOnce(t *testing.T, sess *Session) {
-	t.Helper()
-	st, err := sess.OpenStream()
-	if err != nil {
-		t.Fatalf("OpenStream: %v", err)
-	}
-	defer st.Close()
-	st.SetDeadline(time.Now().Add(5 * time.Second))
-	msg := []byte("hello, shmipc")
-	if _, err := st.Write(msg); err != nil {
-		t.Fatalf("Write: %v", err)
-	}
-	got := make([]byte, len(msg))
-	if _, err := io.ReadFull(st, got); err != nil {
-		t.Fatalf("reading the echo: %v", err)
-	}
-	if !bytes.Equal(got, msg) {
-		t.Fatalf("echo %q, want %q", got, msg)
-	}
-}
-
-// hsServeEcho echoes every stream the listener accepts.
-func hsServeEcho(ln *Listener) {
-	for {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		go func() {
-			defer c.Close()
-			io.Copy(c, c)
-		}()
-	}
-}
-
 // hsWaitNoFiles waits for every region file under prefix to be removed.
 func hsWaitNoFiles(t *testing.T, prefix string, within time.Duration) {
 	t.Helper()
@@ -372,26 +208,26 @@ func TestHandshakeEcho(t *testing.T) {
 			conf := hsConfig(t, c.mode)
 			addr := "127.0.0.1:0"
 			if c.network == "unix" {
-				addr = hsSockPath(t)
+				addr = sockPath(t)
 			}
 			ln, err := Listen(c.network, addr, conf)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer ln.Close()
-			go hsServeEcho(ln)
-			r := hsAwait(t, hsStart(func() (*Session, error) {
+			go serveStreams(ln, echoStream)
+			r := awaitHandshake(t, startHandshake(func() (*Session, error) {
 				return Dial(c.network, ln.Addr().String(), conf)
 			}), 5*time.Second)
 			if r.err != nil {
 				t.Fatalf("Dial: %v", r.err)
 			}
-			if !r.s.IsClient() || r.s.version != c.version {
-				t.Errorf("client session: IsClient %v, version %d; want true, %d", r.s.IsClient(), r.s.version, c.version)
+			if !r.s.isClient || r.s.version != c.version {
+				t.Errorf("client session: isClient %v, version %d; want true, %d", r.s.isClient, r.s.version, c.version)
 			}
 			hsCheckFiles(t, conf)
-			hsEchoOnce(t, r.s)
-			hsEchoOnce(t, r.s)
+			mustEcho(t, r.s)
+			mustEcho(t, r.s)
 			r.s.Close()
 			ln.Close()
 			hsWaitNoFiles(t, conf.ShareMemoryPathPrefix, 3*time.Second)
@@ -400,21 +236,21 @@ func TestHandshakeEcho(t *testing.T) {
 			conf := hsConfig(t, c.mode)
 			var cc, sc net.Conn
 			if c.network == "unix" {
-				cc, sc = hsUnixPair(t)
+				cc, sc = unixPair(t)
 			} else {
-				cc, sc = hsTCPPair(t)
+				cc, sc = tcpPair(t)
 			}
-			srvCh := hsStart(func() (*Session, error) { return Server(sc, conf) })
-			cr := hsAwait(t, hsStart(func() (*Session, error) { return Client(cc, conf) }), 5*time.Second)
+			srvCh := startHandshake(func() (*Session, error) { return Server(sc, conf) })
+			cr := awaitHandshake(t, startHandshake(func() (*Session, error) { return Client(cc, conf) }), 5*time.Second)
 			if cr.err != nil {
 				t.Fatalf("Client: %v", cr.err)
 			}
-			sr := hsAwait(t, srvCh, 5*time.Second)
+			sr := awaitHandshake(t, srvCh, 5*time.Second)
 			if sr.err != nil {
 				t.Fatalf("Server: %v", sr.err)
 			}
-			if sr.s.IsClient() || sr.s.version != c.version || cr.s.version != c.version {
-				t.Errorf("versions: client %d, server %d (server IsClient %v); want %d", cr.s.version, sr.s.version, sr.s.IsClient(), c.version)
+			if sr.s.isClient || sr.s.version != c.version || cr.s.version != c.version {
+				t.Errorf("versions: client %d, server %d (server isClient %v); want %d", cr.s.version, sr.s.version, sr.s.isClient, c.version)
 			}
 			hsCheckFiles(t, conf)
 			go func() {
@@ -425,16 +261,10 @@ func TestHandshakeEcho(t *testing.T) {
 				defer st.Close()
 				io.Copy(st, st)
 			}()
-			hsEchoOnce(t, cr.s)
+			mustEcho(t, cr.s)
 			cr.s.Close()
 			// The server session notices that the client went away.
-			deadline := time.Now().Add(3 * time.Second)
-			for !sr.s.IsClosed() && time.Now().Before(deadline) {
-				time.Sleep(5 * time.Millisecond)
-			}
-			if !sr.s.IsClosed() {
-				t.Fatal("server session still open 3s after the client closed")
-			}
+			waitSessionClosed(t, sr.s, 3*time.Second)
 			if err := sr.s.Err(); !errors.Is(err, ErrSessionClosed) || errors.Is(err, ErrProtocol) {
 				t.Errorf("server session error after the client closed: %v", err)
 			}
@@ -450,16 +280,16 @@ func TestClientHandshakeBytesMemfd(t *testing.T) {
 	for _, replyVersion := range []uint8{3, 4} {
 		t.Run(fmt.Sprintf("server replies version %d", replyVersion), func(t *testing.T) {
 			conf := hsConfig(t, MemMapTypeMemFd)
-			cc, raw := hsUnixPair(t)
-			ch := hsStart(func() (*Session, error) { return Client(cc, conf) })
+			cc, raw := unixPair(t)
+			ch := startHandshake(func() (*Session, error) { return Client(cc, conf) })
 
 			if got := hsReadExactly(t, raw, 8); !bytes.Equal(got, hsExchangeV3) {
 				t.Fatalf("first frame % x, want % x", got, hsExchangeV3)
 			}
-			hsWrite(t, raw, hsHeader(8, 0x7758, replyVersion, 4))
+			hsWrite(t, raw, rawFrame(8, 0x7758, replyVersion, 4))
 
 			h, queuePath, bufPath := hsReadPathFrame(t, raw)
-			if want := hsHeader(uint32(12+len(queuePath)+len(bufPath)), 0x7758, 3, 5); !bytes.Equal(h, want) {
+			if want := rawFrame(uint32(12+len(queuePath)+len(bufPath)), 0x7758, 3, 5); !bytes.Equal(h, want) {
 				t.Fatalf("ShareMemoryByMemfd header % x, want % x", h, want)
 			}
 			hsCheckClientPaths(t, conf, queuePath, bufPath)
@@ -535,12 +365,12 @@ func TestClientHandshakeBytesMemfd(t *testing.T) {
 			default:
 			}
 			hsWrite(t, raw, hsAckShmV3)
-			r := hsAwait(t, ch, 5*time.Second)
+			r := awaitHandshake(t, ch, 5*time.Second)
 			if r.err != nil {
 				t.Fatalf("Client: %v", r.err)
 			}
-			if !r.s.IsClient() || r.s.version != 3 {
-				t.Errorf("session: IsClient %v, version %d", r.s.IsClient(), r.s.version)
+			if !r.s.isClient || r.s.version != 3 {
+				t.Errorf("session: isClient %v, version %d", r.s.isClient, r.s.version)
 			}
 			r.s.Close()
 			if got := hsExpectClosed(t, raw, 2*time.Second); len(got) != 0 {
@@ -555,9 +385,9 @@ func TestClientHandshakeBytesMemfd(t *testing.T) {
 // wait for any reply (PROTOCOL.md §1.4).
 func TestClientHandshakeBytesFileMode(t *testing.T) {
 	conf := hsConfig(t, MemMapTypeDevShmFile)
-	cc, raw := hsUnixPair(t)
+	cc, raw := unixPair(t)
 	// The raw server neither reads nor writes until Client has returned.
-	r := hsAwait(t, hsStart(func() (*Session, error) { return Client(cc, conf) }), 5*time.Second)
+	r := awaitHandshake(t, startHandshake(func() (*Session, error) { return Client(cc, conf) }), 5*time.Second)
 	if r.err != nil {
 		t.Fatalf("Client: %v", r.err)
 	}
@@ -565,7 +395,7 @@ func TestClientHandshakeBytesFileMode(t *testing.T) {
 		t.Errorf("session version %d, want 2", r.s.version)
 	}
 	h, queuePath, bufPath := hsReadPathFrame(t, raw)
-	if want := hsHeader(uint32(12+len(queuePath)+len(bufPath)), 0x7758, 2, 0); !bytes.Equal(h, want) {
+	if want := rawFrame(uint32(12+len(queuePath)+len(bufPath)), 0x7758, 2, 0); !bytes.Equal(h, want) {
 		t.Fatalf("ShareMemoryByFilePath header % x, want % x", h, want)
 	}
 	hsCheckClientPaths(t, conf, queuePath, bufPath)
@@ -604,9 +434,9 @@ func TestClientHandshakeBytesFileMode(t *testing.T) {
 // handshake fails removes the region files it created (PROTOCOL.md §1.6).
 func TestClientHandshakeFailureRemovesFiles(t *testing.T) {
 	conf := hsConfig(t, MemMapTypeDevShmFile)
-	cc, raw := hsUnixPair(t)
+	cc, raw := unixPair(t)
 	raw.Close()
-	r := hsAwait(t, hsStart(func() (*Session, error) { return Client(cc, conf) }), 2*time.Second)
+	r := awaitHandshake(t, startHandshake(func() (*Session, error) { return Client(cc, conf) }), 2*time.Second)
 	if r.err == nil {
 		t.Fatal("Client succeeded with a closed peer")
 	}
@@ -620,8 +450,8 @@ func TestClientHandshakeFailureRemovesFiles(t *testing.T) {
 	// A prefix in a directory that does not exist fails cleanly too.
 	conf = hsConfig(t, MemMapTypeDevShmFile)
 	conf.ShareMemoryPathPrefix = filepath.Join(t.TempDir(), "missing", "shmipc")
-	cc, raw = hsUnixPair(t)
-	r = hsAwait(t, hsStart(func() (*Session, error) { return Client(cc, conf) }), 2*time.Second)
+	cc, raw = unixPair(t)
+	r = awaitHandshake(t, startHandshake(func() (*Session, error) { return Client(cc, conf) }), 2*time.Second)
 	if r.err == nil || !errors.Is(r.err, ErrHandshake) {
 		t.Errorf("Client with a missing prefix directory: %v, want ErrHandshake", r.err)
 	}
@@ -637,24 +467,24 @@ func TestClientHandshakeBadServerReplies(t *testing.T) {
 		name  string
 		reply []byte
 	}{
-		{"exchange with version 2", hsHeader(8, 0x7758, 2, 4)},
-		{"exchange with version 1", hsHeader(8, 0x7758, 1, 4)},
-		{"exchange with bad magic", hsHeader(8, 0x7757, 3, 4)},
-		{"exchange with version 0", hsHeader(8, 0x7758, 0, 4)},
+		{"exchange with version 2", rawFrame(8, 0x7758, 2, 4)},
+		{"exchange with version 1", rawFrame(8, 0x7758, 1, 4)},
+		{"exchange with bad magic", rawFrame(8, 0x7757, 3, 4)},
+		{"exchange with version 0", rawFrame(8, 0x7758, 0, 4)},
 		{"AckShareMemory instead of exchange", hsAckShmV3},
-		{"exchange with a payload", hsHeader(20, 0x7758, 3, 4)},
-		{"type 10", hsHeader(8, 0x7758, 3, 10)},
+		{"exchange with a payload", rawFrame(20, 0x7758, 3, 4)},
+		{"type 10", rawFrame(8, 0x7758, 3, 10)},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			conf := hsConfig(t, MemMapTypeMemFd)
-			cc, raw := hsUnixPair(t)
-			ch := hsStart(func() (*Session, error) { return Client(cc, conf) })
+			cc, raw := unixPair(t)
+			ch := startHandshake(func() (*Session, error) { return Client(cc, conf) })
 			if got := hsReadExactly(t, raw, 8); !bytes.Equal(got, hsExchangeV3) {
 				t.Fatalf("first frame % x", got)
 			}
 			hsWrite(t, raw, c.reply)
-			r := hsAwait(t, ch, 2*time.Second)
+			r := awaitHandshake(t, ch, 2*time.Second)
 			if r.err == nil {
 				t.Fatal("Client accepted the reply")
 			}
@@ -676,31 +506,31 @@ func TestServerRejectsBadFirstHeader(t *testing.T) {
 		header []byte
 		is     error // a wire error the failure must wrap, if any
 	}{
-		{"bad magic", hsHeader(8, 0x1234, 3, 4), wire.ErrBadMagic},
-		{"byte-swapped magic", hsHeader(8, 0x5877, 3, 4), wire.ErrBadMagic},
-		{"version 0", hsHeader(8, 0x7758, 0, 4), wire.ErrBadVersion},
-		{"version 1", hsHeader(8, 0x7758, 1, 0), wire.ErrBadVersion},
-		{"version 4", hsHeader(8, 0x7758, 4, 4), wire.ErrBadVersion},
-		{"version 255", hsHeader(8, 0x7758, 255, 4), wire.ErrBadVersion},
-		{"v3 type 10", hsHeader(8, 0x7758, 3, 10), wire.ErrBadType},
-		{"v3 type 255", hsHeader(8, 0x7758, 3, 255), wire.ErrBadType},
-		{"v3 starts with ShareMemoryByMemfd", hsHeader(8, 0x7758, 3, 5), nil},
-		{"v3 starts with ShareMemoryByFilePath", hsHeader(8, 0x7758, 3, 0), nil},
-		{"v3 starts with Polling", hsHeader(8, 0x7758, 3, 1), nil},
-		{"v3 starts with AckShareMemory", hsHeader(8, 0x7758, 3, 6), nil},
-		{"v3 exchange with a payload", hsHeader(20, 0x7758, 3, 4), wire.ErrBadLength},
-		{"v3 exchange of length 0", hsHeader(0, 0x7758, 3, 4), wire.ErrBadLength},
-		{"v2 starts with ExchangeProtoVersion", hsHeader(8, 0x7758, 2, 4), nil},
-		{"v2 starts with Polling", hsHeader(8, 0x7758, 2, 1), nil},
-		{"v2 path message too short", hsHeader(8, 0x7758, 2, 0), wire.ErrBadLength},
+		{"bad magic", rawFrame(8, 0x1234, 3, 4), wire.ErrBadMagic},
+		{"byte-swapped magic", rawFrame(8, 0x5877, 3, 4), wire.ErrBadMagic},
+		{"version 0", rawFrame(8, 0x7758, 0, 4), wire.ErrBadVersion},
+		{"version 1", rawFrame(8, 0x7758, 1, 0), wire.ErrBadVersion},
+		{"version 4", rawFrame(8, 0x7758, 4, 4), wire.ErrBadVersion},
+		{"version 255", rawFrame(8, 0x7758, 255, 4), wire.ErrBadVersion},
+		{"v3 type 10", rawFrame(8, 0x7758, 3, 10), wire.ErrBadType},
+		{"v3 type 255", rawFrame(8, 0x7758, 3, 255), wire.ErrBadType},
+		{"v3 starts with ShareMemoryByMemfd", rawFrame(8, 0x7758, 3, 5), nil},
+		{"v3 starts with ShareMemoryByFilePath", rawFrame(8, 0x7758, 3, 0), nil},
+		{"v3 starts with Polling", rawFrame(8, 0x7758, 3, 1), nil},
+		{"v3 starts with AckShareMemory", rawFrame(8, 0x7758, 3, 6), nil},
+		{"v3 exchange with a payload", rawFrame(20, 0x7758, 3, 4), wire.ErrBadLength},
+		{"v3 exchange of length 0", rawFrame(0, 0x7758, 3, 4), wire.ErrBadLength},
+		{"v2 starts with ExchangeProtoVersion", rawFrame(8, 0x7758, 2, 4), nil},
+		{"v2 starts with Polling", rawFrame(8, 0x7758, 2, 1), nil},
+		{"v2 path message too short", rawFrame(8, 0x7758, 2, 0), wire.ErrBadLength},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			conf := hsConfig(t, MemMapTypeMemFd)
-			raw, sc := hsUnixPair(t)
-			ch := hsStart(func() (*Session, error) { return Server(sc, conf) })
+			raw, sc := unixPair(t)
+			ch := startHandshake(func() (*Session, error) { return Server(sc, conf) })
 			hsWrite(t, raw, c.header)
-			r := hsAwait(t, ch, 2*time.Second)
+			r := awaitHandshake(t, ch, 2*time.Second)
 			if r.err == nil {
 				t.Fatal("Server accepted the handshake")
 			}
@@ -747,10 +577,10 @@ func TestServerRejectsBadPaths(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			conf := hsConfig(t, MemMapTypeDevShmFile)
-			raw, sc := hsUnixPair(t)
-			ch := hsStart(func() (*Session, error) { return Server(sc, conf) })
-			hsWrite(t, raw, hsPathFrame(2, 0, c.queuePath(conf.ShareMemoryPathPrefix), c.bPath(conf.ShareMemoryPathPrefix)))
-			r := hsAwait(t, ch, 2*time.Second)
+			raw, sc := unixPair(t)
+			ch := startHandshake(func() (*Session, error) { return Server(sc, conf) })
+			hsWrite(t, raw, rawPathFrame(2, 0, c.queuePath(conf.ShareMemoryPathPrefix), c.bPath(conf.ShareMemoryPathPrefix)))
+			r := awaitHandshake(t, ch, 2*time.Second)
 			if r.err == nil || !errors.Is(r.err, ErrHandshake) {
 				t.Fatalf("Server: %v, want an error wrapping ErrHandshake", r.err)
 			}
@@ -764,53 +594,19 @@ func TestServerRejectsBadPaths(t *testing.T) {
 	}
 }
 
-// hsRawRegions are regions a raw client made with the package's own helpers.
-type hsRawRegions struct {
-	queuePath, bufPath string
-	queueFd, bufFd     int
-	buf, queue         *region
-}
-
-func hsMakeRawRegions(t *testing.T, conf *Config, mode MemMapType) *hsRawRegions {
-	t.Helper()
-	prefix := fmt.Sprintf("%s_%d_raw", conf.ShareMemoryPathPrefix, os.Getpid())
-	r := &hsRawRegions{queuePath: prefix + "_queue_0", bufPath: prefix + "_buffer", queueFd: -1, bufFd: -1}
-	plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if r.buf, r.bufFd, err = createRegion(mode, r.bufPath, int(conf.ShareMemoryBufferCap)); err != nil {
-		t.Fatal(err)
-	}
-	initBufferRegion(r.buf.mem, plans)
-	if r.queue, r.queueFd, err = createRegion(mode, r.queuePath, queueRegionSize(conf.QueueCap)); err != nil {
-		r.buf.release()
-		t.Fatal(err)
-	}
-	initQueueRegion(r.queue.mem, conf.QueueCap)
-	t.Cleanup(func() {
-		closeFds(r.bufFd, r.queueFd)
-		r.buf.release()
-		r.queue.release()
-		os.Remove(r.bufPath)
-		os.Remove(r.queuePath)
-	})
-	return r
-}
-
 // TestServerHandshakeBytes plays the client by hand and checks every byte
 // the server answers (PROTOCOL.md §1.4, §1.5).
 func TestServerHandshakeBytes(t *testing.T) {
 	t.Run("v3 memfd", func(t *testing.T) {
 		conf := hsConfig(t, MemMapTypeMemFd)
-		rr := hsMakeRawRegions(t, conf, MemMapTypeMemFd)
-		raw, sc := hsUnixPair(t)
-		ch := hsStart(func() (*Session, error) { return Server(sc, conf) })
+		rr := createRawRegions(t, conf, MemMapTypeMemFd, rawLayout{})
+		raw, sc := unixPair(t)
+		ch := startHandshake(func() (*Session, error) { return Server(sc, conf) })
 		hsWrite(t, raw, hsExchangeV3)
 		if got := hsReadExactly(t, raw, 8); !bytes.Equal(got, hsExchangeV3) {
 			t.Fatalf("exchange reply % x, want % x", got, hsExchangeV3)
 		}
-		hsWrite(t, raw, hsPathFrame(3, 5, rr.queuePath, rr.bufPath))
+		hsWrite(t, raw, rawPathFrame(3, 5, rr.queuePath, rr.bufPath))
 		if got := hsReadExactly(t, raw, 8); !bytes.Equal(got, hsAckReadyV3) {
 			t.Fatalf("reply to ShareMemoryByMemfd % x, want % x", got, hsAckReadyV3)
 		}
@@ -820,12 +616,12 @@ func TestServerHandshakeBytes(t *testing.T) {
 		if got := hsReadExactly(t, raw, 8); !bytes.Equal(got, hsAckShmV3) {
 			t.Fatalf("reply to the fds % x, want % x", got, hsAckShmV3)
 		}
-		r := hsAwait(t, ch, 5*time.Second)
+		r := awaitHandshake(t, ch, 5*time.Second)
 		if r.err != nil {
 			t.Fatalf("Server: %v", r.err)
 		}
-		if r.s.IsClient() || r.s.version != 3 {
-			t.Errorf("session: IsClient %v, version %d", r.s.IsClient(), r.s.version)
+		if r.s.isClient || r.s.version != 3 {
+			t.Errorf("session: isClient %v, version %d", r.s.isClient, r.s.version)
 		}
 		// The server mapped the very regions the raw client created.
 		if got := r.s.queueRegion.mem; len(got) != len(rr.queue.mem) {
@@ -843,18 +639,18 @@ func TestServerHandshakeBytes(t *testing.T) {
 	})
 	t.Run("v3 file", func(t *testing.T) {
 		conf := hsConfig(t, MemMapTypeDevShmFile)
-		rr := hsMakeRawRegions(t, conf, MemMapTypeDevShmFile)
-		raw, sc := hsUnixPair(t)
-		ch := hsStart(func() (*Session, error) { return Server(sc, conf) })
+		rr := createRawRegions(t, conf, MemMapTypeDevShmFile, rawLayout{})
+		raw, sc := unixPair(t)
+		ch := startHandshake(func() (*Session, error) { return Server(sc, conf) })
 		hsWrite(t, raw, hsExchangeV3)
 		if got := hsReadExactly(t, raw, 8); !bytes.Equal(got, hsExchangeV3) {
 			t.Fatalf("exchange reply % x, want % x", got, hsExchangeV3)
 		}
-		hsWrite(t, raw, hsPathFrame(3, 0, rr.queuePath, rr.bufPath))
+		hsWrite(t, raw, rawPathFrame(3, 0, rr.queuePath, rr.bufPath))
 		if got := hsReadExactly(t, raw, 8); !bytes.Equal(got, hsAckShmV3) {
 			t.Fatalf("reply to ShareMemoryByFilePath % x, want % x", got, hsAckShmV3)
 		}
-		r := hsAwait(t, ch, 5*time.Second)
+		r := awaitHandshake(t, ch, 5*time.Second)
 		if r.err != nil {
 			t.Fatalf("Server: %v", r.err)
 		}
@@ -864,22 +660,22 @@ func TestServerHandshakeBytes(t *testing.T) {
 	})
 	t.Run("v2 file", func(t *testing.T) {
 		conf := hsConfig(t, MemMapTypeDevShmFile)
-		rr := hsMakeRawRegions(t, conf, MemMapTypeDevShmFile)
-		raw, sc := hsUnixPair(t)
-		ch := hsStart(func() (*Session, error) { return Server(sc, conf) })
-		hsWrite(t, raw, hsPathFrame(2, 0, rr.queuePath, rr.bufPath))
-		r := hsAwait(t, ch, 5*time.Second)
+		rr := createRawRegions(t, conf, MemMapTypeDevShmFile, rawLayout{})
+		raw, sc := unixPair(t)
+		ch := startHandshake(func() (*Session, error) { return Server(sc, conf) })
+		hsWrite(t, raw, rawPathFrame(2, 0, rr.queuePath, rr.bufPath))
+		r := awaitHandshake(t, ch, 5*time.Second)
 		if r.err != nil {
 			t.Fatalf("Server: %v", r.err)
 		}
-		if r.s.version != 2 || r.s.IsClient() {
-			t.Errorf("session: version %d, IsClient %v", r.s.version, r.s.IsClient())
+		if r.s.version != 2 || r.s.isClient {
+			t.Errorf("session: version %d, isClient %v", r.s.version, r.s.isClient)
 		}
 		hsExpectNothing(t, raw, 100*time.Millisecond)
 		// The client going away ends the session with EOF, not a protocol
 		// error, and the server removes the region files (PROTOCOL.md §1.6).
 		raw.Close()
-		hsWaitClosed(t, r.s, 2*time.Second)
+		waitSessionClosed(t, r.s, 2*time.Second)
 		if err := r.s.Err(); !errors.Is(err, ErrSessionClosed) || !errors.Is(err, ErrPeerClosed) || errors.Is(err, io.EOF) || errors.Is(err, ErrProtocol) {
 			t.Errorf("session error %v: want ErrSessionClosed wrapping ErrPeerClosed (and not io.EOF)", err)
 		}
@@ -897,12 +693,12 @@ func TestServerHandshakeBytes(t *testing.T) {
 	for _, nfds := range []int{1, 3} {
 		t.Run(fmt.Sprintf("v3 memfd with %d fds", nfds), func(t *testing.T) {
 			conf := hsConfig(t, MemMapTypeMemFd)
-			rr := hsMakeRawRegions(t, conf, MemMapTypeMemFd)
-			raw, sc := hsUnixPair(t)
-			ch := hsStart(func() (*Session, error) { return Server(sc, conf) })
+			rr := createRawRegions(t, conf, MemMapTypeMemFd, rawLayout{})
+			raw, sc := unixPair(t)
+			ch := startHandshake(func() (*Session, error) { return Server(sc, conf) })
 			hsWrite(t, raw, hsExchangeV3)
 			hsReadExactly(t, raw, 8)
-			hsWrite(t, raw, hsPathFrame(3, 5, rr.queuePath, rr.bufPath))
+			hsWrite(t, raw, rawPathFrame(3, 5, rr.queuePath, rr.bufPath))
 			if got := hsReadExactly(t, raw, 8); !bytes.Equal(got, hsAckReadyV3) {
 				t.Fatalf("reply % x, want % x", got, hsAckReadyV3)
 			}
@@ -910,7 +706,7 @@ func TestServerHandshakeBytes(t *testing.T) {
 			if _, _, err := raw.WriteMsgUnix([]byte{0}, unix.UnixRights(fds...), nil); err != nil {
 				t.Fatal(err)
 			}
-			r := hsAwait(t, ch, 2*time.Second)
+			r := awaitHandshake(t, ch, 2*time.Second)
 			if r.err == nil || !errors.Is(r.err, ErrHandshake) || hsIsTimeout(r.err) {
 				t.Fatalf("Server: %v; want an ErrHandshake that is not a timeout", r.err)
 			}
@@ -924,40 +720,29 @@ func TestServerHandshakeBytes(t *testing.T) {
 	}
 }
 
-func hsWaitClosed(t *testing.T, s *Session, within time.Duration) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !s.IsClosed() {
-		if time.Now().After(deadline) {
-			t.Fatalf("session still open after %v", within)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // TestServerHandshakeStalledPeer: a client that stops talking makes Server
 // fail with a timeout after InitializeTimeout.
 func TestServerHandshakeStalledPeer(t *testing.T) {
 	cases := []struct {
 		name string
-		talk func(t *testing.T, raw *net.UnixConn, rr *hsRawRegions)
+		talk func(t *testing.T, raw *net.UnixConn, rr *rawRegions)
 	}{
-		{"silent", func(*testing.T, *net.UnixConn, *hsRawRegions) {}},
-		{"half a header", func(t *testing.T, raw *net.UnixConn, _ *hsRawRegions) {
+		{"silent", func(*testing.T, *net.UnixConn, *rawRegions) {}},
+		{"half a header", func(t *testing.T, raw *net.UnixConn, _ *rawRegions) {
 			hsWrite(t, raw, hsExchangeV3[:4])
 		}},
-		{"v2 path message cut short", func(t *testing.T, raw *net.UnixConn, rr *hsRawRegions) {
-			f := hsPathFrame(2, 0, rr.queuePath, rr.bufPath)
+		{"v2 path message cut short", func(t *testing.T, raw *net.UnixConn, rr *rawRegions) {
+			f := rawPathFrame(2, 0, rr.queuePath, rr.bufPath)
 			hsWrite(t, raw, f[:len(f)-3])
 		}},
-		{"after the version exchange", func(t *testing.T, raw *net.UnixConn, _ *hsRawRegions) {
+		{"after the version exchange", func(t *testing.T, raw *net.UnixConn, _ *rawRegions) {
 			hsWrite(t, raw, hsExchangeV3)
 			hsReadExactly(t, raw, 8)
 		}},
-		{"no fds after AckReadyRecvFD", func(t *testing.T, raw *net.UnixConn, rr *hsRawRegions) {
+		{"no fds after AckReadyRecvFD", func(t *testing.T, raw *net.UnixConn, rr *rawRegions) {
 			hsWrite(t, raw, hsExchangeV3)
 			hsReadExactly(t, raw, 8)
-			hsWrite(t, raw, hsPathFrame(3, 5, rr.queuePath, rr.bufPath))
+			hsWrite(t, raw, rawPathFrame(3, 5, rr.queuePath, rr.bufPath))
 			hsReadExactly(t, raw, 8)
 		}},
 	}
@@ -965,11 +750,11 @@ func TestServerHandshakeStalledPeer(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			conf := hsConfig(t, MemMapTypeMemFd)
 			conf.InitializeTimeout = 200 * time.Millisecond
-			rr := hsMakeRawRegions(t, conf, MemMapTypeMemFd)
-			raw, sc := hsUnixPair(t)
-			ch := hsStart(func() (*Session, error) { return Server(sc, conf) })
+			rr := createRawRegions(t, conf, MemMapTypeMemFd, rawLayout{})
+			raw, sc := unixPair(t)
+			ch := startHandshake(func() (*Session, error) { return Server(sc, conf) })
 			c.talk(t, raw, rr)
-			r := hsAwait(t, ch, 3*time.Second)
+			r := awaitHandshake(t, ch, 3*time.Second)
 			if r.err == nil {
 				t.Fatal("Server succeeded with a stalled client")
 			}
@@ -1019,10 +804,10 @@ func TestClientHandshakeStalledPeer(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			conf := hsConfig(t, MemMapTypeMemFd)
 			conf.InitializeTimeout = 200 * time.Millisecond
-			cc, raw := hsUnixPair(t)
-			ch := hsStart(func() (*Session, error) { return Client(cc, conf) })
+			cc, raw := unixPair(t)
+			ch := startHandshake(func() (*Session, error) { return Client(cc, conf) })
 			c.talk(t, raw)
-			r := hsAwait(t, ch, 3*time.Second)
+			r := awaitHandshake(t, ch, 3*time.Second)
 			if r.err == nil {
 				t.Fatal("Client succeeded with a stalled server")
 			}
@@ -1040,15 +825,15 @@ func TestClientHandshakeStalledPeer(t *testing.T) {
 // TestListenerSurvivesRejectedHandshakes: bad and stalled connections do not
 // stop a Listener from serving good clients.
 func TestListenerSurvivesRejectedHandshakes(t *testing.T) {
-	for _, mode := range []MemMapType{MemMapTypeMemFd, MemMapTypeDevShmFile} {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			conf := hsConfig(t, mode)
-			ln, err := Listen("unix", hsSockPath(t), conf)
+			ln, err := Listen("unix", sockPath(t), conf)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer ln.Close()
-			go hsServeEcho(ln)
+			go serveStreams(ln, echoStream)
 			dialRaw := func() net.Conn {
 				c, err := net.Dial("unix", ln.Addr().String())
 				if err != nil {
@@ -1058,7 +843,7 @@ func TestListenerSurvivesRejectedHandshakes(t *testing.T) {
 				return c
 			}
 			stalled := dialRaw() // handshake pending for InitializeTimeout (5s)
-			for _, h := range [][]byte{hsHeader(8, 0xBEEF, 3, 4), hsHeader(8, 0x7758, 4, 4)} {
+			for _, h := range [][]byte{rawFrame(8, 0xBEEF, 3, 4), rawFrame(8, 0x7758, 4, 4)} {
 				bad := dialRaw()
 				hsWrite(t, bad, h)
 				if got := hsExpectClosed(t, bad, 2*time.Second); len(got) != 0 {
@@ -1066,13 +851,13 @@ func TestListenerSurvivesRejectedHandshakes(t *testing.T) {
 				}
 			}
 			for i := 0; i < 2; i++ {
-				r := hsAwait(t, hsStart(func() (*Session, error) {
+				r := awaitHandshake(t, startHandshake(func() (*Session, error) {
 					return Dial("unix", ln.Addr().String(), conf)
 				}), 3*time.Second)
 				if r.err != nil {
 					t.Fatalf("Dial after rejected handshakes: %v", r.err)
 				}
-				hsEchoOnce(t, r.s)
+				mustEcho(t, r.s)
 				r.s.Close()
 			}
 			ln.Close()
@@ -1086,8 +871,8 @@ func TestListenerSurvivesRejectedHandshakes(t *testing.T) {
 // at once instead of hanging.
 func TestClientMemfdOverTCP(t *testing.T) {
 	conf := hsConfig(t, MemMapTypeMemFd)
-	cc, raw := hsTCPPair(t)
-	r := hsAwait(t, hsStart(func() (*Session, error) { return Client(cc, conf) }), 2*time.Second)
+	cc, raw := tcpPair(t)
+	r := awaitHandshake(t, startHandshake(func() (*Session, error) { return Client(cc, conf) }), 2*time.Second)
 	if r.err == nil {
 		t.Fatal("Client in memfd mode over TCP succeeded")
 	}
@@ -1107,7 +892,7 @@ func TestClientMemfdOverTCP(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	dr := hsAwait(t, hsStart(func() (*Session, error) {
+	dr := awaitHandshake(t, startHandshake(func() (*Session, error) {
 		return Dial("tcp", ln.Addr().String(), conf)
 	}), 2*time.Second)
 	if dr.err == nil || !errors.Is(dr.err, ErrInvalidConfig) {
@@ -1171,10 +956,10 @@ func TestConfigVerify(t *testing.T) {
 			if !errors.Is(err, ErrInvalidConfig) {
 				t.Fatalf("Verify() = %v, want ErrInvalidConfig", err)
 			}
-			if _, err := Listen("unix", hsSockPath(t), conf); !errors.Is(err, ErrInvalidConfig) {
+			if _, err := Listen("unix", sockPath(t), conf); !errors.Is(err, ErrInvalidConfig) {
 				t.Errorf("Listen: %v, want ErrInvalidConfig", err)
 			}
-			if _, err := Dial("unix", hsSockPath(t), conf); !errors.Is(err, ErrInvalidConfig) {
+			if _, err := Dial("unix", sockPath(t), conf); !errors.Is(err, ErrInvalidConfig) {
 				t.Errorf("Dial: %v, want ErrInvalidConfig", err)
 			}
 		})
@@ -1183,12 +968,12 @@ func TestConfigVerify(t *testing.T) {
 	bad := DefaultConfig()
 	bad.QueueCap = 100
 	for _, side := range []string{"client", "server"} {
-		a, b := hsUnixPair(t)
+		a, b := unixPair(t)
 		f := Client
 		if side == "server" {
 			f = Server
 		}
-		r := hsAwait(t, hsStart(func() (*Session, error) { return f(a, bad) }), 2*time.Second)
+		r := awaitHandshake(t, startHandshake(func() (*Session, error) { return f(a, bad) }), 2*time.Second)
 		if !errors.Is(r.err, ErrInvalidConfig) {
 			t.Errorf("%s with QueueCap 100: %v, want ErrInvalidConfig", side, r.err)
 		}
@@ -1207,21 +992,21 @@ func TestServerRunningPhaseBadFrames(t *testing.T) {
 		frame []byte
 		want  []string // substrings of the session error
 	}{
-		{"type 10", hsHeader(8, 0x7758, 2, 10), []string{"type", "10"}},
-		{"type 200", hsHeader(8, 0x7758, 2, 200), []string{"type", "200"}},
-		{"Polling of length 12", append(hsHeader(12, 0x7758, 2, 1), 0, 0, 0, 0), []string{"Polling", "12"}},
-		{"Polling of length 0", hsHeader(0, 0x7758, 2, 1), []string{"Polling", "0"}},
-		{"StreamClose of length 8", hsHeader(8, 0x7758, 2, 2), []string{"StreamClose", "8"}},
-		{"FallbackData of length 15", append(hsHeader(15, 0x7758, 2, 3), 0, 0, 0, 1, 0, 0, 0), []string{"FallbackData", "15"}},
-		{"FallbackData of length 8", hsHeader(8, 0x7758, 2, 3), []string{"FallbackData", "8"}},
-		{"FallbackData over the limit", hsHeader(64<<20+1, 0x7758, 2, 3), []string{"FallbackData", fmt.Sprint(64<<20 + 1)}},
-		{"FallbackData for stream 0", append(hsHeader(17, 0x7758, 2, 3), 0, 0, 0, 0, 0, 0, 0, 0, 'x'), []string{"stream id 0"}},
-		{"bad magic", hsHeader(8, 0x7759, 2, 1), []string{"magic"}},
-		{"version 0", hsHeader(8, 0x7758, 0, 1), []string{"version"}},
-		{"HotRestart to the server", append(hsHeader(16, 0x7758, 2, 8), make([]byte, 8)...), []string{"HotRestart"}},
-		{"ExchangeProtoVersion", hsHeader(8, 0x7758, 2, 4), []string{"ExchangeProtoVersion"}},
-		{"ShareMemoryByFilePath again", hsPathFrame(2, 0, "/dev/shm/a", "/dev/shm/b"), []string{"ShareMemoryByFilePath"}},
-		{"AckShareMemory", hsHeader(8, 0x7758, 2, 6), []string{"AckShareMemory"}},
+		{"type 10", rawFrame(8, 0x7758, 2, 10), []string{"type", "10"}},
+		{"type 200", rawFrame(8, 0x7758, 2, 200), []string{"type", "200"}},
+		{"Polling of length 12", append(rawFrame(12, 0x7758, 2, 1), 0, 0, 0, 0), []string{"Polling", "12"}},
+		{"Polling of length 0", rawFrame(0, 0x7758, 2, 1), []string{"Polling", "0"}},
+		{"StreamClose of length 8", rawFrame(8, 0x7758, 2, 2), []string{"StreamClose", "8"}},
+		{"FallbackData of length 15", append(rawFrame(15, 0x7758, 2, 3), 0, 0, 0, 1, 0, 0, 0), []string{"FallbackData", "15"}},
+		{"FallbackData of length 8", rawFrame(8, 0x7758, 2, 3), []string{"FallbackData", "8"}},
+		{"FallbackData over the limit", rawFrame(64<<20+1, 0x7758, 2, 3), []string{"FallbackData", fmt.Sprint(64<<20 + 1)}},
+		{"FallbackData for stream 0", append(rawFrame(17, 0x7758, 2, 3), 0, 0, 0, 0, 0, 0, 0, 0, 'x'), []string{"stream id 0"}},
+		{"bad magic", rawFrame(8, 0x7759, 2, 1), []string{"magic"}},
+		{"version 0", rawFrame(8, 0x7758, 0, 1), []string{"version"}},
+		{"HotRestart to the server", append(rawFrame(16, 0x7758, 2, 8), make([]byte, 8)...), []string{"HotRestart"}},
+		{"ExchangeProtoVersion", rawFrame(8, 0x7758, 2, 4), []string{"ExchangeProtoVersion"}},
+		{"ShareMemoryByFilePath again", rawPathFrame(2, 0, "/dev/shm/a", "/dev/shm/b"), []string{"ShareMemoryByFilePath"}},
+		{"AckShareMemory", rawFrame(8, 0x7758, 2, 6), []string{"AckShareMemory"}},
 	}
 	for _, c := range cases {
 		for _, split := range []bool{false, true} {
@@ -1231,18 +1016,18 @@ func TestServerRunningPhaseBadFrames(t *testing.T) {
 			}
 			t.Run(name, func(t *testing.T) {
 				conf := hsConfig(t, MemMapTypeDevShmFile)
-				rr := hsMakeRawRegions(t, conf, MemMapTypeDevShmFile)
-				raw, sc := hsUnixPair(t)
-				ch := hsStart(func() (*Session, error) { return Server(sc, conf) })
-				hsWrite(t, raw, hsPathFrame(2, 0, rr.queuePath, rr.bufPath))
-				r := hsAwait(t, ch, 5*time.Second)
+				rr := createRawRegions(t, conf, MemMapTypeDevShmFile, rawLayout{})
+				raw, sc := unixPair(t)
+				ch := startHandshake(func() (*Session, error) { return Server(sc, conf) })
+				hsWrite(t, raw, rawPathFrame(2, 0, rr.queuePath, rr.bufPath))
+				r := awaitHandshake(t, ch, 5*time.Second)
 				if r.err != nil {
 					t.Fatalf("Server: %v", r.err)
 				}
 				// Valid frames first: they must not end the session. A server
 				// accepts HotRestartAck (PROTOCOL.md §2.2).
 				good := append(append([]byte(nil), hsPollingV2...), hsStreamCloseV2...)
-				good = append(good, hsHeader(16, 0x7758, 2, 9)...)
+				good = append(good, rawFrame(16, 0x7758, 2, 9)...)
 				good = append(good, 0, 0, 0, 0, 0, 0, 0, 1)
 				if split {
 					hsWrite(t, raw, good)
@@ -1254,7 +1039,7 @@ func TestServerRunningPhaseBadFrames(t *testing.T) {
 				} else {
 					hsWrite(t, raw, append(good, c.frame...))
 				}
-				hsWaitClosed(t, r.s, 2*time.Second)
+				waitSessionClosed(t, r.s, 2*time.Second)
 				err := r.s.Err()
 				if !errors.Is(err, ErrProtocol) || !errors.Is(err, ErrSessionClosed) {
 					t.Errorf("session error %v: want ErrSessionClosed and ErrProtocol", err)

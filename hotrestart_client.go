@@ -56,7 +56,7 @@ func (m *SessionManager) onHotRestart(s *Session, epoch uint64) {
 	m.hr.running = true
 	m.hr.epoch = epoch
 	m.hr.randID = uint64(time.Now().UnixNano()) + rand.Uint64()
-	go m.runHotRestart(epoch, m.hr.randID, time.Now().Add(HotRestartTimeout))
+	go m.runHotRestart(epoch, m.hr.randID, time.Now().Add(hotRestartTimeout))
 }
 
 // isCurrent reports whether s is the session of one of the slots.
@@ -171,9 +171,9 @@ func (m *SessionManager) dialUntil(ctx context.Context, conf *Config) *Session {
 
 // drainParked closes each parked session once no stream is open on it (the
 // streams handed out before the switch have been put back or closed), once
-// the old server closed it, or after HotRestartTimeout at the latest.
+// the old server closed it, or after hotRestartTimeout at the latest.
 func (m *SessionManager) drainParked(parked []*Session) {
-	deadline := time.Now().Add(HotRestartTimeout)
+	deadline := time.Now().Add(hotRestartTimeout)
 	tick := time.NewTicker(5 * time.Millisecond)
 	defer tick.Stop()
 	for len(parked) > 0 {

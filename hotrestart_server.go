@@ -44,8 +44,10 @@ import (
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// HotRestartTimeout bounds a hot restart on both sides (PROTOCOL.md §7).
-const HotRestartTimeout = 2 * time.Second
+// hotRestartTimeout bounds a hot restart on both sides (PROTOCOL.md §7):
+// the old server waits this long for the acknowledgements, and a client
+// this long for its old sessions to become idle.
+const hotRestartTimeout = 2 * time.Second
 
 // hotRestartPoll is how often the server checks for the acknowledgements.
 const hotRestartPoll = 100 * time.Millisecond
@@ -77,8 +79,7 @@ func (hr *srvHotRestart) finished() bool {
 // HotRestart frame to every session of the listener (PROTOCOL.md §7) and
 // counts the HotRestartAck frames that come back with the same epoch. It
 // returns once the frames are sent; WaitHotRestart waits for the
-// acknowledgements (at most HotRestartTimeout from now) and IsHotRestartDone
-// polls for them.
+// acknowledgements (at most 2 s from now).
 //
 // It fails with ErrHotRestartRunning while a previous restart is still
 // running, with ErrHotRestartHandshaking while a connection is still in its
@@ -168,9 +169,9 @@ func (hr *srvHotRestart) ack(s *Session, epoch uint64) {
 }
 
 // monitor checks every hotRestartPoll whether every session acknowledged,
-// until HotRestartTimeout has passed.
+// until hotRestartTimeout has passed.
 func (hr *srvHotRestart) monitor(l *Listener) {
-	deadline := hr.start.Add(HotRestartTimeout)
+	deadline := hr.start.Add(hotRestartTimeout)
 	tick := time.NewTicker(hotRestartPoll)
 	defer tick.Stop()
 	for {
@@ -194,7 +195,7 @@ func (hr *srvHotRestart) monitor(l *Listener) {
 		}
 		if !time.Now().Before(deadline) {
 			hr.finish(fmt.Errorf("%w: %d of %d sessions did not acknowledge epoch %d within %v",
-				ErrHotRestartTimeout, left, len(hr.hooked), hr.epoch, HotRestartTimeout))
+				ErrHotRestartTimeout, left, len(hr.hooked), hr.epoch, hotRestartTimeout))
 			return
 		}
 	}
@@ -213,7 +214,7 @@ func (hr *srvHotRestart) finish(err error) {
 
 // WaitHotRestart waits for the hot restart started by HotRestart to finish.
 // It returns nil once every session acknowledged, an error wrapping
-// ErrHotRestartTimeout if some did not within HotRestartTimeout (the restart
+// ErrHotRestartTimeout if some did not within 2 s (the restart
 // is then over and the sessions stay up), ErrListenerClosed if the listener
 // was closed first, or ctx's error.
 func (l *Listener) WaitHotRestart(ctx context.Context) error {
@@ -227,13 +228,6 @@ func (l *Listener) WaitHotRestart(ctx context.Context) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
-}
-
-// IsHotRestartDone reports whether the latest hot restart of the listener
-// has finished with every session acknowledged.
-func (l *Listener) IsHotRestartDone() bool {
-	hr := l.restart.Load()
-	return hr != nil && hr.finished() && hr.err == nil
 }
 
 // ListenTakeover listens on the Unix socket path address like

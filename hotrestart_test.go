@@ -28,7 +28,7 @@ const hrEpoch = 0x0102030405060708
 
 // hrFrame is the exact 16-byte frame of type typ with hrEpoch, version 3.
 func hrFrame(typ byte, epoch uint64) []byte {
-	return hpFrame(16, hpMagic, 3, typ, binary.BigEndian.AppendUint64(nil, epoch)...)
+	return rawFrame(16, rawMagic, 3, typ, binary.BigEndian.AppendUint64(nil, epoch)...)
 }
 
 // hrSessionCount returns the number of sessions of l.
@@ -44,8 +44,8 @@ func hrSessionCount(l *Listener) int {
 // count; without every ack WaitHotRestart fails after about 2 s and the
 // sessions stay up; then a restart whose sessions all ack succeeds.
 func TestHotRestartServerFrames(t *testing.T) {
-	env := hpStartServer(t, 0)
-	p, victim := hpConnectClient(t, env, MemMapTypeMemFd)
+	env := startTestServer(t, 0)
+	p, victim := connectRawClient(t, env, MemMapTypeMemFd)
 
 	start := time.Now()
 	if err := env.ln.HotRestart(hrEpoch); err != nil {
@@ -75,22 +75,22 @@ func TestHotRestartServerFrames(t *testing.T) {
 	if !strings.Contains(err.Error(), "1 of 2 sessions") {
 		t.Errorf("WaitHotRestart: %v, want 1 of 2 sessions unacknowledged", err)
 	}
-	if elapsed < HotRestartTimeout-50*time.Millisecond || elapsed > HotRestartTimeout+time.Second {
-		t.Errorf("WaitHotRestart failed after %v, want about %v", elapsed, HotRestartTimeout)
+	if elapsed < hotRestartTimeout-50*time.Millisecond || elapsed > hotRestartTimeout+time.Second {
+		t.Errorf("WaitHotRestart failed after %v, want about %v", elapsed, hotRestartTimeout)
 	}
-	if env.ln.IsHotRestartDone() {
-		t.Error("IsHotRestartDone after a timeout")
+	if restartDone(env.ln) {
+		t.Error("hot restart counted as done after a timeout")
 	}
 	if env.good.IsClosed() || victim.IsClosed() {
 		t.Fatalf("sessions closed by the timeout: client %v, server %v", env.good.Err(), victim.Err())
 	}
-	if err := hpEcho(env.good, "after the hot restart timeout"); err != nil {
+	if err := echoRoundTrip(env.good, "after the hot restart timeout"); err != nil {
 		t.Fatalf("plain client after ignoring HotRestart: %v", err)
 	}
 
 	// Once the plain client is gone, the raw peer's ack finishes a restart.
 	env.good.Close()
-	smWait(t, "server forgets the plain client", 5*time.Second, func() bool { return hrSessionCount(env.ln) == 1 })
+	waitUntil(t, "server forgets the plain client", 5*time.Second, func() bool { return hrSessionCount(env.ln) == 1 })
 	if err := env.ln.HotRestart(hrEpoch + 2); err != nil {
 		t.Fatalf("HotRestart after a timed-out one: %v", err)
 	}
@@ -107,8 +107,8 @@ func TestHotRestartServerFrames(t *testing.T) {
 	if err := env.ln.WaitHotRestart(ctx); err != nil {
 		t.Fatalf("WaitHotRestart with every session acked: %v", err)
 	}
-	if !env.ln.IsHotRestartDone() {
-		t.Error("IsHotRestartDone false after success")
+	if !restartDone(env.ln) {
+		t.Error("hot restart not done after success")
 	}
 	if victim.IsClosed() {
 		t.Errorf("server session closed by the restart: %v", victim.Err())
@@ -118,13 +118,13 @@ func TestHotRestartServerFrames(t *testing.T) {
 // TestHotRestartRefusedWhileHandshaking: a connection in its handshake
 // blocks HotRestart.
 func TestHotRestartRefusedWhileHandshaking(t *testing.T) {
-	env := hpStartServer(t, 0)
+	env := startTestServer(t, 0)
 	c, err := net.Dial("unix", env.addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	smWait(t, "pending handshake", 5*time.Second, func() bool {
+	waitUntil(t, "pending handshake", 5*time.Second, func() bool {
 		env.ln.mu.Lock()
 		defer env.ln.mu.Unlock()
 		return len(env.ln.pending) == 1
@@ -140,7 +140,7 @@ func TestHotRestartRefusedWhileHandshaking(t *testing.T) {
 // TestHotRestartPlainClientIgnores: a session from Dial stays up after a
 // HotRestart frame and sends nothing back.
 func TestHotRestartPlainClientIgnores(t *testing.T) {
-	p, sess := hpAcceptVictim(t, MemMapTypeMemFd, 0)
+	p, sess := acceptRawVictim(t, MemMapTypeMemFd, 0)
 	p.write(hrFrame(8, hrEpoch))
 	p.conn.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
 	n, err := p.conn.Read(make([]byte, 64))
@@ -157,13 +157,8 @@ func TestHotRestartPlainClientIgnores(t *testing.T) {
 // server dials a new session and then sends the exact HotRestartAck on the
 // old one, and closes it.
 func TestHotRestartManagerAck(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeMemFd, 0)
-	sock := filepath.Join(t.TempDir(), "raw.sock")
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
+	conf := peerConfig(t, MemMapTypeMemFd, 0)
+	ln, sock := listenRaw(t)
 	type mres struct {
 		m   *SessionManager
 		err error
@@ -175,21 +170,8 @@ func TestHotRestartManagerAck(t *testing.T) {
 	}()
 	accept := func() *net.UnixConn {
 		t.Helper()
-		ln.SetDeadline(time.Now().Add(hpTimeout))
-		c, err := ln.AcceptUnix()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		buf, q, _, err := hpServeHandshake(c, MemMapTypeMemFd)
-		for _, b := range [][]byte{buf, q} {
-			if b != nil {
-				t.Cleanup(func() { unix.Munmap(b) })
-			}
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
+		c := acceptRaw(t, ln)
+		mapRawClient(t, c, MemMapTypeMemFd)
 		return c
 	}
 	c1 := accept()
@@ -201,7 +183,7 @@ func TestHotRestartManagerAck(t *testing.T) {
 	defer m.Close()
 	old := m.Sessions()[0]
 
-	p1 := &hpPeer{t: t, conn: c1, version: 3}
+	p1 := &rawPeer{t: t, conn: c1, version: 3}
 	p1.write(hrFrame(8, hrEpoch))
 	p1.write(hrFrame(8, hrEpoch)) // a duplicate is ignored
 	accept()
@@ -213,7 +195,7 @@ func TestHotRestartManagerAck(t *testing.T) {
 	if !bytes.Equal(got, want) {
 		t.Fatalf("HotRestartAck frame % x, want % x", got, want)
 	}
-	smWait(t, "old session closed", 5*time.Second, old.IsClosed)
+	waitUntil(t, "old session closed", 5*time.Second, old.IsClosed)
 	if s := m.Sessions(); len(s) != 1 || s[0] == old || s[0].IsClosed() {
 		t.Errorf("sessions after the restart: %v", s)
 	}
@@ -232,13 +214,8 @@ func TestHotRestartManagerAck(t *testing.T) {
 // old session of the first slot is closed without an acknowledgement, the
 // second slot keeps its old session, and nothing is sent on either.
 func TestHotRestartManagerTimeout(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeMemFd, 0)
-	sock := filepath.Join(t.TempDir(), "raw.sock")
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
+	conf := peerConfig(t, MemMapTypeMemFd, 0)
+	ln, sock := listenRaw(t)
 	ch := make(chan *SessionManager, 1)
 	go func() {
 		m, err := NewSessionManager(SessionManagerConfig{Config: conf, Network: "unix", Address: sock, SessionNum: 2,
@@ -250,22 +227,9 @@ func TestHotRestartManagerTimeout(t *testing.T) {
 	}()
 	accept := func(handshake bool) *net.UnixConn {
 		t.Helper()
-		ln.SetDeadline(time.Now().Add(hpTimeout))
-		c, err := ln.AcceptUnix()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
+		c := acceptRaw(t, ln)
 		if handshake {
-			buf, q, _, err := hpServeHandshake(c, MemMapTypeMemFd)
-			for _, b := range [][]byte{buf, q} {
-				if b != nil {
-					t.Cleanup(func() { unix.Munmap(b) })
-				}
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
+			mapRawClient(t, c, MemMapTypeMemFd)
 		}
 		return c
 	}
@@ -278,7 +242,7 @@ func TestHotRestartManagerTimeout(t *testing.T) {
 	olds := m.Sessions()
 
 	start := time.Now()
-	p1 := &hpPeer{t: t, conn: c1, version: 3}
+	p1 := &rawPeer{t: t, conn: c1, version: 3}
 	p1.write(hrFrame(8, hrEpoch))
 	accept(true)  // the new session of slot 0
 	accept(false) // slot 1: never answered
@@ -305,10 +269,10 @@ func TestHotRestartManagerTimeout(t *testing.T) {
 	if len(got) != 0 {
 		t.Errorf("client sent % x on the parked session, want nothing (no ack on timeout)", got)
 	}
-	if elapsed < HotRestartTimeout-100*time.Millisecond || elapsed > HotRestartTimeout+2*time.Second {
-		t.Errorf("parked session closed after %v, want about %v", elapsed, HotRestartTimeout)
+	if elapsed < hotRestartTimeout-100*time.Millisecond || elapsed > hotRestartTimeout+2*time.Second {
+		t.Errorf("parked session closed after %v, want about %v", elapsed, hotRestartTimeout)
 	}
-	smWait(t, "parked session closed", 5*time.Second, olds[0].IsClosed)
+	waitUntil(t, "parked session closed", 5*time.Second, olds[0].IsClosed)
 	if c, f := m.HotRestarts(); c != 0 || f != 1 {
 		t.Errorf("HotRestarts() = %d, %d, want 0, 1", c, f)
 	}
@@ -329,7 +293,7 @@ func TestHotRestartManagerTimeout(t *testing.T) {
 // restart name their regions <prefix>_epoch_<e>_<randID>_...; the server's
 // WaitHotRestart succeeds once the manager has switched.
 func TestHotRestartFileModeNames(t *testing.T) {
-	prefix := clPrefix(t, "hrf")
+	prefix := shmPrefix(t, "hrf")
 	sconf := smTestConfig()
 	sconf.MemMapType = MemMapTypeDevShmFile
 	sconf.ShareMemoryPathPrefix = prefix
@@ -355,7 +319,7 @@ func TestHotRestartFileModeNames(t *testing.T) {
 	const epoch = 42
 	// In file mode the client is done before the server has mapped the
 	// regions: wait for the server's handshakes to finish.
-	smWait(t, "server handshakes", 5*time.Second, func() bool { return hrSessionCount(srv.ln) == 2 })
+	waitUntil(t, "server handshakes", 5*time.Second, func() bool { return hrSessionCount(srv.ln) == 2 })
 	if err := srv.ln.HotRestart(epoch); err != nil {
 		t.Fatal(err)
 	}
@@ -365,16 +329,16 @@ func TestHotRestartFileModeNames(t *testing.T) {
 		t.Fatalf("WaitHotRestart: %v", err)
 	}
 	var epochFiles []string
-	for _, f := range clShmFiles(prefix) {
+	for _, f := range shmFiles(prefix) {
 		if strings.HasPrefix(filepath.Base(f), filepath.Base(prefix)+"_epoch_42_") {
 			epochFiles = append(epochFiles, f)
 		}
 	}
 	if len(epochFiles) != 4 { // 2 sessions × buffer and queue
-		t.Errorf("region files of the new sessions: %q (all: %q), want 4 named %s_epoch_42_<randID>_...", epochFiles, clShmFiles(prefix), prefix)
+		t.Errorf("region files of the new sessions: %q (all: %q), want 4 named %s_epoch_42_<randID>_...", epochFiles, shmFiles(prefix), prefix)
 	}
 	for _, s := range oldSessions {
-		smWait(t, "old session closed", 5*time.Second, s.IsClosed)
+		waitUntil(t, "old session closed", 5*time.Second, s.IsClosed)
 	}
 	st, err = m.GetStream()
 	if err != nil {
@@ -480,17 +444,14 @@ func hrPeerPid(t *testing.T, s *Session) int {
 // acknowledge; the client must move every session to v2, and no request
 // may fail, before, during or after the switch.
 func TestHotRestartCrossProcess(t *testing.T) {
-	prefix := clPrefix(t, "hr")
+	prefix := shmPrefix(t, "hr")
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	const epoch = 7
 	start := func() *proctest.Child {
-		c := proctest.Start(t, proctest.Config{
+		c, _ := startChild(t, proctest.Config{
 			TestName: hrChildTest, Role: hrRoleServer, Timeout: hrChildTimeout,
 			Args: map[string]string{"SOCK": sock, "PREFIX": prefix, "EPOCH": strconv.Itoa(epoch)},
 		})
-		if _, err := c.WaitReady(mpStartTimeout); err != nil {
-			t.Fatalf("%v\n%s", err, c.Output())
-		}
 		return c
 	}
 	v1 := start()
@@ -602,4 +563,11 @@ func TestHotRestartCrossProcess(t *testing.T) {
 	if _, err := os.Stat(sock); err == nil {
 		t.Errorf("socket file %s left after v2 closed", sock)
 	}
+}
+
+// restartDone reports whether the latest hot restart of l has finished with
+// every session acknowledged.
+func restartDone(l *Listener) bool {
+	hr := l.restart.Load()
+	return hr != nil && hr.finished() && hr.err == nil
 }

@@ -226,14 +226,11 @@ func (c *httpClient) echo(body []byte) error {
 func TestHTTP(t *testing.T) {
 	dir := t.TempDir()
 	sock, strict := filepath.Join(dir, "http.sock"), filepath.Join(dir, "strict.sock")
-	child := proctest.Start(t, proctest.Config{
+	child, _ := startChild(t, proctest.Config{
 		TestName: httpChildTest,
 		Role:     httpRole,
 		Args:     map[string]string{"SOCK": sock, "STRICT_SOCK": strict},
 	})
-	if _, err := child.WaitReady(20 * time.Second); err != nil {
-		t.Fatalf("child: %v\n%s", err, child.Output())
-	}
 	c := newHTTPClient(t, sock)
 
 	t.Run("Concurrent", func(t *testing.T) {

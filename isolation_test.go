@@ -1,7 +1,7 @@
 package shmipc
 
 // Isolation: a peer can hurt only its own session. Each test plays a hostile
-// client (hostile_test.go's raw peer) against a real server and checks that
+// client (the raw peer of rawpeer_test.go) against a real server and checks that
 // the server process survives, that the victim session ends with an error
 // naming what went wrong, and that a well-behaved session of the same
 // process keeps working.
@@ -28,10 +28,7 @@ import (
 // isoServer is a server whose streams are handled by handle, with a good
 // client session for checking that the process still serves others.
 type isoServer struct {
-	conf    *Config
-	ln      *Listener
-	addr    string
-	good    *Session
+	testServer
 	goodSrv atomic.Pointer[Session] // the server side of good
 }
 
@@ -42,91 +39,36 @@ func isoStartServer(t *testing.T, conf *Config, handle func(*Stream)) *isoServer
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { ln.Close() })
-	e := &isoServer{conf: conf, ln: ln, addr: ln.Addr().String()}
-	go func() {
-		for {
-			st, err := ln.AcceptStream()
-			if err != nil {
-				return
-			}
-			if st.Session() == e.goodSrv.Load() {
-				go echoHandler(st)
-			} else {
-				go handle(st)
-			}
+	e := &isoServer{testServer: testServer{conf: conf, ln: ln, addr: ln.Addr().String()}}
+	go serveStreams(ln, func(st *Stream) {
+		if st.Session() == e.goodSrv.Load() {
+			echoStream(st)
+		} else {
+			handle(st)
 		}
-	}()
+	})
 	return e
-}
-
-// echoHandler echoes a stream until it ends.
-func echoHandler(st *Stream) {
-	defer st.Close()
-	io.Copy(st, st)
 }
 
 // dialGood opens the well-behaved session, whose streams the server
 // echoes.
 func (e *isoServer) dialGood(t *testing.T) {
 	t.Helper()
-	env := &hpServerEnv{conf: e.conf, ln: e.ln, addr: e.addr}
-	before := env.sessionSet()
-	good, err := Dial("unix", e.addr, hpConfig(t, MemMapTypeMemFd, 0))
+	before := e.sessionSet()
+	good, err := Dial("unix", e.addr, peerConfig(t, MemMapTypeMemFd, 0))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { good.Close() })
 	e.good = good
-	e.goodSrv.Store(env.waitSession(t, before))
-}
-
-// checkGood requires an echo on the good session within hpTimeout.
-func (e *isoServer) checkGood(t *testing.T) {
-	t.Helper()
-	if err := hpEcho(e.good, "still fine after "+t.Name()); err != nil {
-		t.Errorf("the other session stopped working: %v", err)
-	}
+	e.goodSrv.Store(e.waitSession(t, before))
 }
 
 // connect makes a hostile client of mode with valid regions and returns it
 // with its regions and the server session it got.
-func (e *isoServer) connect(t *testing.T, mode MemMapType) (*hpPeer, *hpRegions, *Session) {
+func (e *isoServer) connect(t *testing.T, mode MemMapType) (*rawPeer, *rawRegions, *Session) {
 	t.Helper()
-	return hpConnectClientRegions(t, &hpServerEnv{conf: e.conf, ln: e.ln, addr: e.addr}, mode)
-}
-
-// publish puts an element on the victim's receive queue and wakes it if
-// its working flag was clear, as a correct producer does.
-func isoPublish(p *hpPeer, id, off, status uint32) {
-	p.send.put(id, off, status)
-	if p.send.casFlag() {
-		p.poll()
-	}
-}
-
-// waitClosed waits for s to end and returns its error.
-func waitClosed(t *testing.T, s *Session, within time.Duration) error {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !s.IsClosed() {
-		if time.Now().After(deadline) {
-			t.Fatalf("the victim session is still open after %v", within)
-		}
-		time.Sleep(time.Millisecond)
-	}
-	return s.Err()
-}
-
-// closeWithin closes s and fails the test if Close does not return.
-func closeWithin(t *testing.T, s *Session, within time.Duration) {
-	t.Helper()
-	done := make(chan struct{})
-	go func() { s.Close(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(within):
-		t.Fatalf("Session.Close still blocked after %v", within)
-	}
+	return connectRawClientRegions(t, &e.testServer, mode)
 }
 
 // isoReadMethods are the ways an application can wait for data. Each reads
@@ -220,7 +162,7 @@ var isoReadMethods = map[string]func(st *Stream) error{
 func TestIsolationFaultWhileReaderWaits(t *testing.T) {
 	for name, read := range isoReadMethods {
 		t.Run(name, func(t *testing.T) {
-			conf := hpConfig(t, MemMapTypeMemFd, hpReaderSpin)
+			conf := peerConfig(t, MemMapTypeMemFd, readerSpin)
 			readErr := make(chan error, 1)
 			srv := isoStartServer(t, conf, func(st *Stream) {
 				defer st.Close()
@@ -228,7 +170,7 @@ func TestIsolationFaultWhileReaderWaits(t *testing.T) {
 			})
 			srv.dialGood(t)
 			p, r, victim := srv.connect(t, MemMapTypeDevShmFile)
-			isoPublish(p, 2, p.msg("hello"), statusOpened)
+			p.publish(2, p.msg("hello"), statusOpened)
 			// A slice near the end of the region, for the message that will
 			// lie beyond the file's new end.
 			var far uint32
@@ -248,31 +190,31 @@ func TestIsolationFaultWhileReaderWaits(t *testing.T) {
 			if err := os.Truncate(r.bufPath, 4096); err != nil {
 				t.Fatal(err)
 			}
-			isoPublish(p, 2, far, statusOpened)
+			p.publish(2, far, statusOpened)
 			select {
 			case err := <-readErr:
 				if err == nil || !errors.Is(err, ErrSessionClosed) {
 					t.Fatalf("the waiting %s returned %v, want the session's error", name, err)
 				}
-			case <-time.After(hpTimeout):
-				t.Fatalf("the waiting %s did not return within %v", name, hpTimeout)
+			case <-time.After(peerTimeout):
+				t.Fatalf("the waiting %s did not return within %v", name, peerTimeout)
 			}
-			err := waitClosed(t, victim, hpTimeout)
+			err := waitSessionClosed(t, victim, peerTimeout)
 			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "memory fault") {
 				t.Errorf("victim session error %v, want a memory fault wrapping ErrProtocol", err)
 			}
-			closeWithin(t, victim, hpTimeout)
+			closeWithin(t, victim, peerTimeout)
 			srv.checkGood(t)
 		})
 	}
 }
 
-// Stats (and so AggregateStats, Monitor, PublishExpvar) reads the queue
+// Stats (and so AggregateStats and PublishExpvar) reads the queue
 // counters in shared memory: a truncated queue file must end that session,
 // not the process.
 func TestIsolationFaultDuringStats(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeMemFd, 0)
-	srv := isoStartServer(t, conf, echoHandler)
+	conf := peerConfig(t, MemMapTypeMemFd, 0)
+	srv := isoStartServer(t, conf, echoStream)
 	srv.dialGood(t)
 	_, r, victim := srv.connect(t, MemMapTypeDevShmFile)
 	if err := os.Truncate(r.queuePath, 0); err != nil {
@@ -283,18 +225,18 @@ func TestIsolationFaultDuringStats(t *testing.T) {
 		t.Errorf("Stats of a session whose queue vanished: %+v, want zero gauges", st)
 	}
 	_ = AggregateStats()
-	err := waitClosed(t, victim, hpTimeout)
+	err := waitSessionClosed(t, victim, peerTimeout)
 	if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "memory fault") {
 		t.Errorf("victim session error %v, want a memory fault wrapping ErrProtocol", err)
 	}
-	closeWithin(t, victim, hpTimeout)
+	closeWithin(t, victim, peerTimeout)
 	srv.checkGood(t)
 }
 
 // Once Close has returned, nothing more is taken from the queue or handed
 // to a stream, however busy the peer and the readers are.
 func TestIsolationNoDeliveryAfterClose(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeMemFd, hpReaderSpin)
+	conf := peerConfig(t, MemMapTypeMemFd, readerSpin)
 	var got bytes.Buffer
 	var gotMu sync.Mutex
 	readDone := make(chan struct{})
@@ -334,15 +276,15 @@ func TestIsolationNoDeliveryAfterClose(t *testing.T) {
 			}
 			copy(victimPeer.bm.sliceData(li, off), "abcd")
 			victimPeer.bm.linkSlice(off, 4, 0)
-			isoPublish(victimPeer, 2, off, statusOpened)
+			victimPeer.publish(2, off, statusOpened)
 			sent.Add(1)
 		}
 	}()
-	deadline := time.Now().Add(hpTimeout)
+	deadline := time.Now().Add(peerTimeout)
 	for sent.Load() < 200 && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
 	}
-	closeWithin(t, victim, hpTimeout)
+	closeWithin(t, victim, peerTimeout)
 	after := victim.Stats().MessagesIn
 	time.Sleep(100 * time.Millisecond)
 	if later := victim.Stats().MessagesIn; later != after {
@@ -352,7 +294,7 @@ func TestIsolationNoDeliveryAfterClose(t *testing.T) {
 	<-flooding
 	select {
 	case <-readDone:
-	case <-time.After(hpTimeout):
+	case <-time.After(peerTimeout):
 		t.Fatal("the reader still runs after Close")
 	}
 	gotMu.Lock()
@@ -366,8 +308,8 @@ func TestIsolationNoDeliveryAfterClose(t *testing.T) {
 // most once (not once per link followed), so the list never counts more
 // free slices than it has.
 func TestIsolationCyclicChainFreesNothingTwice(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeMemFd, 0)
-	srv := isoStartServer(t, conf, echoHandler)
+	conf := peerConfig(t, MemMapTypeMemFd, 0)
+	srv := isoStartServer(t, conf, echoStream)
 	srv.dialGood(t)
 	for _, size := range []int{0, 3} {
 		t.Run(fmt.Sprintf("size%d", size), func(t *testing.T) {
@@ -379,12 +321,12 @@ func TestIsolationCyclicChainFreesNothingTwice(t *testing.T) {
 			p.bm.linkSlice(off, size, 0)
 			p.link(off, off) // next = itself, HAS_NEXT
 			l := p.list(li)
-			isoPublish(p, 2, off, statusOpened)
-			err = waitClosed(t, victim, hpTimeout)
+			p.publish(2, off, statusOpened)
+			err = waitSessionClosed(t, victim, peerTimeout)
 			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "twice") {
 				t.Errorf("victim session error %v, want ErrProtocol naming the slice linked twice", err)
 			}
-			closeWithin(t, victim, hpTimeout)
+			closeWithin(t, victim, peerTimeout)
 			free := p.bm.freeCounts()[li]
 			if free > int32(l.count) {
 				t.Errorf("list of %d-byte slices counts %d free slices, it has %d: a slice was freed more than once", l.sliceCap, free, l.count)
@@ -397,30 +339,30 @@ func TestIsolationCyclicChainFreesNothingTwice(t *testing.T) {
 // A client that opens stream after stream is cut off at Config.MaxStreams,
 // with an error naming it.
 func TestIsolationStreamFlood(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeMemFd, 0)
+	conf := peerConfig(t, MemMapTypeMemFd, 0)
 	conf.MaxStreams = 500
 	srv := isoStartServer(t, conf, func(st *Stream) {}) // accepted, never closed
 	srv.dialGood(t)
 	p, _, victim := srv.connect(t, MemMapTypeMemFd)
 	var frames []byte
 	for id := uint32(2); id < 200_002; id++ {
-		frames = append(frames, hpFallback(p.version, 17, id, 0, "x")...)
+		frames = append(frames, rawFallbackFrame(p.version, 17, id, 0, "x")...)
 		if len(frames) >= 64<<10 {
-			p.conn.SetWriteDeadline(time.Now().Add(hpTimeout))
+			p.conn.SetWriteDeadline(time.Now().Add(peerTimeout))
 			if _, err := p.conn.Write(frames); err != nil {
 				break // the server cut the session off
 			}
 			frames = frames[:0]
 		}
 	}
-	err := waitClosed(t, victim, hpTimeout)
+	err := waitSessionClosed(t, victim, peerTimeout)
 	if !errors.Is(err, ErrLimitExceeded) || !strings.Contains(err.Error(), "MaxStreams") {
 		t.Errorf("victim session error %v, want ErrLimitExceeded naming Config.MaxStreams", err)
 	}
 	if n := len(victim.streams); n > conf.MaxStreams {
 		t.Errorf("the victim session held %d streams, the bound is %d", n, conf.MaxStreams)
 	}
-	closeWithin(t, victim, hpTimeout)
+	closeWithin(t, victim, peerTimeout)
 	srv.checkGood(t)
 }
 
@@ -446,20 +388,20 @@ func rssBytes(t *testing.T) int64 {
 // cut off with an error naming the bound; the server's memory grows by about
 // the bound, and other sessions are served meanwhile.
 func TestIsolationFallbackFlood(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeMemFd, 0)
+	conf := peerConfig(t, MemMapTypeMemFd, 0)
 	conf.MaxFallbackBufferedPerStream = 8 << 20
 	conf.FallbackStallTimeout = time.Second
 	srv := isoStartServer(t, conf, func(st *Stream) {}) // accepted, never read
 	srv.dialGood(t)
 	p, _, victim := srv.connect(t, MemMapTypeMemFd)
-	frame := hpFallback(p.version, conf.MaxFallbackFrameSize, 2, 0, strings.Repeat("f", int(conf.MaxFallbackFrameSize)-16))
+	frame := rawFallbackFrame(p.version, conf.MaxFallbackFrameSize, 2, 0, strings.Repeat("f", int(conf.MaxFallbackFrameSize)-16))
 	runtime.GC()
 	heapBefore, rssBefore := heapInUse(), rssBytes(t)
 	flooded := make(chan int)
 	go func() {
 		n := 0
 		for ; n < 255; n++ { // 255 MiB, as in the report
-			p.conn.SetWriteDeadline(time.Now().Add(hpTimeout))
+			p.conn.SetWriteDeadline(time.Now().Add(peerTimeout))
 			if _, err := p.conn.Write(frame); err != nil {
 				break
 			}
@@ -470,13 +412,13 @@ func TestIsolationFallbackFlood(t *testing.T) {
 	time.Sleep(200 * time.Millisecond)
 	srv.checkGood(t)
 	var peak, peakRSS int64
-	deadline := time.Now().Add(hpTimeout)
+	deadline := time.Now().Add(peerTimeout)
 	for !victim.IsClosed() && time.Now().Before(deadline) {
 		peak = max(peak, heapInUse()-heapBefore)
 		peakRSS = max(peakRSS, rssBytes(t)-rssBefore)
 		time.Sleep(5 * time.Millisecond)
 	}
-	err := waitClosed(t, victim, hpTimeout)
+	err := waitSessionClosed(t, victim, peerTimeout)
 	if !errors.Is(err, ErrLimitExceeded) || !strings.Contains(err.Error(), "MaxFallbackBufferedPerStream") {
 		t.Errorf("victim session error %v, want ErrLimitExceeded naming Config.MaxFallbackBufferedPerStream", err)
 	}
@@ -491,7 +433,7 @@ func TestIsolationFallbackFlood(t *testing.T) {
 	if peak > limit {
 		t.Errorf("the heap grew by %.1f MiB under the flood, more than %.1f MiB", float64(peak)/(1<<20), float64(limit)/(1<<20))
 	}
-	closeWithin(t, victim, hpTimeout)
+	closeWithin(t, victim, peerTimeout)
 	srv.checkGood(t)
 }
 
@@ -524,8 +466,8 @@ func TestIsolationPollingStorm(t *testing.T) {
 	}
 	c, sock := fpStartServer(t) // an echo server process with DefaultConfig
 	defer c.Stop(10 * time.Second)
-	conf := hpConfig(t, MemMapTypeMemFd, 0)
-	r := hpCreate(t, conf, MemMapTypeMemFd, hpLayout{})
+	conf := peerConfig(t, MemMapTypeMemFd, 0)
+	r := createRawRegions(t, conf, MemMapTypeMemFd, rawLayout{})
 	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: sock, Net: "unix"})
 	if err != nil {
 		t.Fatal(err)
@@ -535,10 +477,10 @@ func TestIsolationPollingStorm(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := hpPeerOf(t, conn, v, r, conf)
+	p := rawPeerOf(t, conn, v, r, conf)
 	echo := func(msg string) {
 		t.Helper()
-		isoPublish(p, 2, p.msg(msg), statusOpened)
+		p.publish(2, p.msg(msg), statusOpened)
 		e, err := p.waitElem()
 		if err != nil {
 			t.Fatal(err)
@@ -549,7 +491,7 @@ func TestIsolationPollingStorm(t *testing.T) {
 	}
 	echo("before the storm") // the server has spun on this session: the worst case
 	cpu0 := procCPU(t, c.Pid())
-	storm := bytes.Repeat(hpFrame(8, hpMagic, v, 1), 100_000)
+	storm := bytes.Repeat(rawFrame(8, rawMagic, v, 1), 100_000)
 	conn.SetWriteDeadline(time.Now().Add(30 * time.Second))
 	if _, err := conn.Write(storm); err != nil {
 		t.Fatal(err)
@@ -574,45 +516,37 @@ func TestIsolationPollingStorm(t *testing.T) {
 // cut off at Config.MaxPendingAccepts, with an error naming it; the
 // application then accepts on as usual.
 func TestIsolationAcceptFlood(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeMemFd, 0)
+	conf := peerConfig(t, MemMapTypeMemFd, 0)
 	conf.MaxPendingAccepts = 100
 	ln, err := Listen("unix", filepath.Join(t.TempDir(), "iso.sock"), conf)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { ln.Close() })
-	srv := &isoServer{conf: conf, ln: ln, addr: ln.Addr().String()} // nothing accepts yet
+	srv := &isoServer{testServer: testServer{conf: conf, ln: ln, addr: ln.Addr().String()}} // nothing accepts yet
 	p, _, victim := srv.connect(t, MemMapTypeMemFd)
 	var frames []byte
 	for id := uint32(2); id < 2002; id++ {
-		frames = append(frames, hpFallback(p.version, 17, id, 0, "x")...)
+		frames = append(frames, rawFallbackFrame(p.version, 17, id, 0, "x")...)
 	}
 	go func() {
-		p.conn.SetWriteDeadline(time.Now().Add(hpTimeout))
+		p.conn.SetWriteDeadline(time.Now().Add(peerTimeout))
 		p.conn.Write(frames)
 	}()
-	err = waitClosed(t, victim, hpTimeout)
+	err = waitSessionClosed(t, victim, peerTimeout)
 	if !errors.Is(err, ErrLimitExceeded) || !strings.Contains(err.Error(), "MaxPendingAccepts") {
 		t.Errorf("victim session error %v, want ErrLimitExceeded naming Config.MaxPendingAccepts", err)
 	}
-	closeWithin(t, victim, hpTimeout)
+	closeWithin(t, victim, peerTimeout)
 	// The application starts accepting: it gets the victim's streams (ended)
 	// and then serves a good session.
-	go func() {
-		for {
-			st, err := ln.AcceptStream()
-			if err != nil {
-				return
-			}
-			go echoHandler(st)
-		}
-	}()
-	good, err := Dial("unix", srv.addr, hpConfig(t, MemMapTypeMemFd, 0))
+	go serveStreams(ln, echoStream)
+	good, err := Dial("unix", srv.addr, peerConfig(t, MemMapTypeMemFd, 0))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer good.Close()
-	if err := hpEcho(good, "after the flood"); err != nil {
+	if err := echoRoundTrip(good, "after the flood"); err != nil {
 		t.Errorf("a new session after the flood: %v", err)
 	}
 }

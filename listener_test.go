@@ -45,14 +45,11 @@ func TestListenerChild(t *testing.T) {
 // lnStartChild starts a child in role on sock and waits until it is ready.
 func lnStartChild(t *testing.T, role, sock, prefix string) *proctest.Child {
 	t.Helper()
-	c := proctest.Start(t, proctest.Config{
+	c, _ := startChild(t, proctest.Config{
 		TestName: lnChildTest,
 		Role:     role,
 		Args:     map[string]string{"SOCK": sock, "PREFIX": prefix},
 	})
-	if _, err := c.WaitReady(mpStartTimeout); err != nil {
-		t.Fatalf("%v\n%s", err, c.Output())
-	}
 	return c
 }
 
@@ -76,7 +73,7 @@ func lnEchoOnce(sock string, conf *Config) error {
 // its socket file behind; a new Listen on the path succeeds (nobody listens
 // there, so the file is stale) and serves clients.
 func TestListenTakesOverStaleSocket(t *testing.T) {
-	prefix := clPrefix(t, "ln")
+	prefix := shmPrefix(t, "ln")
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	c := lnStartChild(t, lnRoleEcho, sock, prefix)
 	if err := c.Kill(); err != nil {
@@ -103,7 +100,7 @@ func TestListenTakesOverStaleSocket(t *testing.T) {
 // TestListenRefusesLiveSocket: Listen on the path of a live server (another
 // process) fails with EADDRINUSE and leaves that server working.
 func TestListenRefusesLiveSocket(t *testing.T) {
-	prefix := clPrefix(t, "ln")
+	prefix := shmPrefix(t, "ln")
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	c := lnStartChild(t, lnRoleEcho, sock, prefix)
 	conf := clConfig(MemMapTypeMemFd, prefix)
@@ -131,7 +128,7 @@ func TestListenRefusesNonSocketFile(t *testing.T) {
 	if err := os.WriteFile(path, []byte("keep me"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	ln, err := Listen("unix", path, clConfig(MemMapTypeMemFd, clPrefix(t, "ln")))
+	ln, err := Listen("unix", path, clConfig(MemMapTypeMemFd, shmPrefix(t, "ln")))
 	if err == nil {
 		ln.Close()
 		t.Fatal("Listen over a regular file succeeded")
@@ -201,7 +198,7 @@ func (h *lnRecorder) matching(level slog.Level, msg, attr string) []slog.Record 
 // logs each failure as a warning, tries again, and serves the client that
 // connected meanwhile.
 func TestListenerRetriesAcceptErrors(t *testing.T) {
-	prefix := clPrefix(t, "ln")
+	prefix := shmPrefix(t, "ln")
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	raw, err := net.Listen("unix", sock)
 	if err != nil {
@@ -267,7 +264,7 @@ func lnServeOne(ln *Listener) (accepted <-chan *Stream, errs <-chan error) {
 // what grpc.Server.GracefulStop needs: it closes its listener and then
 // waits for the calls in progress.
 func TestListenerCloseStopsAcceptingOnly(t *testing.T) {
-	prefix := clPrefix(t, "ln")
+	prefix := shmPrefix(t, "ln")
 	conf := clConfig(MemMapTypeMemFd, prefix)
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	ln, err := Listen("unix", sock, conf)
@@ -355,7 +352,7 @@ func TestListenerCloseStopsAcceptingOnly(t *testing.T) {
 // accepted is closed (its client reads io.EOF), and a session with no
 // stream ends at once.
 func TestListenerCloseQueuedAndIdle(t *testing.T) {
-	prefix := clPrefix(t, "ln")
+	prefix := shmPrefix(t, "ln")
 	conf := clConfig(MemMapTypeMemFd, prefix)
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	ln, err := Listen("unix", sock, conf)
@@ -383,7 +380,7 @@ func TestListenerCloseQueuedAndIdle(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The server has the stream once its session counts it.
-	smWait(t, "the stream reached the server", 10*time.Second, func() bool {
+	waitUntil(t, "the stream reached the server", 10*time.Second, func() bool {
 		for _, s := range ln.liveSessions() {
 			if s.Stats().ActiveStreams == 1 {
 				return true
@@ -405,7 +402,7 @@ func TestListenerCloseQueuedAndIdle(t *testing.T) {
 // TestListenerCloseAll: CloseAll ends the sessions at once, open streams
 // and all, on both sides.
 func TestListenerCloseAll(t *testing.T) {
-	prefix := clPrefix(t, "ln")
+	prefix := shmPrefix(t, "ln")
 	conf := clConfig(MemMapTypeMemFd, prefix)
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	ln, err := Listen("unix", sock, conf)

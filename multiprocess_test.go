@@ -34,10 +34,6 @@ const (
 	mpRoleIdleClient = "idle-client" // opens a stream, sends 64 bytes, waits
 )
 
-// mpStartTimeout bounds the start of a child: a race-enabled binary on a
-// loaded two-core machine can be slow.
-const mpStartTimeout = 20 * time.Second
-
 // mpPayload returns n pseudo-random bytes determined by seed.
 func mpPayload(n int, seed uint64) []byte {
 	var key [32]byte
@@ -200,7 +196,7 @@ func mpConfig(mode MemMapType, prefix string) *Config {
 }
 
 func mpParseMode(t testing.TB, s string) MemMapType {
-	for _, m := range clModes {
+	for _, m := range bothModes {
 		if m.String() == s {
 			return m
 		}
@@ -262,14 +258,11 @@ func TestMultiProcessChild(t *testing.T) {
 // mpStart starts a child in role and waits for its ready line.
 func mpStart(t *testing.T, role, sock, prefix string, mode MemMapType) *proctest.Child {
 	t.Helper()
-	c := proctest.Start(t, proctest.Config{
+	c, _ := startChild(t, proctest.Config{
 		TestName: mpChildTest,
 		Role:     role,
 		Args:     map[string]string{"SOCK": sock, "PREFIX": prefix, "MODE": mode.String()},
 	})
-	if _, err := c.WaitReady(mpStartTimeout); err != nil {
-		t.Fatalf("%v\n%s", err, c.Output())
-	}
 	return c
 }
 
@@ -284,7 +277,7 @@ func mpWaitGone(t testing.TB, what, pid, prefix string, d time.Duration) {
 			t.Errorf("%s: %v", what, err)
 			return
 		}
-		files := clShmFiles(prefix)
+		files := shmFiles(prefix)
 		if len(ours) == 0 && len(files) == 0 {
 			return
 		}
@@ -300,9 +293,9 @@ func mpWaitGone(t testing.TB, what, pid, prefix string, d time.Duration) {
 // it in each mapping mode and runs the echo suite. Afterwards the child must
 // have released the session's fds and mappings, and exit cleanly.
 func TestMultiProcessEchoServer(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
-			prefix := clPrefix(t, "mp")
+			prefix := shmPrefix(t, "mp")
 			sock := filepath.Join(t.TempDir(), "s.sock")
 			c := mpStart(t, mpRoleEchoServer, sock, prefix, mode)
 			childPid := strconv.Itoa(c.Pid())
@@ -351,9 +344,9 @@ func TestMultiProcessEchoServer(t *testing.T) {
 // TestMultiProcessEchoClient is the reverse: the parent serves the echo and
 // the child runs the echo suite as the client, in each mapping mode.
 func TestMultiProcessEchoClient(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
-			prefix := clPrefix(t, "mp")
+			prefix := shmPrefix(t, "mp")
 			sock := filepath.Join(t.TempDir(), "s.sock")
 			srv := clStartEcho(t, sock, mpConfig(mode, prefix))
 			defer srv.ln.Close()
@@ -370,7 +363,7 @@ func TestMultiProcessEchoClient(t *testing.T) {
 				t.Errorf("server saw streams on %d sessions, want 1", len(sessions))
 			}
 			for _, s := range sessions {
-				clWaitClosed(t, s, 5*time.Second)
+				waitSessionClosed(t, s, 5*time.Second)
 				if err := s.Err(); !clPeerGone(err) {
 					t.Errorf("server session after the client exited: Err() = %v, want ErrSessionClosed wrapping io.EOF or ECONNRESET", err)
 				}
@@ -423,9 +416,9 @@ func mpExpectPeerDeath(t *testing.T, sess *Session, res <-chan error) {
 // TestMultiProcessPeerDeath: the parent is the client of a child server
 // that is SIGKILLed while the parent waits in Read.
 func TestMultiProcessPeerDeath(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
-			prefix := clPrefix(t, "mp")
+			prefix := shmPrefix(t, "mp")
 			sock := filepath.Join(t.TempDir(), "s.sock")
 			c := mpStart(t, mpRoleEchoServer, sock, prefix, mode)
 
@@ -478,9 +471,9 @@ func TestMultiProcessPeerDeath(t *testing.T) {
 // is SIGKILLed while the parent waits in Read on its stream. The server must
 // also remove the files the dead client can no longer remove.
 func TestMultiProcessClientDeath(t *testing.T) {
-	for _, mode := range clModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
-			prefix := clPrefix(t, "mp")
+			prefix := shmPrefix(t, "mp")
 			sock := filepath.Join(t.TempDir(), "s.sock")
 			ln, err := Listen("unix", sock, mpConfig(mode, prefix))
 			if err != nil {
@@ -489,7 +482,7 @@ func TestMultiProcessClientDeath(t *testing.T) {
 			defer ln.Close()
 			c := mpStart(t, mpRoleIdleClient, sock, prefix, mode)
 
-			st := clAccept(t, ln)
+			st := acceptWithin(t, ln, 10*time.Second)
 			defer st.Close()
 			st.SetReadDeadline(time.Now().Add(10 * time.Second))
 			got := make([]byte, 64)

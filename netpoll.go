@@ -40,7 +40,7 @@ var (
 //
 // It shares the stream's receive buffer with BufferReader and Read: Release
 // is BufferReader.ReleasePreviousRead, and slices returned by Next, Peek and
-// Until stay valid until Release, ReleaseReadAndReuse, Read or Close. Do not
+// Until stay valid until Release, ReleasePreviousRead, Read or Close. Do not
 // write into them: they may be shared memory.
 //
 // Reads block until enough bytes have arrived, the read deadline passes

@@ -23,7 +23,7 @@ const npTimeout = 30 * time.Second
 // npConfig is the default configuration with region names of its own.
 func npConfig(t *testing.T, tweak func(*Config)) *Config {
 	conf := DefaultConfig()
-	conf.ShareMemoryPathPrefix = fmt.Sprintf("/dev/shm/shmipc_nptest_%d_%08x", os.Getpid(), rand.Uint32())
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "np")
 	conf.InitializeTimeout = 10 * time.Second // handshakes are slow under -race
 	if tweak != nil {
 		tweak(conf)
@@ -64,24 +64,7 @@ func npSessions(t *testing.T, tweak func(*Config)) (client, server *Stream) {
 	if _, err := client.Write([]byte{'!'}); err != nil {
 		t.Fatal(err)
 	}
-	type result struct {
-		st  *Stream
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		st, err := ln.AcceptStream()
-		ch <- result{st, err}
-	}()
-	select {
-	case r := <-ch:
-		if r.err != nil {
-			t.Fatal(r.err)
-		}
-		server = r.st
-	case <-time.After(npTimeout):
-		t.Fatal("no stream accepted")
-	}
+	server = acceptWithin(t, ln, npTimeout)
 	t.Cleanup(func() { server.Close() })
 	client.SetReadDeadline(time.Now().Add(npTimeout))
 	server.SetReadDeadline(time.Now().Add(npTimeout))

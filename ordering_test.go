@@ -144,7 +144,7 @@ func TestOrderingFallbackThenCloseClient(t *testing.T) {
 			orderingPeer(t, "ready", "server", sock)
 			conf := DefaultConfig()
 			conf.ConsumerSpinTime = spin
-			conf.ShareMemoryPathPrefix = hpPrefix(t)
+			conf.ShareMemoryPathPrefix = shmPrefix(t, "order")
 			s, err := Dial("unix", sock, conf)
 			if err != nil {
 				t.Fatal(err)

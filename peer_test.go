@@ -87,7 +87,7 @@ func TestShareMemoryFileMode(t *testing.T) {
 	conf.MemMapType = MemMapTypeDevShmFile
 	conf.ShareMemoryBufferCap = 2 << 20
 	conf.BufferSliceSizes = ReferenceSliceSizes()
-	conf.ShareMemoryPathPrefix = filepath.Join("/dev/shm", "shmipc_perm_"+filepath.Base(t.TempDir()))
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "perm")
 	ln, err := Listen("unix", sock, conf)
 	if err != nil {
 		t.Fatal(err)
@@ -170,11 +170,11 @@ func TestPeerOf(t *testing.T) {
 // a connection that cannot tell who the client is, even when the files are
 // valid, with a handshake error that says why.
 func TestFileModeNeedsPeerUID(t *testing.T) {
-	conf := hpConfig(t, MemMapTypeDevShmFile, 0)
-	r := hpCreate(t, conf, MemMapTypeDevShmFile, hpLayout{})
+	conf := peerConfig(t, MemMapTypeDevShmFile, 0)
+	r := createRawRegions(t, conf, MemMapTypeDevShmFile, rawLayout{})
 	client, server := net.Pipe()
 	defer client.Close()
-	go func() { _, _ = client.Write(hpPaths(2, 0, r.queuePath, r.bufPath)) }()
+	go func() { _, _ = client.Write(rawPathFrame(2, 0, r.queuePath, r.bufPath)) }()
 	s, err := Server(server, conf)
 	if err == nil {
 		s.Close()

@@ -174,22 +174,14 @@ func TestPeerDeathChild(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer ln.Close()
-		go func() {
-			for {
-				st, err := ln.AcceptStream()
-				if err != nil {
-					return
-				}
-				go func() {
-					defer st.Close()
-					hello := make([]byte, len(pdHello))
-					if _, err := io.ReadFull(st, hello); err != nil {
-						return
-					}
-					pdBehave(t, st, behavior)
-				}()
+		go serveStreams(ln, func(st *Stream) {
+			defer st.Close()
+			hello := make([]byte, len(pdHello))
+			if _, err := io.ReadFull(st, hello); err != nil {
+				return
 			}
-		}()
+			pdBehave(t, st, behavior)
+		})
 		proctest.Ready()
 		<-proctest.StdinClosed()
 
@@ -335,10 +327,7 @@ func pdRawClient(t *testing.T, sock, prefix, stage string) {
 // pdStart starts a child.
 func pdStart(t testing.TB, args map[string]string) *proctest.Child {
 	t.Helper()
-	c := proctest.Start(t, proctest.Config{TestName: pdChildTest, Role: "peerdeath", Args: args})
-	if _, err := c.WaitReady(mpStartTimeout); err != nil {
-		t.Fatalf("%v\n%s", err, c.Output())
-	}
+	c, _ := startChild(t, proctest.Config{TestName: pdChildTest, Role: "peerdeath", Args: args})
 	return c
 }
 
@@ -532,7 +521,7 @@ func pdConnect(t *testing.T, side, behavior, conf string, mode MemMapType, prefi
 		st.SetReadDeadline(time.Time{})
 		p.streams = append(p.streams, st)
 	}
-	if _, err := p.c.WaitReady(mpStartTimeout); err != nil {
+	if _, err := p.c.WaitReady(childStartTimeout); err != nil {
 		t.Fatalf("%v\n%s", err, p.c.Output())
 	}
 	return p
@@ -571,7 +560,7 @@ func pdFresh(t *testing.T, mode MemMapType, prefix string) {
 // runs after its subtests: a new session to a new child works, in each
 // mode, and nothing leaked.
 func pdFreshAfter(t *testing.T, modes ...MemMapType) {
-	prefix := clPrefix(t, "pdf")
+	prefix := shmPrefix(t, "pdf")
 	check := pdLeakCheck(t, prefix)
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -601,7 +590,7 @@ func TestPeerDeathHandshake(t *testing.T) {
 	pdFreshAfter(t, MemMapTypeMemFd, MemMapTypeDevShmFile)
 	for _, stage := range []string{"accept", "exchange", "ackfd"} {
 		t.Run("child-server/"+stage, func(t *testing.T) {
-			prefix := clPrefix(t, "pd")
+			prefix := shmPrefix(t, "pd")
 			check := pdLeakCheck(t, prefix)
 			sock := filepath.Join(t.TempDir(), "s.sock")
 			c := pdStart(t, pdArgs(sock, prefix, MemMapTypeMemFd, "raw-server", "", "default", "STAGE", stage))
@@ -621,7 +610,7 @@ func TestPeerDeathHandshake(t *testing.T) {
 	// File mode has no answer to wait for: the session is up at once, and
 	// the dead server's death ends it.
 	t.Run("child-server/accept/file", func(t *testing.T) {
-		prefix := clPrefix(t, "pd")
+		prefix := shmPrefix(t, "pd")
 		check := pdLeakCheck(t, prefix)
 		sock := filepath.Join(t.TempDir(), "s.sock")
 		c := pdStart(t, pdArgs(sock, prefix, MemMapTypeDevShmFile, "raw-server", "", "default", "STAGE", "accept"))
@@ -646,7 +635,7 @@ func TestPeerDeathHandshake(t *testing.T) {
 	})
 	for _, stage := range []string{"exchange", "paths", "partial", "mapped"} {
 		t.Run("child-client/"+stage, func(t *testing.T) {
-			prefix := clPrefix(t, "pd")
+			prefix := shmPrefix(t, "pd")
 			check := pdLeakCheck(t, prefix)
 			sock := filepath.Join(t.TempDir(), "s.sock")
 			raw, err := net.Listen("unix", sock)
@@ -692,7 +681,7 @@ func TestPeerDeathHandshake(t *testing.T) {
 	// A Listener runs handshakes on its own goroutines: the one of a killed
 	// client must end, and the listener must keep serving.
 	t.Run("listener/exchange", func(t *testing.T) {
-		prefix := clPrefix(t, "pd")
+		prefix := shmPrefix(t, "pd")
 		check := pdLeakCheck(t, prefix)
 		sock := filepath.Join(t.TempDir(), "s.sock")
 		ln, err := Listen("unix", sock, pdConfig("default", MemMapTypeMemFd, prefix))
@@ -734,7 +723,7 @@ func TestPeerDeathHandshake(t *testing.T) {
 		// The same listener serves a new client.
 		c2 := proctest.Start(t, proctest.Config{TestName: pdChildTest, Role: "peerdeath",
 			Args: pdArgs(sock, prefix, MemMapTypeMemFd, "client", "echo", "default")})
-		st := clAccept(t, ln)
+		st := acceptWithin(t, ln, 10*time.Second)
 		st.SetDeadline(time.Now().Add(30 * time.Second))
 		hello := make([]byte, len(pdHello))
 		if _, err := io.ReadFull(st, hello); err != nil {
@@ -765,7 +754,7 @@ func TestPeerDeathMidWrite(t *testing.T) {
 		mode MemMapType
 	}{{"server", MemMapTypeMemFd}, {"server", MemMapTypeDevShmFile}, {"client", MemMapTypeMemFd}, {"client", MemMapTypeDevShmFile}} {
 		t.Run("child-"+tc.side+"/"+tc.mode.String(), func(t *testing.T) {
-			prefix := clPrefix(t, "pd")
+			prefix := shmPrefix(t, "pd")
 			check := pdLeakCheck(t, prefix)
 			p := pdConnect(t, tc.side, "stream", "default", tc.mode, prefix, 4)
 			var calls []*pdCall
@@ -814,7 +803,7 @@ func TestPeerDeathHoldingSlices(t *testing.T) {
 		mode MemMapType
 	}{{"server", MemMapTypeMemFd}, {"client", MemMapTypeMemFd}, {"client", MemMapTypeDevShmFile}} {
 		t.Run("child-"+tc.side+"/"+tc.mode.String(), func(t *testing.T) {
-			prefix := clPrefix(t, "pd")
+			prefix := shmPrefix(t, "pd")
 			check := pdLeakCheck(t, prefix)
 			p := pdConnect(t, tc.side, "hold", "default", tc.mode, prefix, 1)
 			st := p.streams[0]
@@ -888,7 +877,7 @@ func TestPeerDeathBlockedWriter(t *testing.T) {
 		{"client", "socket-full", 100 << 10, true},
 	} {
 		t.Run("child-"+tc.side+"/"+tc.what, func(t *testing.T) {
-			prefix := clPrefix(t, "pd")
+			prefix := shmPrefix(t, "pd")
 			check := pdLeakCheck(t, prefix)
 			// With FallbackWhenFull a full region sends fallback data, so
 			// the writer ends up blocked on the socket.
@@ -951,7 +940,7 @@ func TestPeerDeathKillLoop(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip()
 	}
-	prefix := clPrefix(t, "pdl")
+	prefix := shmPrefix(t, "pdl")
 	check := pdLeakCheck(t, prefix)
 	start := time.Now()
 	var lats, afterClose []time.Duration
@@ -961,7 +950,7 @@ func TestPeerDeathKillLoop(t *testing.T) {
 		if i%2 == 1 {
 			side = "client"
 		}
-		mode := clModes[(i/2)%2]
+		mode := bothModes[(i/2)%2]
 		ok := t.Run(fmt.Sprintf("%d", i), func(t *testing.T) {
 			nstreams := 1 + rand.IntN(6)
 			p := pdConnect(t, side, "mixed", "default", mode, prefix, nstreams)

@@ -11,8 +11,8 @@ import (
 // Slices returned by ReadBytes and Peek point into shared memory when the
 // bytes lie in one slice of the buffer region, and into a private copy
 // otherwise. Either way they stay valid until ReleasePreviousRead,
-// Stream.ReleaseReadAndReuse, Stream.Read or Stream.Close is called; after
-// that the memory may be reused by either process. Do not write into them.
+// Stream.Read or Stream.Close is called; after that the memory may be
+// reused by either process. Do not write into them.
 //
 // A BufferReader is not safe for concurrent use.
 type BufferReader interface {
@@ -72,6 +72,17 @@ func (r *streamReader) append(segs []segment) {
 		r.unread += len(seg.data)
 	}
 	r.segs = append(r.segs, segs...)
+}
+
+// holdsShared reports whether r holds slices of the buffer region, read and
+// not yet released or unread.
+func (r *streamReader) holdsShared() bool {
+	for _, seg := range r.segs {
+		if seg.list != heapSegment {
+			return true
+		}
+	}
+	return false
 }
 
 func (r *streamReader) appendHeap(data []byte) {

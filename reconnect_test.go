@@ -90,7 +90,7 @@ func (srv *rcServer) close() {
 // re-dials slow down (the backoff is not reset by a dial whose session dies
 // straight away), and once the server is healthy the manager recovers.
 func TestSessionManagerBackoffAcrossShortSessions(t *testing.T) {
-	prefix := clPrefix(t, "rc")
+	prefix := shmPrefix(t, "rc")
 	conf := clConfig(MemMapTypeMemFd, prefix)
 	conf.BufferSliceSizes = ReferenceSliceSizes()
 	conf.ShareMemoryBufferCap = minBufferCap

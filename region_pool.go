@@ -111,7 +111,8 @@ func createBuffer(conf *Config, bufPath string) (*bufferManager, error) {
 		r.release()
 		return nil, err
 	}
-	m.startGiveBack()
+	r.onLastRelease = m.unparkAll
+	m.startCirculation()
 	return m, nil
 }
 
@@ -141,6 +142,7 @@ func sharedBuffer(conf *Config, key poolKey) (m *bufferManager, queuePath string
 	}
 	p = &pooledBuffer{m: m, prefix: prefix, queues: 1, server: pidfd}
 	m.region.onLastRelease = func() {
+		m.unparkAll()
 		clientBuffers.Lock()
 		retireLocked(key, p)
 		clientBuffers.Unlock()

@@ -43,7 +43,7 @@ func (l *Listener) Serve(handler func(st *Stream)) error {
 }
 
 // StreamHandler handles the events of one stream in the asynchronous server
-// style (Listener.ServeHandler, ServeStream). The methods of one stream are
+// style (Listener.ServeHandler). The methods of one stream are
 // called one at a time from the stream's own goroutine.
 type StreamHandler interface {
 	// OnData is called each time unread data is available on st; see OnData
@@ -59,41 +59,19 @@ type StreamHandler interface {
 	OnClose(st *Stream, err error)
 }
 
-// StreamHandlerFuncs is a StreamHandler made of functions; either may be nil.
-type StreamHandlerFuncs struct {
-	Data  func(st *Stream) error
-	Close func(st *Stream, err error)
-}
-
-// OnData calls f.Data if it is set; without it, the data is discarded.
-func (f StreamHandlerFuncs) OnData(st *Stream) error {
-	if f.Data == nil {
-		_, err := st.BufferReader().Discard(st.BufferReader().Len())
-		return err
-	}
-	return f.Data(st)
-}
-
-// OnClose calls f.Close if it is set.
-func (f StreamHandlerFuncs) OnClose(st *Stream, err error) {
-	if f.Close != nil {
-		f.Close(st, err)
-	}
-}
-
 // ServeHandler accepts streams on l and handles each with h, in a goroutine
 // per stream that waits for data and calls h.OnData, then h.OnClose, then
-// closes the stream (see ServeStream). Like Serve, it runs until l is
+// closes the stream. Like Serve, it runs until l is
 // closed, returns ErrListenerClosed, and does not wait for the streams'
 // goroutines.
 func (l *Listener) ServeHandler(h StreamHandler) error {
-	return l.Serve(func(st *Stream) { ServeStream(st, h) })
+	return l.Serve(func(st *Stream) { serveStream(st, h) })
 }
 
-// ServeStream handles st with h on the calling goroutine: it calls h.OnData
+// serveStream handles st with h on the calling goroutine: it calls h.OnData
 // each time data is available, as OnData does, then h.OnClose with the
 // reason the stream ended, then closes st. It returns that reason.
-func ServeStream(st *Stream, h StreamHandler) error {
+func serveStream(st *Stream, h StreamHandler) error {
 	err := dataLoop(st, h.OnData)
 	h.OnClose(st, err)
 	st.Close()

@@ -82,6 +82,7 @@ func TestServeSync(t *testing.T) {
 	if _, err := st.Read(make([]byte, 1)); !errors.Is(err, ErrSessionClosed) {
 		t.Errorf("read after the server closed: %v, want ErrSessionClosed", err)
 	}
+	st.Close() // what the client read stays mapped until its stream closes
 	sess.Close()
 	smWaitGoroutines(t, before)
 }
@@ -180,7 +181,7 @@ func TestServeHandlerAsync(t *testing.T) {
 	if c := h.calls.Load(); c < 1 || c > 8 { // once if all pieces came before the first call
 		t.Errorf("OnData called %d times for a frame sent in 4 pieces", c)
 	}
-	st.ReleaseReadAndReuse()
+	st.BufferReader().ReleasePreviousRead()
 
 	// Pipelined frames in one write, answered in order.
 	var batch, want []byte
@@ -231,6 +232,7 @@ func TestServeHandlerAsync(t *testing.T) {
 		t.Fatal(err)
 	}
 	sess.Close()
+	st.Close() // what the client read stays mapped until its stream closes
 	if err := closeErr("session close"); !errors.Is(err, ErrSessionClosed) {
 		t.Errorf("OnClose after the session died: %v, want ErrSessionClosed", err)
 	}

@@ -23,12 +23,16 @@ type Session struct {
 	sendQ       *ioQueue
 	recvQ       *ioQueue
 
-	mu       sync.Mutex
-	streams  map[uint32]*Stream
-	nextID   uint32
-	accepted streamQueue
-	onAccept func(st *Stream, limit int) error // where new streams go (streamQueue.push); set before start
-	retiring bool                              // end the session once its last stream is closed (Listener.Close)
+	mu      sync.Mutex
+	streams map[uint32]*Stream
+	nextID  uint32
+	// closedIDs are ids of streams this server closed while the client
+	// had not: data the client sent before it saw the close must not open
+	// a new stream.
+	closedIDs recentIDs
+	accepted  streamQueue
+	onAccept  func(st *Stream, limit int) error // where new streams go (streamQueue.push); set before start
+	retiring  bool                              // end the session once its last stream is closed (Listener.Close)
 
 	closeOnce  sync.Once
 	closed     chan struct{}
@@ -87,9 +91,6 @@ func (s *Session) start() {
 		"local", s.LocalAddr(), "remote", s.RemoteAddr())
 	go s.recvLoop()
 }
-
-// IsClient reports whether this is the client side of the session.
-func (s *Session) IsClient() bool { return s.isClient }
 
 // LocalAddr returns the local address of the session's connection.
 func (s *Session) LocalAddr() net.Addr { return s.ec.conn.LocalAddr() }
@@ -185,6 +186,9 @@ func (s *Session) closeWithError(cause error) {
 			s.err = fmt.Errorf("%w: %w", ErrSessionClosed, cause)
 		}
 		close(s.closed)
+		if s.buf != nil {
+			s.buf.sessionEnding() // before the peer sees the end
+		}
 		s.ec.conn.Close()
 	})
 }
@@ -223,12 +227,12 @@ func (s *Session) lookup(id uint32) *Stream {
 
 // streamFor returns the stream data for id goes to. On a server an unknown
 // id opens a stream (PROTOCOL.md §6.2), unless the peer already has
-// Config.MaxStreams open, which ends the session; on a client it returns
-// nil.
+// Config.MaxStreams open, which ends the session, or the server closed a
+// stream of that id recently (late data; nil); on a client it returns nil.
 func (s *Session) streamFor(id uint32) (*Stream, error) {
 	s.mu.Lock()
 	st := s.streams[id]
-	if st != nil || s.isClient || s.IsClosed() {
+	if st != nil || s.isClient || s.IsClosed() || s.closedIDs.has(id) {
 		s.mu.Unlock()
 		return st, nil
 	}
@@ -254,12 +258,15 @@ func (s *Session) streamFor(id uint32) (*Stream, error) {
 	return st, nil
 }
 
-// forgetStream removes a closed stream from the table. A retiring session
-// ends with its last stream.
-func (s *Session) forgetStream(st *Stream) {
+// forgetStream removes a closed stream from the table. open says the peer
+// had not closed it. A retiring session ends with its last stream.
+func (s *Session) forgetStream(st *Stream, open bool) {
 	s.mu.Lock()
 	if s.streams[st.id] == st {
 		delete(s.streams, st.id)
+		if open && !s.isClient {
+			s.closedIDs.add(st.id)
+		}
 	}
 	last := s.retiring && len(s.streams) == 0
 	s.mu.Unlock()
@@ -293,4 +300,38 @@ func (s *Session) teardown() {
 	if s.onTeardown != nil {
 		s.onTeardown(s)
 	}
+}
+
+// recentIDsKept is how many ids recentIDs remembers: far more than the
+// streams a client can close in the time its late data takes to arrive.
+const recentIDsKept = 1024
+
+// recentIDs remembers the last recentIDsKept ids added. Clients never reuse
+// the id of a stream they saw closed (they count ids up, PROTOCOL.md §6.1),
+// so forgetting the oldest ones is safe.
+type recentIDs struct {
+	ring []uint32
+	next int
+	set  map[uint32]struct{}
+}
+
+func (r *recentIDs) add(id uint32) {
+	if r.set == nil {
+		r.ring = make([]uint32, recentIDsKept)
+		r.set = make(map[uint32]struct{}, recentIDsKept)
+	}
+	if _, ok := r.set[id]; ok {
+		return
+	}
+	if old := r.ring[r.next]; old != 0 {
+		delete(r.set, old)
+	}
+	r.ring[r.next] = id
+	r.next = (r.next + 1) % len(r.ring)
+	r.set[id] = struct{}{}
+}
+
+func (r *recentIDs) has(id uint32) bool {
+	_, ok := r.set[id]
+	return ok
 }

@@ -12,10 +12,10 @@ import (
 
 // Defaults of SessionManagerConfig.
 const (
-	DefaultSessionNum          = 1
-	DefaultMaxIdleStreams      = 1024
-	DefaultMinReconnectBackoff = 10 * time.Millisecond
-	DefaultMaxReconnectBackoff = 2 * time.Second
+	defaultSessionNum          = 1
+	defaultMaxIdleStreams      = 1024
+	defaultMinReconnectBackoff = 10 * time.Millisecond
+	defaultMaxReconnectBackoff = 2 * time.Second
 )
 
 // SessionManagerConfig configures a SessionManager. Zero fields take the
@@ -30,11 +30,11 @@ type SessionManagerConfig struct {
 	Address string
 
 	// SessionNum is the number of sessions kept open to the server (default
-	// DefaultSessionNum). New streams are spread over them round-robin.
+	// 1). New streams are spread over them round-robin.
 	SessionNum int
 
 	// MaxIdleStreams bounds the idle streams pooled per session (default
-	// DefaultMaxIdleStreams). A stream put back to a full pool is closed.
+	// 1024). A stream put back to a full pool is closed.
 	MaxIdleStreams int
 
 	// StreamMaxIdleTime closes pooled streams that have been idle for longer
@@ -45,7 +45,7 @@ type SessionManagerConfig struct {
 	// MinReconnectBackoff and MaxReconnectBackoff bound the delay between
 	// attempts to re-dial a session that died: it starts at the minimum and
 	// doubles after each attempt up to the maximum (defaults
-	// DefaultMinReconnectBackoff and DefaultMaxReconnectBackoff). A dial
+	// 10 ms and 2 s). A dial
 	// whose session dies again within MaxReconnectBackoff does not reset it;
 	// a session that lived longer does.
 	MinReconnectBackoff time.Duration
@@ -76,8 +76,8 @@ type SessionManagerConfig struct {
 // new session replaces one old session, whose pooled streams are closed;
 // streams already handed out on it keep working. Once every session is
 // replaced the manager sends HotRestartAck on every old session and closes
-// each when no stream is open on it (within HotRestartTimeout). If the new
-// sessions cannot all be dialed within HotRestartTimeout, the old sessions
+// each when no stream is open on it (within 2 s). If the new
+// sessions cannot all be dialed within 2 s, the old sessions
 // already replaced are closed without an acknowledgement.
 type SessionManager struct {
 	conf   SessionManagerConfig
@@ -113,16 +113,16 @@ func NewSessionManager(conf SessionManagerConfig) (*SessionManager, error) {
 		return nil, fmt.Errorf("%w: negative SessionManagerConfig field", ErrInvalidConfig)
 	}
 	if conf.SessionNum == 0 {
-		conf.SessionNum = DefaultSessionNum
+		conf.SessionNum = defaultSessionNum
 	}
 	if conf.MaxIdleStreams == 0 {
-		conf.MaxIdleStreams = DefaultMaxIdleStreams
+		conf.MaxIdleStreams = defaultMaxIdleStreams
 	}
 	if conf.MinReconnectBackoff == 0 {
-		conf.MinReconnectBackoff = DefaultMinReconnectBackoff
+		conf.MinReconnectBackoff = defaultMinReconnectBackoff
 	}
 	if conf.MaxReconnectBackoff == 0 {
-		conf.MaxReconnectBackoff = max(DefaultMaxReconnectBackoff, conf.MinReconnectBackoff)
+		conf.MaxReconnectBackoff = max(defaultMaxReconnectBackoff, conf.MinReconnectBackoff)
 	}
 	if conf.MaxReconnectBackoff < conf.MinReconnectBackoff {
 		return nil, fmt.Errorf("%w: MaxReconnectBackoff %v is below MinReconnectBackoff %v",
@@ -241,7 +241,7 @@ func (m *SessionManager) GetStreamContext(ctx context.Context) (*Stream, error) 
 }
 
 // PutBack returns a stream obtained from GetStream for reuse. It releases
-// what was read from the stream (st.ReleaseReadAndReuse), so slices returned
+// what was read from the stream (ReleasePreviousRead), so slices returned
 // by its reads become invalid, and clears its deadlines. The caller must not
 // use st afterwards.
 //
@@ -257,7 +257,7 @@ func (m *SessionManager) PutBack(st *Stream) {
 		st.Close()
 		return
 	}
-	st.ReleaseReadAndReuse()
+	st.BufferReader().ReleasePreviousRead()
 	st.SetDeadline(time.Time{})
 	for _, sl := range m.slots {
 		if sl.putBack(st) {

@@ -154,18 +154,6 @@ func smWaitGoroutines(t testing.TB, want int) {
 	}
 }
 
-// smWait polls cond for up to timeout.
-func smWait(t testing.TB, what string, timeout time.Duration, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within %v", what, timeout)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func TestSessionManagerConcurrent(t *testing.T) {
 	srv := smStartEcho(t, filepath.Join(t.TempDir(), "s.sock"))
 	defer srv.close(t)
@@ -340,7 +328,7 @@ func TestSessionManagerReuse(t *testing.T) {
 		t.Fatal(err)
 	}
 	m.PutBack(st) // pooled, or closed if the close has already arrived
-	smWait(t, "server close", 5*time.Second, st.writeClosed.Load)
+	waitUntil(t, "server close", 5*time.Second, st.writeClosed.Load)
 	st = get()
 	if st.ID() == id {
 		t.Errorf("GetStream returned stream %d, which the server closed", id)
@@ -390,8 +378,8 @@ func TestSessionManagerIdleTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	m.PutBack(st)
-	smWait(t, "idle stream closed", 5*time.Second, func() bool { return m.IdleStreams() == 0 })
-	smWait(t, "evicted stream closed", 5*time.Second, st.writeClosed.Load)
+	waitUntil(t, "idle stream closed", 5*time.Second, func() bool { return m.IdleStreams() == 0 })
+	waitUntil(t, "evicted stream closed", 5*time.Second, st.writeClosed.Load)
 }
 
 func TestSessionManagerReconnect(t *testing.T) {
@@ -422,7 +410,7 @@ func TestSessionManagerReconnect(t *testing.T) {
 	// The server kills one of the sessions. (The client end of a Unix
 	// socket has no name, so which one shows on the client side.)
 	srv.serverSessions()[0].Close()
-	smWait(t, "a client session dies", 5*time.Second, func() bool {
+	waitUntil(t, "a client session dies", 5*time.Second, func() bool {
 		return held[0].Session().IsClosed() || held[1].Session().IsClosed()
 	})
 	dead := held[0].Session()
@@ -444,7 +432,7 @@ func TestSessionManagerReconnect(t *testing.T) {
 		m.PutBack(st)
 	}
 	start := time.Now()
-	smWait(t, "re-dial", 5*time.Second, func() bool {
+	waitUntil(t, "re-dial", 5*time.Second, func() bool {
 		ss := m.Sessions()
 		if len(ss) != 2 {
 			return false
@@ -473,7 +461,7 @@ func TestSessionManagerReconnect(t *testing.T) {
 
 	// Restart the whole server: every session dies.
 	srv.close(t)
-	smWait(t, "all sessions die", 5*time.Second, func() bool {
+	waitUntil(t, "all sessions die", 5*time.Second, func() bool {
 		_, err := m.GetStream()
 		return errors.Is(err, ErrNoHealthySession)
 	})
@@ -507,7 +495,7 @@ func TestSessionManagerReconnect(t *testing.T) {
 		t.Fatal(err)
 	}
 	m.PutBack(st)
-	smWait(t, "both sessions back", 5*time.Second, func() bool { return len(m.Sessions()) == 2 })
+	waitUntil(t, "both sessions back", 5*time.Second, func() bool { return len(m.Sessions()) == 2 })
 }
 
 func TestSessionManagerClose(t *testing.T) {
@@ -557,7 +545,7 @@ func TestSessionManagerClose(t *testing.T) {
 	// Close while re-dialing a server that is gone.
 	m = smNewManager(t, sock, 1)
 	srv.ln.Close()
-	smWait(t, "session dies", 5*time.Second, func() bool { return len(m.Sessions()) == 0 })
+	waitUntil(t, "session dies", 5*time.Second, func() bool { return len(m.Sessions()) == 0 })
 	time.Sleep(50 * time.Millisecond)
 	start := time.Now()
 	m.Close()

@@ -490,7 +490,7 @@ func skRun(t *testing.T, fwf bool) {
 		fwfArg = "1"
 	}
 	dur := *soakDuration
-	prefix := clPrefix(t, "soak")
+	prefix := shmPrefix(t, "soak")
 	dir := t.TempDir()
 	sockA, sockB := filepath.Join(dir, "a.sock"), filepath.Join(dir, "b.sock")
 	base := clBaseline(t, prefix)
@@ -505,7 +505,7 @@ func skRun(t *testing.T, fwf bool) {
 	}
 	defer rawB.Close()
 	deadline := time.Now().Add(dur)
-	c := proctest.Start(t, proctest.Config{
+	c, _ := startChild(t, proctest.Config{
 		TestName: skChildTest,
 		Role:     "soak",
 		Args: map[string]string{
@@ -516,9 +516,6 @@ func skRun(t *testing.T, fwf bool) {
 		},
 		Timeout: dur + 5*time.Minute,
 	})
-	if _, err := c.WaitReady(mpStartTimeout); err != nil {
-		t.Fatalf("%v\n%s", err, c.Output())
-	}
 	start := time.Now()
 	sessA, err := Dial("unix", sockA, skConfigA(prefix, fwf))
 	if err != nil {

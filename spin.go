@@ -77,8 +77,9 @@ type spinGovernor struct {
 	slots    int32        // how many goroutines may spin at once for sessions with another process
 	local    int32        // the same, counting sessions whose peer is this process
 	active   atomic.Int32 // how many do
-	offUntil atomic.Int64 // no spinning before this time (UnixNano)
+	offUntil atomic.Int64 // no spinning before this time (UnixNano); 0 once it has passed
 	cooldown atomic.Int64 // the length of the last cool-down, in ns
+	lastEnd  atomic.Int64 // when the last cool-down ended or ends (UnixNano)
 }
 
 var spinning = newSpinGovernor(runtime.NumCPU())
@@ -102,8 +103,14 @@ func (g *spinGovernor) enter(local bool) bool {
 	if slots <= 0 {
 		return false
 	}
-	if until := g.offUntil.Load(); until != 0 && time.Now().UnixNano() < until {
-		return false
+	if g.active.Load() >= slots {
+		return false // without reading the clock: this is the common refusal
+	}
+	if until := g.offUntil.Load(); until != 0 {
+		if time.Now().UnixNano() < until {
+			return false
+		}
+		g.offUntil.CompareAndSwap(until, 0) // over: later calls need no clock
 	}
 	if g.active.Add(1) > slots {
 		g.active.Add(-1)
@@ -120,10 +127,11 @@ func (g *spinGovernor) free(local bool) bool {
 	if local {
 		slots = g.local
 	}
-	if until := g.offUntil.Load(); until != 0 && time.Now().UnixNano() < until {
+	if g.active.Load() >= slots {
 		return false
 	}
-	return g.active.Load() < slots
+	until := g.offUntil.Load()
+	return until == 0 || time.Now().UnixNano() >= until
 }
 
 // pressure switches spinning off for a cool-down: a spinner was
@@ -136,10 +144,11 @@ func (g *spinGovernor) free(local bool) bool {
 // core) turns spinning off for longer and longer.
 func (g *spinGovernor) pressure(since, now time.Time) {
 	d := int64(minSpinCooldown)
-	if last, end := g.cooldown.Load(), g.offUntil.Load(); end != 0 && since.UnixNano()-end < 4*last {
+	if last, end := g.cooldown.Load(), g.lastEnd.Load(); end != 0 && since.UnixNano()-end < 4*last {
 		d = min(2*last, int64(maxSpinCooldown))
 	}
 	g.cooldown.Store(d)
+	g.lastEnd.Store(now.UnixNano() + d)
 	g.offUntil.Store(now.UnixNano() + d)
 }
 

@@ -1,12 +1,10 @@
 package shmipc
 
 import (
-	"context"
 	"expvar"
 	"log/slog"
 	"sync"
 	"sync/atomic"
-	"time"
 )
 
 // Stats are a session's counters, or the sum over sessions (AggregateStats).
@@ -14,14 +12,14 @@ import (
 // the values when Stats was called.
 type Stats struct {
 	MessagesOut uint64 // messages sent, through shared memory or as fallback data
-	BytesOut    uint64
+	BytesOut    uint64 // their payload bytes
 	MessagesIn  uint64 // messages received
-	BytesIn     uint64
+	BytesIn     uint64 // their payload bytes
 
 	FallbackMessagesOut uint64 // messages sent as FallbackData frames
-	FallbackBytesOut    uint64
+	FallbackBytesOut    uint64 // their payload bytes
 	FallbackMessagesIn  uint64 // FallbackData frames received
-	FallbackBytesIn     uint64
+	FallbackBytesIn     uint64 // their payload bytes
 
 	WakeupsSent     uint64 // Polling frames sent: the peer was asleep
 	WakeupsSaved    uint64 // messages published while the peer was awake, so no Polling frame was needed
@@ -51,8 +49,9 @@ type RegionStats struct {
 	// Shmem in /proc/meminfo, counted once.
 	Committed uint64
 	// InUse is the data capacity of the slices handed out and not yet
-	// freed, by either process (buffer regions only). What one session
-	// holds of a shared region is not told apart from what the others hold.
+	// freed, by either process (buffer regions only; parked slices are
+	// free). What one session holds of a shared region is not told apart
+	// from what the others hold.
 	InUse uint64
 	// Sessions is the number of this process's sessions using the region
 	// (or, for AggregateStats, the number of regions summed).
@@ -63,7 +62,13 @@ type RegionStats struct {
 type ListStats struct {
 	SliceSize uint32 // data bytes per slice
 	Slices    uint32 // slices in the class
-	Free      int32  // slices free now
+	Free      int32  // slices free now, parked ones included
+	// Parked is how many of the free slices this process, which created
+	// the region, has taken out of circulation with their pages given
+	// back, because traffic needs fewer; it hands them out again on demand.
+	// A process that did not create the region parks none, and does not
+	// count the creator's parked slices as free.
+	Parked int32
 }
 
 // sessionCounters are updated on the hot paths with atomic adds. Writers
@@ -115,10 +120,10 @@ func (s *Session) Stats() Stats {
 		st.RecvQueueDepth = s.recvQ.depth()
 		if s.buf.region.acquire() {
 			defer s.buf.region.release()
-			free := s.buf.freeCounts()
+			free, parked := s.buf.counts()
 			st.Lists = make([]ListStats, len(s.buf.lists))
 			for i, l := range s.buf.lists {
-				st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i]}
+				st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i], Parked: parked[i]}
 			}
 			st.Buffer = s.buf.regionStats(free)
 		}
@@ -200,23 +205,6 @@ func (t *RegionStats) add(r RegionStats) {
 	t.Committed += r.Committed
 	t.InUse += r.InUse
 	t.Sessions++
-}
-
-// Monitor calls report with AggregateStats every interval until ctx is done.
-// It runs report on its own goroutine.
-func Monitor(ctx context.Context, interval time.Duration, report func(Stats)) {
-	go func() {
-		t := time.NewTicker(interval)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				report(AggregateStats())
-			}
-		}
-	}()
 }
 
 // PublishExpvar publishes AggregateStats as the expvar variable name (shown

@@ -145,6 +145,14 @@ func (st *Stream) waitReadable(n int) error {
 	return nil
 }
 
+// holdsReceived reports whether the stream holds received slices of the
+// buffer region (its reader's, read and not released, or unread).
+func (st *Stream) holdsReceived() bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.reader.holdsShared()
+}
+
 // deliver hands a received message to the stream. It reports false when
 // the stream no longer takes data; the caller then frees the slices.
 func (st *Stream) deliver(slices []segment, heap []byte) bool {
@@ -349,7 +357,7 @@ func (st *Stream) Close() error {
 	if werr := st.discardWriter(); err == nil {
 		err = werr
 	}
-	st.s.forgetStream(st)
+	st.s.forgetStream(st, tellPeer)
 	if tellPeer {
 		_ = st.s.access(func() error {
 			st.s.sendStreamClose(st.id, st.fallback.Load())
@@ -412,13 +420,6 @@ func (st *Stream) dropRef() {
 	if st.refDropped.CompareAndSwap(false, true) {
 		st.s.buf.region.release()
 	}
-}
-
-// ReleaseReadAndReuse releases everything read so far, so that a pooled
-// stream can carry its next request. Slices returned by earlier reads become
-// invalid.
-func (st *Stream) ReleaseReadAndReuse() {
-	st.BufferReader().ReleasePreviousRead()
 }
 
 // LocalAddr returns the local address of the session's connection.

@@ -20,17 +20,14 @@ import (
 // wake-up fails the test instead of hanging it.
 const streamTestTimeout = 20 * time.Second
 
-// streamTestModes is the transport matrix: every test runs over a Unix socket
-// with memfd regions and with /dev/shm file regions.
-var streamTestModes = []MemMapType{MemMapTypeMemFd, MemMapTypeDevShmFile}
-
 // streamTestSizes are message sizes around the slice sizes of the default
 // configuration (8172, 32748 and 131052 data bytes per slice).
 var streamTestSizes = []int{1, 64, 4096, 8172, 8173, 32748, 131052, 131053, 300000, 1 << 20, 4 << 20}
 
-// forEachStreamMode runs test as a subtest for each transport of the matrix.
+// forEachStreamMode runs test as a subtest for each transport of the
+// matrix: a Unix socket with memfd regions and with /dev/shm file regions.
 func forEachStreamMode(t *testing.T, test func(t *testing.T, mode MemMapType)) {
-	for _, mode := range streamTestModes {
+	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) { test(t, mode) })
 	}
 }
@@ -40,14 +37,7 @@ func forEachStreamMode(t *testing.T, test func(t *testing.T, mode MemMapType)) {
 func streamTestConfig(t *testing.T, mode MemMapType) *Config {
 	conf := DefaultConfig()
 	conf.MemMapType = mode
-	conf.ShareMemoryPathPrefix = fmt.Sprintf("/dev/shm/shmipc_test_%d_%08x", os.Getpid(), rand.Uint32())
-	prefix := conf.ShareMemoryPathPrefix
-	t.Cleanup(func() {
-		leftovers, _ := filepath.Glob(prefix + "_*")
-		for _, f := range leftovers {
-			os.Remove(f)
-		}
-	})
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "st")
 	return conf
 }
 
@@ -122,27 +112,10 @@ func openStreamT(t *testing.T, s *Session) *Stream {
 // acceptStreamT waits for the next stream on a server session.
 func acceptStreamT(t *testing.T, s *Session) *Stream {
 	t.Helper()
-	type result struct {
-		st  *Stream
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		st, err := s.AcceptStream()
-		ch <- result{st, err}
-	}()
-	select {
-	case r := <-ch:
-		if r.err != nil {
-			t.Fatalf("AcceptStream: %v", r.err)
-		}
-		r.st.SetReadDeadline(time.Now().Add(streamTestTimeout))
-		t.Cleanup(func() { r.st.Close() })
-		return r.st
-	case <-time.After(streamTestTimeout):
-		t.Fatal("no stream accepted")
-		return nil
-	}
+	st := acceptWithin(t, s, streamTestTimeout)
+	st.SetReadDeadline(time.Now().Add(streamTestTimeout))
+	t.Cleanup(func() { st.Close() })
+	return st
 }
 
 // streamPattern returns n pseudo-random bytes; each seed gives other bytes.
@@ -1012,11 +985,7 @@ func TestStreamSessionClose(t *testing.T) {
 			if _, err := st.Write([]byte("y")); !errors.Is(err, ErrSessionClosed) {
 				t.Errorf("Write on a stream of a session closed locally: got %v, want an error wrapping ErrSessionClosed", err)
 			}
-			for deadline := time.Now().Add(5 * time.Second); !p.server.IsClosed(); time.Sleep(5 * time.Millisecond) {
-				if time.Now().After(deadline) {
-					t.Fatal("server session still open 5s after the client closed")
-				}
-			}
+			waitSessionClosed(t, p.server, 5*time.Second)
 			if _, err := srv.Write([]byte("y")); !errors.Is(err, ErrSessionClosed) {
 				t.Errorf("Write on a stream whose session the peer closed: got %v, want an error wrapping ErrSessionClosed", err)
 			}
@@ -1075,11 +1044,7 @@ func TestStreamPeerSessionClosedKeepsData(t *testing.T) {
 		if err := p.server.Close(); err != nil {
 			t.Fatalf("server Session.Close: %v", err)
 		}
-		for deadline := time.Now().Add(5 * time.Second); !p.client.IsClosed(); time.Sleep(5 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatal("client session still open 5s after the server closed")
-			}
-		}
+		waitSessionClosed(t, p.client, 5*time.Second)
 		requireErrorIs(t, p.client.Err(), ErrSessionClosed, "client Session.Err after the server closed")
 
 		if n := st.BufferReader().Len(); n != len(want) {

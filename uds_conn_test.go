@@ -65,7 +65,7 @@ func ucBlockingWrite(t *testing.T, st *Stream, bound time.Duration, write func()
 // not the copy the writers check, so for the first half of the timeout a
 // write could block for good.)
 func TestFallbackWriteTimeoutRightAfterHandshake(t *testing.T) {
-	conf := clConfig(MemMapTypeMemFd, clPrefix(t, "uc"))
+	conf := clConfig(MemMapTypeMemFd, shmPrefix(t, "uc"))
 	conf.ConnectionWriteTimeout = time.Second
 	sess, st, _ := ucStoppedPeer(t, conf)
 
@@ -87,7 +87,7 @@ func TestFallbackWriteTimeoutRightAfterHandshake(t *testing.T) {
 // ConnectionWriteTimeout is much longer. The write fails with a timeout
 // error; as the deadline cut a frame short, the session ends.
 func TestStreamWriteDeadlineBoundsFallbackWrite(t *testing.T) {
-	conf := clConfig(MemMapTypeMemFd, clPrefix(t, "uc"))
+	conf := clConfig(MemMapTypeMemFd, shmPrefix(t, "uc"))
 	conf.ConnectionWriteTimeout = time.Minute
 	sess, st, _ := ucStoppedPeer(t, conf)
 

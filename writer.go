@@ -70,10 +70,13 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
 			return nil
 		}
-		if st.s.conf.FallbackWhenFull || len(w.segs) > 0 {
+		if st.s.conf.FallbackWhenFull || len(w.segs) > 0 || st.holdsReceived() {
 			// A writer never waits while it holds part of its message:
 			// writers holding slices while waiting for more could hold the
-			// whole region between them and wait for ever.
+			// whole region between them and wait for ever. Nor while its
+			// stream holds received slices: an echo that reserves its reply
+			// before releasing a large request could be waiting for the
+			// very slices it holds.
 			w.appendHeap(want)
 			return nil
 		}

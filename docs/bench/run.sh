@@ -25,7 +25,7 @@
 #
 # Environment (full form): BENCH (the -bench pattern, e.g.
 # 'BenchmarkPingPong$/^streams=8$'), BENCHTIME (1s), COUNT (5), ROUNDS (5),
-# DURATION (2s), OVERCOMMIT (0).
+# DURATION (2s).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -52,9 +52,6 @@ if [ $quick = 1 ]; then
 else
     bench=${BENCH:-'BenchmarkPingPong$'}
     benchflags=(-benchtime "${BENCHTIME:-1s}" -count "${COUNT:-5}")
-    # OVERCOMMIT=1 also runs the shm cases that stall by design today
-    # (bench_test.go, shmSlotsShort): they then fail after 10 s each.
-    if [ "${OVERCOMMIT:-0}" = 1 ]; then benchflags+=(-overcommit); fi
     streamsflags=(-rounds "${ROUNDS:-5}" -duration "${DURATION:-2s}")
     pingpongflags=(-transports shm,uds)
 fi

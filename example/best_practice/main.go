@@ -234,7 +234,7 @@ func syncClient(sock string, requests int) error {
 		if err := readReply(st, req); err != nil {
 			return err
 		}
-		st.ReleaseReadAndReuse() // the reply is checked: free its shared memory
+		st.BufferReader().ReleasePreviousRead() // the reply is checked: free its shared memory
 	}
 	elapsed := time.Since(start)
 	fmt.Printf("sync client: %d request-response round trips on stream %d in %v (%v each)\n",

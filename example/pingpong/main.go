@@ -607,7 +607,7 @@ func fmtWakeups(w *float64) string {
 // in the reference layout — gets private memory and makes the stream send
 // everything over the socket from then on, so such a user would reserve in
 // chunks of at most sliceChunk bytes.) The echo is not copied out: ReadBytes
-// returns it in shared memory, and ReleaseReadAndReuse hands it back.
+// returns it in shared memory, and ReleasePreviousRead hands it back.
 func (p *shmPinger) roundTrip(verify bool) error {
 	if verify {
 		bump(p.payload)
@@ -630,7 +630,7 @@ func (p *shmPinger) roundTrip(verify bool) error {
 		}
 		off += c
 	}
-	p.st.ReleaseReadAndReuse() // hand the echo's slices back to the server
+	p.st.BufferReader().ReleasePreviousRead() // hand the echo's slices back to the server
 	return nil
 }
 

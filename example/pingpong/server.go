@@ -220,7 +220,7 @@ func echoShm(st *shmipc.Stream, chunk int) {
 		return
 	}
 	size := int(binary.BigEndian.Uint32(head))
-	st.ReleaseReadAndReuse()
+	st.BufferReader().ReleasePreviousRead()
 	if size > maxSize {
 		log.Printf("shm stream %d: message size %d is too large", st.ID(), size)
 		return
@@ -241,7 +241,7 @@ func echoShm(st *shmipc.Stream, chunk int) {
 			}
 			off += c
 		}
-		st.ReleaseReadAndReuse()
+		st.BufferReader().ReleasePreviousRead()
 		if err := st.Flush(false); err != nil {
 			log.Printf("shm stream %d: %v", st.ID(), err)
 			return

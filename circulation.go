@@ -1,0 +1,346 @@
+package shmipc
+
+import (
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Circulation control: committed memory that follows the bytes in flight.
+//
+// The free lists are FIFO queues (PROTOCOL.md §4.8, §4.9): a pop takes the
+// head, a push appends at the tail. Under steady traffic every slice of a
+// class therefore takes its turn, and each one used has its data pages
+// committed, even when only a few messages are in flight at any moment: a
+// class is all committed after one pass through it.
+//
+// So the process that created a region watches each of its lists every
+// circulationPeriod and keeps the slices that cycle close to what traffic
+// needs. It tracks the lowest free count of each list (its own pops and
+// pushes note the count they leave, and every look samples it), which gives
+// the slices in flight at the busiest moment: count − parked − lowest free.
+// Over the last circulationWindow looks the largest of these is the peak.
+// A busy list keeps peak + spare slices in circulation, where spare is the
+// larger of minSpare slices, spareBytes of data, and a quarter of the peak;
+// the other slices are parked: popped like any writer pops, their data
+// pages punched (giveback.go), and kept in this process. Nobody can write a
+// parked slice (it is off the list and in no message), so its pages stay
+// given back until it is handed out again.
+//
+// Parked slices go back as soon as they may be needed:
+//   - this process's own allocation takes a parked slice when the list has
+//     none to spare (bufferManager.take), and refills the list;
+//   - when a pop or push of this process, or a look, finds the list's free
+//     count below half the spare (at least 2: one slice that can be popped),
+//     parked slices are pushed until the list holds spare slices again. The
+//     receiver frees what it received, so the pops of the peer are seen by
+//     this process's pushes soon after they happen, and by the next look at
+//     the latest: a peer that finds a list short (and waits, or sends
+//     fallback data) does so for at most one period;
+//   - when the last session using the region ends, every parked slice is
+//     pushed back before its connection closes (the peer may check that its
+//     lists are full), and no slice is parked for parkHold after that;
+//     sessions that end while others go on leave the parked slices to
+//     those, as they belong to the region, not to a session;
+//   - when a list has been quiet for giveBackPeriod, its parked slices go
+//     back (their pages are already given back) and the pages of the others
+//     are given back too (giveback.go): an idle region has full lists and
+//     only its slice headers committed;
+//   - before the region is unmapped, whatever is still parked goes back.
+//
+// The bound, per class c of a busy region (data pages rounded to whole
+// pages): committed ≤ headers + Σ_c min(count_c, peak_c + spare_c) × slice
+// size_c, where peak_c is the most slices of class c in flight (held by
+// either process) at any moment of the last circulationWindow looks. It
+// holds from the first look after traffic changes: within one period the
+// FIFO order can touch every slice that is not parked.
+//
+// Parked slices count as free in Stats and freeCounts: they are free, and
+// this process hands them out on demand.
+
+// circulationPeriod is how often a region's lists are looked at. A region
+// takes the value when it is created.
+var circulationPeriod = 50 * time.Millisecond
+
+const (
+	// circulationWindow is how many looks the peak in flight is taken over.
+	circulationWindow = 8
+	// spareBytes is the data a busy list keeps free beyond its peak in
+	// flight, and minSpare the fewest slices (a list never hands out its
+	// last slice, so 2 leave one that can be popped).
+	spareBytes = 1 << 20
+	minSpare   = 2
+	// parkHold is how long no slice is parked after the last session
+	// using the region ends.
+	parkHold = 250 * time.Millisecond
+)
+
+// circList is what the hot path reads and writes of a list's circulation:
+// on a cache line of its own, written only when a new lowest free count is
+// seen.
+type circList struct {
+	low   atomic.Int32 // the lowest free count seen since the last look
+	floor atomic.Int32 // refill when the free count falls below this; 0 while nothing is parked
+	_     [56]byte
+}
+
+// circulation is the circulation control of a region this process created.
+type circulation struct {
+	lists []circList
+
+	mu     sync.Mutex
+	parked [][]uint32 // per list, the header offsets of its parked slices
+	spare  []int32    // per list, the free slices to keep on it
+	hold   time.Time  // no parking before this
+
+	// Used by the looks alone, which run one at a time.
+	peaks   [][circulationWindow]int32
+	pos     int
+	last    []listSample
+	quiet   []time.Duration
+	settled []bool // given back since its last traffic
+}
+
+// startCirculation starts watching m, a region this process created, until
+// it is unmapped. It takes over giving pages back (giveback.go).
+func (m *bufferManager) startCirculation() {
+	n := len(m.lists)
+	c := &circulation{
+		lists:   make([]circList, n),
+		parked:  make([][]uint32, n),
+		spare:   make([]int32, n),
+		peaks:   make([][circulationWindow]int32, n),
+		last:    make([]listSample, n),
+		quiet:   make([]time.Duration, n),
+		settled: make([]bool, n),
+	}
+	for li := range m.lists {
+		c.lists[li].low.Store(int32(m.lists[li].count))
+		c.spare[li] = m.spareFor(li, 0)
+		c.last[li] = m.sample(li)
+	}
+	m.circ = c
+	period := min(circulationPeriod, giveBackPeriod)
+	giveBack := giveBackPeriod
+	var tick func()
+	tick = func() {
+		if !m.region.acquire() {
+			return // unmapped
+		}
+		m.look(period, giveBack)
+		m.region.release()
+		time.AfterFunc(period, tick)
+	}
+	time.AfterFunc(period, tick)
+}
+
+// spareFor is how many free slices list li keeps when peak slices of it
+// are in flight.
+func (m *bufferManager) spareFor(li int, peak int32) int32 {
+	l := &m.lists[li]
+	spare := max(minSpare, int32((spareBytes+l.sliceCap-1)/l.sliceCap), (peak+3)/4)
+	return min(spare, int32(l.count))
+}
+
+// observe notes that list li was left with left free slices by a pop or
+// push of this process, and refills the list if it is short.
+func (c *circulation) observe(m *bufferManager, li int, left int32) error {
+	cl := &c.lists[li]
+	if left < cl.low.Load() {
+		cl.low.Store(left)
+	}
+	if left < cl.floor.Load() {
+		return c.refill(m, li)
+	}
+	return nil
+}
+
+// setFloorLocked sets the free count below which list li is refilled.
+func (c *circulation) setFloorLocked(li int) {
+	var floor int32
+	if len(c.parked[li]) > 0 {
+		floor = max(2, c.spare[li]/2)
+	}
+	c.lists[li].floor.Store(floor)
+}
+
+// refill pushes parked slices of list li until it holds its spare.
+func (c *circulation) refill(m *bufferManager, li int) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.refillLocked(m, li)
+}
+
+func (c *circulation) refillLocked(m *bufferManager, li int) error {
+	defer c.setFloorLocked(li)
+	free := m.i32(m.lists[li].header + listFreeOff)
+	p := c.parked[li]
+	for len(p) > 0 && atomic.LoadInt32(free) < c.spare[li] {
+		off := p[len(p)-1]
+		p = p[:len(p)-1]
+		c.parked[li] = p
+		if _, err := m.pushList(li, off); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// unparkOne hands out a parked slice of list li, whose free list had none
+// to spare, and refills the list; it returns 0 when none is parked.
+func (c *circulation) unparkOne(m *bufferManager, li int) (uint32, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	p := c.parked[li]
+	if len(p) == 0 {
+		return 0, nil
+	}
+	off := p[len(p)-1]
+	c.parked[li] = p[:len(p)-1]
+	return off, c.refillLocked(m, li)
+}
+
+// unparkList pushes every parked slice of list li back.
+func (c *circulation) unparkList(m *bufferManager, li int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.unparkListLocked(m, li)
+}
+
+// unparkListLocked pushes every parked slice of list li back.
+func (c *circulation) unparkListLocked(m *bufferManager, li int) {
+	defer c.setFloorLocked(li)
+	p := c.parked[li]
+	for len(p) > 0 {
+		off := p[len(p)-1]
+		p = p[:len(p)-1]
+		c.parked[li] = p
+		if _, err := m.pushList(li, off); err != nil {
+			c.parked[li] = nil // a corrupt list: the region is lost anyway
+			return
+		}
+	}
+}
+
+// sessionEnding runs when a session using the region ends, before its
+// connection closes: if no other session of this process uses the region,
+// every parked slice goes back, so that the peer finds its lists full.
+func (m *bufferManager) sessionEnding() {
+	if m.circ != nil && m.sessions.Load() <= 1 {
+		m.unparkAll()
+	}
+}
+
+// unparkAll pushes every parked slice back and parks none for parkHold.
+// It runs when the last session using the region ends and before the
+// region is unmapped. A fault (a region shrunk under us) ends the work
+// quietly.
+func (m *bufferManager) unparkAll() {
+	c := m.circ
+	if c == nil {
+		return
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			_ = faultError(r) // re-panics anything but a memory fault
+		}
+	}()
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.hold = time.Now().Add(parkHold)
+	for li := range c.parked {
+		c.unparkListLocked(m, li)
+	}
+}
+
+// look is one look at every list: it records the peak in flight, steers
+// busy lists, and gives the pages of lists quiet for giveBack back. A
+// fault (a region shrunk or a page not committable) ends the work quietly:
+// the sessions using the region meet it in their own accesses.
+func (m *bufferManager) look(period, giveBack time.Duration) {
+	defer func() {
+		if r := recover(); r != nil {
+			_ = faultError(r) // re-panics anything but a memory fault
+		}
+	}()
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	c := m.circ
+	c.pos = (c.pos + 1) % circulationWindow
+	var resident []byte
+	for li := range m.lists {
+		now := m.sample(li)
+		low := min(now.free, c.lists[li].low.Swap(now.free))
+		c.mu.Lock()
+		parked := int32(len(c.parked[li]))
+		c.mu.Unlock()
+		c.peaks[li][c.pos] = max(0, int32(m.lists[li].count)-parked-low)
+		switch {
+		case now != c.last[li]:
+			c.quiet[li], c.settled[li] = 0, false
+			m.steer(li)
+		case !c.settled[li]:
+			c.quiet[li] += period
+			if c.quiet[li] < giveBack {
+				break
+			}
+			c.settled[li] = true
+			c.unparkList(m, li)
+			if resident == nil {
+				if resident = residentPages(m.mem); resident == nil {
+					break
+				}
+			}
+			m.giveBackList(li, resident)
+		}
+		c.last[li] = m.sample(li) // our own pops and pushes are not traffic
+	}
+}
+
+// steer parks the slices of busy list li beyond its peak in flight and its
+// spare, or refills it if it is short.
+func (m *bufferManager) steer(li int) {
+	c := m.circ
+	l := &m.lists[li]
+	var peak int32
+	for _, p := range c.peaks[li] {
+		peak = max(peak, p)
+	}
+	spare := m.spareFor(li, peak)
+	free := m.i32(l.header + listFreeOff)
+	c.mu.Lock()
+	c.spare[li] = spare
+	park := time.Now().After(c.hold) && m.sessions.Load() > 0
+	c.mu.Unlock()
+	for park && c.parkOne(m, li, peak+spare) {
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if atomic.LoadInt32(free) < c.lists[li].floor.Load() {
+		_ = c.refillLocked(m, li)
+	}
+	c.setFloorLocked(li)
+}
+
+// parkOne parks a slice of list li if more than keep of its slices are in
+// circulation and the list holds more than its spare; it reports whether
+// it did. The lock is held for one slice at a time, so an allocation that
+// needs a parked slice waits for one punch at most.
+func (c *circulation) parkOne(m *bufferManager, li int, keep int32) bool {
+	l := &m.lists[li]
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	circulating := int32(l.count) - int32(len(c.parked[li]))
+	if circulating <= keep || atomic.LoadInt32(m.i32(l.header+listFreeOff)) <= c.spare[li] {
+		return false
+	}
+	off, _, err := m.popList(li)
+	if off == 0 || err != nil {
+		return false
+	}
+	m.punch(li, off)
+	c.parked[li] = append(c.parked[li], off)
+	c.setFloorLocked(li)
+	return true
+}

@@ -1,0 +1,208 @@
+package shmipc
+
+// Hostile handshakes: a raw client offers regions that cannot be right, a
+// raw server answers the version 3 handshake wrongly; and a listener that
+// served hostile clients still accepts good ones.
+
+import (
+	"encoding/binary"
+	"io"
+	"net"
+	"testing"
+	"time"
+)
+
+// hpPlans returns an initBuf that lays out the given lists.
+func hpPlans(plans ...listPlan) func(buf []byte) {
+	return func(buf []byte) { initBufferRegion(buf, plans) }
+}
+
+// hpListHeader returns the offset of list i's header in a region laid out
+// from the reference sizes at 1 MiB.
+func hpListHeader(i int) uint32 {
+	plans, _ := planLists(1<<20, ReferenceSliceSizes())
+	off := uint32(managerHeaderSize)
+	for _, p := range plans[:i] {
+		off += listHeaderSize + p.count*(p.sliceCap+sliceHeaderSize)
+	}
+	return off
+}
+
+// TestHostileClientHandshake: regions that cannot be right make Server fail
+// with ErrHandshake; the listener's good session is untouched.
+func TestHostileClientHandshake(t *testing.T) {
+	le := binary.LittleEndian
+	qsize := queueRegionSize(64)
+	cases := []struct {
+		name string
+		lay  rawLayout
+		want []string
+	}{
+		{"queue cap field not matching its size", rawLayout{mutate: func(_, q []byte) { le.PutUint32(q, 32) }}, []string{"capacity 32"}},
+		{"second queue cap field not matching", rawLayout{mutate: func(_, q []byte) { le.PutUint32(q[len(q)/2:], 128) }}, []string{"server-to-client", "capacity"}},
+		{"queue region of odd size", rawLayout{queueSize: qsize + 1}, []string{"queue region"}},
+		{"queue region not two whole queues", rawLayout{queueSize: qsize + 2}, []string{"queue region"}},
+		{"queue cap not a multiple of 16", rawLayout{queueSize: queueRegionSize(24)}, []string{"multiple of 16"}},
+		{"queue region of 16 bytes", rawLayout{queueSize: 16}, []string{"size 16"}},
+		{"queue head and tail 2^32 apart", rawLayout{mutate: func(_, q []byte) { le.PutUint64(q[queueTailOff:], 1<<32) }}, []string{"apart"}},
+		{"queue tail behind head", rawLayout{mutate: func(_, q []byte) { le.PutUint64(q[queueHeadOff:], 10); le.PutUint64(q[queueTailOff:], 5) }}, []string{"apart"}},
+		{"buffer with zero lists", rawLayout{mutate: func(b, _ []byte) { le.PutUint16(b, 0) }}, []string{"no lists"}},
+		{"buffer used field beyond the region", rawLayout{mutate: func(b, _ []byte) { le.PutUint32(b[4:], 1<<20) }}, []string{"claims"}},
+		{"buffer used field 0xFFFFFFFF", rawLayout{mutate: func(b, _ []byte) { le.PutUint32(b[4:], 0xFFFFFFFF) }}, []string{"claims"}},
+		{"buffer list overrunning the region", rawLayout{mutate: func(b, _ []byte) {
+			h := hpListHeader(2)
+			le.PutUint32(b[h+listCountOff:], 100)
+		}}, []string{"past"}},
+		{"buffer list count 0xFFFFFFFF", rawLayout{mutate: func(b, _ []byte) {
+			h := hpListHeader(0)
+			le.PutUint32(b[h+listCountOff:], 0xFFFFFFFF)
+			le.PutUint32(b[h+listCapOff:], 0xFFFFFFFC)
+		}}, []string{"past"}},
+		{"more lists than the used bytes hold", rawLayout{mutate: func(b, _ []byte) { le.PutUint16(b, 200) }}, []string{"outside"}},
+		{"list with no slices", rawLayout{mutate: func(b, _ []byte) { le.PutUint32(b[hpListHeader(1)+listCountOff:], 0) }}, []string{"no slices"}},
+		{"duplicate slice sizes", rawLayout{initBuf: hpPlans(listPlan{4096, 100}, listPlan{4096, 100})}, []string{"two lists", "4096"}},
+		{"slice size not a multiple of 4", rawLayout{initBuf: hpPlans(listPlan{4098, 100})}, []string{"multiple of 4"}},
+		{"slice size 0", rawLayout{initBuf: hpPlans(listPlan{0, 100})}, []string{"multiple of 4"}},
+		{"buffer region of 16 bytes", rawLayout{bufSize: 16, initBuf: func([]byte) {}}, []string{"size 16"}},
+	}
+	env := startTestServer(t, defaultConsumerSpinTime)
+	for _, mode := range bothModes {
+		for _, tc := range cases {
+			t.Run(modeName(mode)+"/"+tc.name, func(t *testing.T) {
+				r := createRawRegions(t, peerConfig(t, mode, 0), mode, tc.lay)
+				cli, srv := unixPair(t)
+				ch := startHandshake(func() (*Session, error) { return Server(srv, env.conf) })
+				if _, err := r.handshake(cli, mode); err != nil {
+					t.Logf("raw client handshake: %v", err)
+				}
+				res := awaitHandshake(t, ch, peerTimeout)
+				if res.err == nil {
+					t.Fatalf("Server accepted the regions")
+				}
+				checkVictimError(t, "Server error", res.err, ErrHandshake, tc.want)
+				cli.SetReadDeadline(time.Now().Add(peerTimeout))
+				if _, err := io.Copy(io.Discard, cli); err != nil {
+					t.Errorf("connection not closed after the failed handshake: %v", err)
+				}
+				env.checkGood(t)
+			})
+		}
+	}
+}
+
+// TestHostileServerHandshake: bad replies during a version 3 handshake make
+// Dial fail with ErrHandshake.
+func TestHostileServerHandshake(t *testing.T) {
+	read := func(c *net.UnixConn) error {
+		h, err := readN(c, 8)
+		if err != nil {
+			return err
+		}
+		if n := binary.BigEndian.Uint32(h); n > 8 {
+			_, err = readN(c, int(n)-8)
+		}
+		return err
+	}
+	write := func(c *net.UnixConn, b []byte) error { _, err := c.Write(b); return err }
+	toPaths := func(c *net.UnixConn) error {
+		if err := read(c); err != nil {
+			return err
+		}
+		if err := write(c, rawFrame(8, rawMagic, 3, 4)); err != nil {
+			return err
+		}
+		return read(c)
+	}
+	toFds := func(c *net.UnixConn) error {
+		if err := toPaths(c); err != nil {
+			return err
+		}
+		if err := write(c, rawFrame(8, rawMagic, 3, 7)); err != nil {
+			return err
+		}
+		fds, err := rawRecvFds(c)
+		closeFds(fds...)
+		return err
+	}
+	cases := []struct {
+		name   string
+		script func(c *net.UnixConn) error
+		want   []string
+	}{
+		{"ExchangeProtoVersion reply of 12 bytes", func(c *net.UnixConn) error {
+			if err := read(c); err != nil {
+				return err
+			}
+			return write(c, rawFrame(12, rawMagic, 3, 4, 0, 0, 0, 0))
+		}, []string{"ExchangeProtoVersion", "12"}},
+		{"ExchangeProtoVersion reply with version 2", func(c *net.UnixConn) error {
+			if err := read(c); err != nil {
+				return err
+			}
+			return write(c, rawFrame(8, rawMagic, 2, 4))
+		}, []string{"version 2"}},
+		{"AckReadyRecvFD with bad magic", func(c *net.UnixConn) error {
+			if err := toPaths(c); err != nil {
+				return err
+			}
+			return write(c, rawFrame(8, 0xBEEF, 3, 7))
+		}, []string{"magic"}},
+		{"unknown type instead of AckReadyRecvFD", func(c *net.UnixConn) error {
+			if err := toPaths(c); err != nil {
+				return err
+			}
+			return write(c, rawFrame(8, rawMagic, 3, 10))
+		}, []string{"type"}},
+		{"Polling instead of AckShareMemory", func(c *net.UnixConn) error {
+			if err := toFds(c); err != nil {
+				return err
+			}
+			return write(c, rawFrame(8, rawMagic, 3, 1))
+		}, []string{"AckShareMemory"}},
+		{"AckShareMemory of 9 bytes", func(c *net.UnixConn) error {
+			if err := toFds(c); err != nil {
+				return err
+			}
+			return write(c, rawFrame(9, rawMagic, 3, 6, 0))
+		}, []string{"AckShareMemory", "9"}},
+	}
+	env := startTestServer(t, defaultConsumerSpinTime)
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			conf := peerConfig(t, MemMapTypeMemFd, 0)
+			ln, sock := listenRaw(t)
+			ch := startHandshake(func() (*Session, error) { return Dial("unix", sock, conf) })
+			c := acceptRaw(t, ln)
+			c.SetDeadline(time.Now().Add(peerTimeout))
+			if err := tc.script(c); err != nil {
+				t.Fatalf("raw server: %v", err)
+			}
+			res := awaitHandshake(t, ch, peerTimeout)
+			if res.err == nil {
+				t.Fatal("Dial succeeded")
+			}
+			checkVictimError(t, "Dial error", res.err, ErrHandshake, tc.want)
+			env.checkGood(t)
+		})
+	}
+}
+
+// TestHostileListenerStillAccepts: after all that, a new client can still
+// connect to a listener that served hostile clients.
+func TestHostileListenerStillAccepts(t *testing.T) {
+	env := startTestServer(t, defaultConsumerSpinTime)
+	for _, mode := range bothModes {
+		c := hpServerCase(t, env, mode, false)
+		c.publish(c.id, 0xFFFFFFF0, statusOpened)
+		expectClosedWith(t, c.victim, nil, []string{"offset"})
+	}
+	s, err := Dial("unix", env.addr, peerConfig(t, MemMapTypeDevShmFile, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := echoRoundTrip(s, "new client"); err != nil {
+		t.Fatal(err)
+	}
+	env.checkGood(t)
+}

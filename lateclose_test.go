@@ -1,0 +1,70 @@
+package shmipc
+
+import (
+	"io"
+	"testing"
+	"time"
+)
+
+// Data a client sends on a stream before it sees that the server closed the
+// stream is dropped: it must not reach the server application as a new
+// stream (implicit open, PROTOCOL.md §6.2, is for ids the server has not
+// closed), and the session goes on.
+func TestLateDataAfterServerClose(t *testing.T) {
+	conf := DefaultConfig()
+	sess, accepted := bpPair(t, conf)
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	if _, err := st.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	srv := <-accepted
+	if _, err := io.ReadFull(srv, make([]byte, 5)); err != nil {
+		t.Fatal(err)
+	}
+
+	// Hold the client's receive loop at the close, so that the client goes
+	// on sending on a stream the server has closed.
+	sess.mu.Lock()
+	if err := srv.Close(); err != nil {
+		sess.mu.Unlock()
+		t.Fatal(err)
+	}
+	for range 3 {
+		if _, err := st.Write([]byte("late")); err != nil {
+			sess.mu.Unlock()
+			t.Fatalf("write before the client saw the close: %v", err)
+		}
+	}
+	sess.mu.Unlock()
+
+	select {
+	case ghost := <-accepted:
+		buf := make([]byte, 12)
+		n, _ := io.ReadAtLeast(ghost, buf, 1)
+		t.Fatalf("the server accepted stream %d carrying %q, data sent on the stream it had closed", ghost.ID(), buf[:n])
+	case <-time.After(300 * time.Millisecond):
+	}
+	// The client sees the close; the session still carries new streams.
+	st.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := st.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("read on the stream the server closed: %v, want io.EOF", err)
+	}
+	st2, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st2.Close()
+	if _, err := st2.Write([]byte("next")); err != nil {
+		t.Fatal(err)
+	}
+	srv2 := <-accepted
+	defer srv2.Close()
+	got := make([]byte, 4)
+	if _, err := io.ReadFull(srv2, got); err != nil || string(got) != "next" {
+		t.Fatalf("new stream after late data: %q, %v", got, err)
+	}
+}

@@ -1,0 +1,303 @@
+package shmipc
+
+import (
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+// Unit tests of polling and waiting (poll.go): the spin budget of one
+// session, the process-wide spin governor, and the turn taking around the
+// consumer token and the working flag, on a client session whose regions
+// live in Go memory and that has no connection.
+
+// pollPeer is the far side of a pollSession: it produces into the session's
+// receive queue and allocates in the shared buffer region.
+type pollPeer struct {
+	send *ioQueue
+	buf  *bufferManager
+	flag *uint32 // the working flag of the session's receive queue
+}
+
+// newPollSession returns a client session with only what receiving needs:
+// its receive queue and buffer region, and no streams, so that every data
+// element it takes is freed (PROTOCOL.md §6.2).
+func newPollSession(t *testing.T) (*Session, *pollPeer) {
+	t.Helper()
+	mem, client, server := newHeapQueues(t, 16)
+	buf, peerBuf := newHeapBuffer(t, listPlan{sliceCap: 64, count: 16})
+	s := &Session{
+		conf:     DefaultConfig(),
+		isClient: true,
+		buf:      buf,
+		recvQ:    client[1],
+		streams:  make(map[uint32]*Stream),
+		closed:   make(chan struct{}),
+	}
+	s.cons.init(time.Millisecond)
+	half := len(mem) / 2
+	return s, &pollPeer{send: server[1], buf: peerBuf, flag: (*uint32)(unsafe.Pointer(&mem[half+queueFlagOff]))}
+}
+
+// data publishes a one-slice message for stream id.
+func (p *pollPeer) data(t *testing.T, id uint32) {
+	t.Helper()
+	li, off, err := p.buf.alloc(4, false)
+	if err != nil || li < 0 {
+		t.Fatalf("alloc: %d %v", li, err)
+	}
+	copy(p.buf.sliceData(li, off), "data")
+	p.buf.linkSlice(off, 4, 0)
+	p.put(t, queueElem{id: id, offset: off, status: statusOpened})
+}
+
+func (p *pollPeer) put(t *testing.T, e queueElem) {
+	t.Helper()
+	if ok, err := p.send.put(e); !ok || err != nil {
+		t.Fatalf("put %+v: %v %v", e, ok, err)
+	}
+}
+
+func (p *pollPeer) working() bool { return atomic.LoadUint32(p.flag) != 0 }
+
+// TestConsumerSpinBudget: a spin that finds nothing halves the next one,
+// down to none under a microsecond; a spin that finds something, or a
+// wake-up soon after the last poller stopped, restores the full budget.
+func TestConsumerSpinBudget(t *testing.T) {
+	const full = 100 * time.Microsecond
+	var c consumer
+	c.init(full)
+	budget := func() time.Duration { return time.Duration(c.budget.Load()) }
+	if budget() != full {
+		t.Fatalf("initial budget %v, want %v", budget(), full)
+	}
+	want := full
+	for want >= time.Microsecond {
+		c.miss()
+		if want /= 2; want < time.Microsecond {
+			want = 0
+		}
+		if budget() != want {
+			t.Fatalf("budget %v after a miss, want %v", budget(), want)
+		}
+	}
+	c.hit()
+	if budget() != full {
+		t.Errorf("budget %v after a hit, want %v", budget(), full)
+	}
+
+	c.miss()
+	c.slept.Store(time.Now().Add(-10 * full).UnixNano())
+	c.woken()
+	if budget() != full/2 {
+		t.Errorf("budget %v after a wake-up long after the last poller stopped, want %v", budget(), full/2)
+	}
+	c.slept.Store(time.Now().UnixNano())
+	c.woken()
+	if budget() != full {
+		t.Errorf("budget %v after a wake-up that spinning would have caught, want %v", budget(), full)
+	}
+}
+
+// TestSpinGovernorSlots: at most half the CPUs spin for sessions with
+// another process, every CPU when the peer is this process, none on one
+// CPU; a slot given back can be taken again.
+func TestSpinGovernorSlots(t *testing.T) {
+	for _, tc := range []struct{ cpus, remote, local int }{{1, 0, 0}, {2, 1, 2}, {4, 2, 4}, {5, 2, 5}} {
+		t.Run(fmt.Sprint(tc.cpus, " CPUs"), func(t *testing.T) {
+			g := newSpinGovernor(tc.cpus)
+			count := func(local bool) int {
+				n := 0
+				for g.enter(local) {
+					n++
+				}
+				return n
+			}
+			if n := count(false); n != tc.remote {
+				t.Errorf("%d spinners for another process, want %d", n, tc.remote)
+			}
+			if n := count(true); n != tc.local-tc.remote {
+				t.Errorf("%d more spinners for this process once the others spin, want %d", n, tc.local-tc.remote)
+			}
+			for range tc.local {
+				g.exit()
+			}
+			if tc.remote > 0 && !g.enter(false) {
+				t.Error("no slot after every spinner left")
+			}
+		})
+	}
+}
+
+// TestSpinGovernorCooldown: pressure stops all spinning for a cool-down. A
+// spinner that loses its core again right after each cool-down (an
+// oversubscribed CPU) doubles it, up to a limit; one that loses it only now
+// and then (another thread had a slice to run) pauses for the shortest; and
+// after a calm spell the cool-down starts short again.
+func TestSpinGovernorCooldown(t *testing.T) {
+	g := newSpinGovernor(4)
+	now := time.Now()
+	off := func() time.Duration { return time.Duration(g.offUntil.Load() - now.UnixNano()) }
+	g.pressure(now.Add(-time.Millisecond), now)
+	if g.enter(false) || g.enter(true) || g.free(false) {
+		t.Fatal("a spinner entered, or a slot looked free, during the cool-down")
+	}
+	want := minSpinCooldown
+	for range 12 {
+		if off() != want {
+			t.Fatalf("cool-down %v, want %v", off(), want)
+		}
+		// The first spin after the cool-down loses its core at once, and
+		// notices 2 ms later.
+		since := time.Unix(0, g.lastEnd.Load()).Add(10 * time.Microsecond)
+		now = since.Add(2 * time.Millisecond)
+		g.pressure(since, now)
+		want = min(2*want, maxSpinCooldown)
+	}
+	if want != maxSpinCooldown {
+		t.Fatalf("the test did not reach the limit: %v", want)
+	}
+	now = time.Unix(0, g.lastEnd.Load()).Add(4*maxSpinCooldown + time.Millisecond)
+	g.pressure(now.Add(-time.Millisecond), now)
+	if off() != minSpinCooldown {
+		t.Errorf("cool-down %v after a calm spell, want %v", off(), minSpinCooldown)
+	}
+	for i := range 5 {
+		now = time.Unix(0, g.lastEnd.Load()).Add(100 * time.Millisecond)
+		g.pressure(now.Add(-time.Millisecond), now)
+		if off() != minSpinCooldown {
+			t.Errorf("occasional pressure %d: cool-down %v, want %v", i, off(), minSpinCooldown)
+		}
+	}
+
+	past := newSpinGovernor(4)
+	past.pressure(time.Now().Add(-3*minSpinCooldown), time.Now().Add(-2*minSpinCooldown))
+	if !past.free(false) || !past.enter(false) {
+		t.Error("no spinning after the cool-down ended")
+	}
+}
+
+// TestPollingWorkingFlag: the working flag stays set while any poller
+// polls; the last one to stop clears it and looks once more, so that an
+// element published meanwhile keeps it polling instead of being missed.
+func TestPollingWorkingFlag(t *testing.T) {
+	s, peer := newPollSession(t)
+	s.startPolling()
+	s.startPolling()
+	if !peer.working() {
+		t.Fatal("the flag is clear while two goroutines poll")
+	}
+	if !s.stopPolling() || !peer.working() {
+		t.Fatal("the first of two pollers cleared the flag or did not stop")
+	}
+	if !s.stopPolling() || peer.working() {
+		t.Fatal("the last poller left the flag set or did not stop with an empty queue")
+	}
+	if !peer.send.markWorking() {
+		t.Fatal("the peer cannot tell that a wake-up is due")
+	}
+
+	s.startPolling()
+	peer.data(t, 3) // published while the flag is set: no wake-up comes
+	if s.stopPolling() {
+		t.Fatal("the last poller stopped with an element in the queue and no wake-up coming")
+	}
+	if !peer.working() || s.cons.pollers.Load() != 1 {
+		t.Fatalf("after the second look: flag %v, %d pollers; want set, 1", peer.working(), s.cons.pollers.Load())
+	}
+	if n, _, err := s.tryDrain(); n != 1 || err != nil {
+		t.Fatalf("tryDrain: %d, %v", n, err)
+	}
+	if !s.stopPolling() || peer.working() {
+		t.Error("the poller did not stop once the queue was empty")
+	}
+}
+
+// TestTryDrainTurns: a reader drains only when nobody else holds the token,
+// no close is pending, and stops before a close element, which only the
+// receive loop applies; after sealConsumer nothing is drained.
+func TestTryDrainTurns(t *testing.T) {
+	t.Run("token held", func(t *testing.T) {
+		s, peer := newPollSession(t)
+		peer.data(t, 3)
+		s.cons.token.Store(true)
+		if n, closeAhead, err := s.tryDrain(); n != 0 || closeAhead || err != nil {
+			t.Errorf("tryDrain while another holds the token: %d %v %v", n, closeAhead, err)
+		}
+		if s.recvQ.isEmpty() {
+			t.Error("an element was taken without the token")
+		}
+		s.cons.token.Store(false)
+		if n, _, err := s.tryDrain(); n != 1 || err != nil || !s.recvQ.isEmpty() {
+			t.Errorf("tryDrain with the token free: %d %v", n, err)
+		}
+	})
+	t.Run("close pending", func(t *testing.T) {
+		s, peer := newPollSession(t)
+		peer.data(t, 3)
+		s.closesPending.Store(true)
+		if n, closeAhead, err := s.tryDrain(); n != 0 || !closeAhead || err != nil || s.recvQ.isEmpty() {
+			t.Errorf("tryDrain behind a pending close: %d %v %v; want 0, close ahead, nothing taken", n, closeAhead, err)
+		}
+	})
+	t.Run("stops before a close", func(t *testing.T) {
+		s, peer := newPollSession(t)
+		free := peer.buf.freeCounts()[0]
+		peer.data(t, 3)
+		peer.data(t, 5)
+		peer.put(t, queueElem{id: 3, status: statusClosed})
+		peer.data(t, 5)
+		n, closeAhead, err := s.tryDrain()
+		if n != 2 || !closeAhead || err != nil {
+			t.Fatalf("tryDrain: %d %v %v; want 2 elements, then the close ahead", n, closeAhead, err)
+		}
+		if e, ok, _ := s.recvQ.peek(); !ok || e.status != statusClosed || e.id != 3 {
+			t.Errorf("next element %+v %v, want the close of stream 3", e, ok)
+		}
+		if got := peer.buf.freeCounts()[0]; got != free-1 {
+			t.Errorf("free count %d, want %d: the two messages for unknown streams are freed, the third waits", got, free-1)
+		}
+		if s.cons.token.Load() {
+			t.Error("tryDrain kept the token")
+		}
+	})
+	t.Run("error", func(t *testing.T) {
+		s, peer := newPollSession(t)
+		peer.put(t, queueElem{id: 0, status: statusOpened})
+		if _, _, err := s.tryDrain(); !errors.Is(err, ErrProtocol) {
+			t.Errorf("tryDrain of an element for stream 0: %v, want ErrProtocol", err)
+		}
+		if s.cons.token.Load() {
+			t.Error("tryDrain kept the token after an error")
+		}
+	})
+	t.Run("sealed", func(t *testing.T) {
+		s, peer := newPollSession(t)
+		s.sealConsumer()
+		peer.data(t, 3)
+		if n, _, err := s.tryDrain(); n != 0 || err != nil || s.recvQ.isEmpty() {
+			t.Errorf("tryDrain after sealConsumer: %d %v", n, err)
+		}
+	})
+}
+
+// TestDrainBeforeIgnoresPendingClose: a frame on the socket is handled only
+// after everything published before it, even behind a pending close.
+func TestDrainBeforeIgnoresPendingClose(t *testing.T) {
+	s, peer := newPollSession(t)
+	peer.data(t, 3)
+	peer.data(t, 5)
+	s.closesPending.Store(true)
+	if err := s.drainBefore(); err != nil {
+		t.Fatal(err)
+	}
+	if !s.recvQ.isEmpty() {
+		t.Error("drainBefore left elements in the queue behind a pending close")
+	}
+	if n, paused, err := s.drainAll(); n != 0 || !paused || err != nil {
+		t.Errorf("drainAll behind a pending close: %d %v %v; want paused", n, paused, err)
+	}
+}
