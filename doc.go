@@ -35,6 +35,12 @@
 //	st.Write([]byte("hello"))
 //	reply, err := st.BufferReader().ReadBytes(5) // zero-copy
 //
+// Listener.Close stops accepting and leaves the streams already accepted
+// open, as a net.Listener's Close leaves its connections (a server that
+// stops gracefully, such as grpc.Server.GracefulStop, relies on it); each
+// session then ends with its last stream. Listener.CloseAll also ends every
+// session at once.
+//
 // # Sessions and streams
 //
 // A Session carries any number of streams; the client opens them
