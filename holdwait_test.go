@@ -78,3 +78,135 @@ func TestReserveWhileHoldingRequest(t *testing.T) {
 		t.Fatalf("server sent %d fallback messages, want the reply as 1", fb)
 	}
 }
+
+// A writer whose stream has received data it has not read yet waits for
+// space rather than sending fallback data: on a full-duplex stream (gRPC's)
+// another goroutine reads and frees that data, and a fallback message would
+// turn the stream to fallback data for good.
+func TestWriteWaitsWhileDataUnread(t *testing.T) {
+	const size = 256 << 10
+	conf := DefaultConfig()
+	conf.ShareMemoryBufferCap = 2 << 20
+	conf.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 50}, {Size: size, Percent: 50}}
+	conf.WriteSpaceTimeout = 10 * time.Second
+	sess, accepted := bpPair(t, conf)
+
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	other, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.BufferWriter().Reserve(size); err != nil { // takes one of the two
+		t.Fatal(err)
+	}
+	req := bytes.Repeat([]byte("q"), size)
+	p, err := st.BufferWriter().Reserve(size) // takes the other
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(p, req)
+	if err := st.Flush(false); err != nil {
+		t.Fatal(err)
+	}
+	srv := <-accepted
+	defer srv.Close()
+	waitUntil(t, "the request reached the server stream", 10*time.Second, func() bool { return srv.BufferReader().Len() == size })
+
+	const hold = 200 * time.Millisecond
+	go func() {
+		time.Sleep(hold)
+		other.Close() // frees its slice
+	}()
+	start := time.Now()
+	reply, err := srv.BufferWriter().Reserve(size) // the request is still unread
+	if err != nil {
+		t.Fatalf("Reserve with the request unread: %v", err)
+	}
+	if waited := time.Since(start); waited < hold/2 {
+		t.Fatalf("Reserve returned after %v, before any slice was freed", waited)
+	}
+	copy(reply, req)
+	if err := srv.Flush(false); err != nil {
+		t.Fatal(err)
+	}
+	back := make([]byte, size)
+	if _, err := io.ReadFull(st, back); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(back, req) {
+		t.Fatal("the reply differs from the request")
+	}
+	if fb := srv.Session().Stats().FallbackMessagesOut; fb != 0 {
+		t.Fatalf("server sent %d fallback messages, want none (it waited for space)", fb)
+	}
+}
+
+// A writer that holds part of its message when the region runs short waits
+// briefly (heldSpaceWait) for more before the rest goes as fallback data,
+// which would turn its stream to fallback data for good: a slice freed
+// meanwhile keeps the message, and the stream, in shared memory. When
+// nothing is freed, the message goes as fallback data after the wait.
+func TestWriterHoldingPartWaitsBriefly(t *testing.T) {
+	const big = 256 << 10
+	conf := DefaultConfig()
+	conf.ShareMemoryBufferCap = 2 << 20
+	conf.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 2}, {Size: big, Percent: 98}}
+	sess, accepted := bpPair(t, conf)
+	lists := sess.Stats().Lists
+	if len(lists) != 2 {
+		t.Fatalf("lists %+v", lists)
+	}
+	msg := bytes.Repeat([]byte("m"), 2*big) // needs more than the free big slices can hold
+	for _, free := range []bool{true, false} {
+		st, err := sess.OpenStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Other streams take all big slices but one.
+		var holders []*Stream
+		for range lists[1].Slices - 2 {
+			h, err := sess.OpenStream()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := h.BufferWriter().Reserve(big); err != nil {
+				t.Fatal(err)
+			}
+			holders = append(holders, h)
+		}
+		if free {
+			go func() {
+				time.Sleep(heldSpaceWait / 5)
+				holders[0].Close() // a big slice comes back while the writer waits
+			}()
+		}
+		start := time.Now()
+		if _, err := st.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		took := time.Since(start)
+		srv := <-accepted
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(srv, got); err != nil || !bytes.Equal(got, msg) {
+			t.Fatalf("free=%v: the message arrived as %d bytes, %v", free, len(got), err)
+		}
+		fb := sess.Stats().FallbackMessagesOut
+		switch {
+		case free && fb != 0:
+			t.Errorf("a slice freed during the wait: %d fallback messages, want none", fb)
+		case !free && fb != 1:
+			t.Errorf("nothing freed: %d fallback messages, want 1", fb)
+		case !free && took < heldSpaceWait:
+			t.Errorf("nothing freed: fell back after %v, before heldSpaceWait", took)
+		}
+		for _, h := range holders {
+			h.Close()
+		}
+		st.Close()
+		srv.Close()
+	}
+}

@@ -50,6 +50,9 @@ type streamReader struct {
 	done   int
 	pos    int
 	unread int
+	// inPlace: a read handed out slices of the segments in place (contiguous)
+	// since the last release.
+	inPlace bool
 	// arena holds copies of reads that span segments. Its bytes stay valid
 	// until the next release, so it is only reset then; a read that does not
 	// fit gets a new, larger arena and leaves the old one to its users.
@@ -74,10 +77,16 @@ func (r *streamReader) append(segs []segment) {
 	r.segs = append(r.segs, segs...)
 }
 
-// holdsShared reports whether r holds slices of the buffer region, read and
-// not yet released or unread.
+// holdsShared reports whether the application may hold slices of the
+// buffer region that it was handed in place (ReadBytes, Peek, the netpoll
+// reader) and has not released. Data read by copying (Read) and data not
+// read yet do not count: whoever reads the stream will copy and free them,
+// as gRPC's reader goroutine does while another goroutine writes.
 func (r *streamReader) holdsShared() bool {
-	for _, seg := range r.segs {
+	if !r.inPlace {
+		return false
+	}
+	for _, seg := range r.segs[:min(r.done+1, len(r.segs))] {
 		if seg.list != heapSegment {
 			return true
 		}
@@ -121,6 +130,7 @@ func (r *streamReader) exposed() bool { return r.done > 0 || r.pos > 0 }
 func (r *streamReader) contiguous(n int) ([]byte, bool) {
 	d := r.segs[r.done].data[r.pos:]
 	if len(d) >= n {
+		r.inPlace = true
 		return d[:n:n], true
 	}
 	return nil, false
@@ -154,6 +164,7 @@ func (r *streamReader) advance(n int) {
 // access, as do releaseAll, copyOut and copyNext.
 func (r *streamReader) release() error {
 	r.arena = r.arena[:0]
+	r.inPlace = false // slices handed out earlier are invalid from here
 	if r.done == 0 {
 		return nil
 	}
@@ -173,6 +184,7 @@ func (r *streamReader) releaseAll() error {
 	err := r.st.s.freeSegments(r.segs)
 	clear(r.segs)
 	r.segs, r.done, r.pos, r.unread = r.segs[:0], 0, 0, 0
+	r.inPlace = false
 	return err
 }
 

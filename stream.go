@@ -145,8 +145,8 @@ func (st *Stream) waitReadable(n int) error {
 	return nil
 }
 
-// holdsReceived reports whether the stream holds received slices of the
-// buffer region (its reader's, read and not released, or unread).
+// holdsReceived reports whether the stream's reader holds received slices
+// of the buffer region that it read in place and has not released.
 func (st *Stream) holdsReceived() bool {
 	st.mu.Lock()
 	defer st.mu.Unlock()

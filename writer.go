@@ -3,6 +3,7 @@ package shmipc
 import (
 	"fmt"
 	"io"
+	"time"
 	"unsafe"
 )
 
@@ -70,13 +71,18 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
 			return nil
 		}
-		if st.s.conf.FallbackWhenFull || len(w.segs) > 0 || st.holdsReceived() {
-			// A writer never waits while it holds part of its message:
-			// writers holding slices while waiting for more could hold the
-			// whole region between them and wait for ever. Nor while its
-			// stream holds received slices: an echo that reserves its reply
-			// before releasing a large request could be waiting for the
-			// very slices it holds.
+		held := len(w.segs) > 0 && !wait.start.IsZero() && time.Since(wait.start) >= heldSpaceWait
+		if st.s.conf.FallbackWhenFull || held || st.holdsReceived() {
+			// A writer waits only briefly while it holds part of its
+			// message: writers holding slices while waiting for more could
+			// hold the whole region between them and wait for ever. It
+			// does not wait while its stream's reader holds received
+			// slices in place: an echo that reserves its reply before
+			// releasing a large request could be waiting for the very
+			// slices it holds. (Unread data is left to the reader: a
+			// full-duplex stream, such as gRPC's, reads and frees it on
+			// another goroutine.) Falling back is not undone: the stream
+			// sends fallback data from then on.
 			w.appendHeap(want)
 			return nil
 		}
@@ -89,6 +95,12 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		}
 	}
 }
+
+// heldSpaceWait is how long a writer that holds part of its message waits
+// for more of the region before the rest goes as fallback data: one look of
+// the region's creator at its lists (circulationPeriod), after which slices
+// it parked are back on a list that runs short.
+const heldSpaceWait = 50 * time.Millisecond
 
 // neverFits reports whether want more bytes cannot be had from shared
 // memory however long the writer waits: one contiguous piece larger than any
