@@ -142,6 +142,7 @@ func (st *Stream) waitReadable(n int) error {
 		}
 		st.mu.Lock()
 	}
+	raceAcquireIO()
 	return nil
 }
 
@@ -238,6 +239,7 @@ func (st *Stream) flushLocked() error {
 	if w.size == 0 {
 		return w.discard()
 	}
+	raceReleaseIO()
 	if err := w.usable(); err != nil {
 		_ = w.discard()
 		return err
