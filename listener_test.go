@@ -257,6 +257,48 @@ func lnServeOne(ln *Listener) (accepted <-chan *Stream, errs <-chan error) {
 	return acc, ec
 }
 
+// lnLive is a listener (closed with CloseAll when the test ends), a client
+// session, and one stream on it that has done a round trip with a
+// lnServeOne handler; srv is the server's session.
+type lnLive struct {
+	ln          *Listener
+	sock        string
+	conf        *Config
+	sess        *Session
+	live        *Stream
+	accepted    <-chan *Stream
+	handlerErrs <-chan error
+	srv         *Session
+}
+
+func lnStartLive(t *testing.T) *lnLive {
+	t.Helper()
+	l := &lnLive{
+		conf: clConfig(MemMapTypeMemFd, shmPrefix(t, "ln")),
+		sock: filepath.Join(t.TempDir(), "s.sock"),
+	}
+	var err error
+	if l.ln, err = Listen("unix", l.sock, l.conf); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.ln.CloseAll() })
+	if l.sess, err = Dial("unix", l.sock, l.conf); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.sess.Close() })
+	l.accepted, l.handlerErrs = lnServeOne(l.ln)
+	if l.live, err = l.sess.OpenStream(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.live.Close() })
+	l.live.SetDeadline(time.Now().Add(10 * time.Second))
+	if err := mpRoundTrip(l.live, mpPayload(100, 1), false); err != nil {
+		t.Fatal(err)
+	}
+	l.srv = (<-l.accepted).Session()
+	return l
+}
+
 // TestListenerCloseStopsAcceptingOnly: Close behaves as a net.Listener's
 // Close. Streams already accepted keep working, a stream opened and not
 // accepted is closed, so is a stream opened after Close, nobody can connect
@@ -264,31 +306,8 @@ func lnServeOne(ln *Listener) (accepted <-chan *Stream, errs <-chan error) {
 // what grpc.Server.GracefulStop needs: it closes its listener and then
 // waits for the calls in progress.
 func TestListenerCloseStopsAcceptingOnly(t *testing.T) {
-	prefix := shmPrefix(t, "ln")
-	conf := clConfig(MemMapTypeMemFd, prefix)
-	sock := filepath.Join(t.TempDir(), "s.sock")
-	ln, err := Listen("unix", sock, conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.CloseAll()
-	sess, err := Dial("unix", sock, conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sess.Close()
-
-	accepted, handlerErrs := lnServeOne(ln)
-	live, err := sess.OpenStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer live.Close()
-	live.SetDeadline(time.Now().Add(10 * time.Second))
-	if err := mpRoundTrip(live, mpPayload(100, 1), false); err != nil {
-		t.Fatal(err)
-	}
-	srvSess := (<-accepted).Session()
+	l := lnStartLive(t)
+	ln, sock, conf, sess, live, accepted, handlerErrs, srvSess := l.ln, l.sock, l.conf, l.sess, l.live, l.accepted, l.handlerErrs, l.srv
 
 	if err := ln.Close(); err != nil {
 		t.Errorf("Close: %v", err)
@@ -402,29 +421,8 @@ func TestListenerCloseQueuedAndIdle(t *testing.T) {
 // TestListenerCloseAll: CloseAll ends the sessions at once, open streams
 // and all, on both sides.
 func TestListenerCloseAll(t *testing.T) {
-	prefix := shmPrefix(t, "ln")
-	conf := clConfig(MemMapTypeMemFd, prefix)
-	sock := filepath.Join(t.TempDir(), "s.sock")
-	ln, err := Listen("unix", sock, conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sess, err := Dial("unix", sock, conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sess.Close()
-	accepted, handlerErrs := lnServeOne(ln)
-	st, err := sess.OpenStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer st.Close()
-	st.SetDeadline(time.Now().Add(10 * time.Second))
-	if err := mpRoundTrip(st, mpPayload(100, 1), false); err != nil {
-		t.Fatal(err)
-	}
-	srvSess := (<-accepted).Session()
+	l := lnStartLive(t)
+	ln, st, handlerErrs, srvSess := l.ln, l.live, l.handlerErrs, l.srv
 
 	// Close first, then CloseAll: CloseAll ends what Close left running.
 	if err := ln.Close(); err != nil {
