@@ -7,39 +7,38 @@ import (
 	"time"
 )
 
-// An echo that holds a large request (read in place, not yet released)
-// while it reserves its reply must not wait for the slices it holds itself:
-// with no other slice of the large class free, the reply goes as fallback
-// data at once instead of failing after WriteSpaceTimeout.
-func TestReserveWhileHoldingRequest(t *testing.T) {
-	const size = 256 << 10
+// hwSize is the large slice size of hwRequest's region.
+const hwSize = 256 << 10
+
+// hwRequest sets up a region whose large class has two slices that can be
+// handed out, takes one of them on another stream (other, which the caller
+// closes to free it), and sends a request of hwSize bytes in the other on
+// st. It returns the server's stream with the request.
+func hwRequest(t *testing.T, writeTimeout time.Duration) (st, other, srv *Stream, req []byte) {
+	t.Helper()
 	conf := DefaultConfig()
 	conf.ShareMemoryBufferCap = 2 << 20
-	conf.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 50}, {Size: size, Percent: 50}}
-	conf.WriteSpaceTimeout = 5 * time.Second
+	conf.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 50}, {Size: hwSize, Percent: 50}}
+	conf.WriteSpaceTimeout = writeTimeout
 	sess, accepted := bpPair(t, conf)
-
+	// The last slice of a list is never handed out: of three, two can be.
+	if l := sess.Stats().Lists; len(l) != 2 || l[1].Slices != 3 {
+		t.Fatalf("lists %+v: want three slices of %d bytes", l, hwSize)
+	}
 	st, err := sess.OpenStream()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer st.Close()
-	// The last slice of a list is never handed out: of three, two can be.
-	if l := sess.Stats().Lists; len(l) != 2 || l[1].Slices != 3 {
-		t.Fatalf("lists %+v: want three slices of %d bytes", l, size)
-	}
-	// Another stream takes one of them, so the request holds the other.
-	other, err := sess.OpenStream()
-	if err != nil {
+	t.Cleanup(func() { st.Close() })
+	if other, err = sess.OpenStream(); err != nil {
 		t.Fatal(err)
 	}
-	defer other.Close()
-	if _, err := other.BufferWriter().Reserve(size); err != nil {
+	t.Cleanup(func() { other.Close() })
+	if _, err := other.BufferWriter().Reserve(hwSize); err != nil {
 		t.Fatal(err)
 	}
-	req := bytes.Repeat([]byte("q"), size)
-	w := st.BufferWriter()
-	p, err := w.Reserve(size)
+	req = bytes.Repeat([]byte("q"), hwSize)
+	p, err := st.BufferWriter().Reserve(hwSize)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,19 +46,44 @@ func TestReserveWhileHoldingRequest(t *testing.T) {
 	if err := st.Flush(false); err != nil {
 		t.Fatal(err)
 	}
+	srv = <-accepted
+	t.Cleanup(func() { srv.Close() })
+	return st, other, srv, req
+}
 
-	srv := <-accepted
-	defer srv.Close()
-	got, err := srv.BufferReader().ReadBytes(size) // held: points into the slice
+// hwExpectEcho reads the reply on st, compares it with req, and checks how
+// many messages the server sent as fallback data.
+func hwExpectEcho(t *testing.T, st, srv *Stream, req []byte, fallbacks uint64) {
+	t.Helper()
+	back := make([]byte, len(req))
+	if _, err := io.ReadFull(st, back); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(back, req) {
+		t.Fatal("the echo differs from the request")
+	}
+	if fb := srv.Session().Stats().FallbackMessagesOut; fb != fallbacks {
+		t.Fatalf("server sent %d fallback messages, want %d", fb, fallbacks)
+	}
+}
+
+// An echo that holds a large request (read in place, not yet released)
+// while it reserves its reply must not wait for the slices it holds itself:
+// with no other slice of the large class free, the reply goes as fallback
+// data at once instead of failing after WriteSpaceTimeout.
+func TestReserveWhileHoldingRequest(t *testing.T) {
+	const writeTimeout = 5 * time.Second
+	st, _, srv, req := hwRequest(t, writeTimeout)
+	got, err := srv.BufferReader().ReadBytes(hwSize) // held: points into the slice
 	if err != nil {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	reply, err := srv.BufferWriter().Reserve(size)
+	reply, err := srv.BufferWriter().Reserve(hwSize)
 	if err != nil {
 		t.Fatalf("Reserve while holding the request: %v (after %v)", err, time.Since(start).Round(time.Millisecond))
 	}
-	if waited := time.Since(start); waited > conf.WriteSpaceTimeout/2 {
+	if waited := time.Since(start); waited > writeTimeout/2 {
 		t.Fatalf("Reserve waited %v for slices its own stream holds", waited)
 	}
 	copy(reply, got)
@@ -67,16 +91,7 @@ func TestReserveWhileHoldingRequest(t *testing.T) {
 	if err := srv.Flush(false); err != nil {
 		t.Fatal(err)
 	}
-	back := make([]byte, size)
-	if _, err := io.ReadFull(st, back); err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(back, req) {
-		t.Fatal("the echo differs from the request")
-	}
-	if fb := srv.Session().Stats().FallbackMessagesOut; fb != 1 {
-		t.Fatalf("server sent %d fallback messages, want the reply as 1", fb)
-	}
+	hwExpectEcho(t, st, srv, req, 1) // the reply, as fallback data
 }
 
 // A writer whose stream has received data it has not read yet waits for
@@ -84,37 +99,8 @@ func TestReserveWhileHoldingRequest(t *testing.T) {
 // another goroutine reads and frees that data, and a fallback message would
 // turn the stream to fallback data for good.
 func TestWriteWaitsWhileDataUnread(t *testing.T) {
-	const size = 256 << 10
-	conf := DefaultConfig()
-	conf.ShareMemoryBufferCap = 2 << 20
-	conf.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 50}, {Size: size, Percent: 50}}
-	conf.WriteSpaceTimeout = 10 * time.Second
-	sess, accepted := bpPair(t, conf)
-
-	st, err := sess.OpenStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer st.Close()
-	other, err := sess.OpenStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := other.BufferWriter().Reserve(size); err != nil { // takes one of the two
-		t.Fatal(err)
-	}
-	req := bytes.Repeat([]byte("q"), size)
-	p, err := st.BufferWriter().Reserve(size) // takes the other
-	if err != nil {
-		t.Fatal(err)
-	}
-	copy(p, req)
-	if err := st.Flush(false); err != nil {
-		t.Fatal(err)
-	}
-	srv := <-accepted
-	defer srv.Close()
-	waitUntil(t, "the request reached the server stream", 10*time.Second, func() bool { return srv.BufferReader().Len() == size })
+	st, other, srv, req := hwRequest(t, 10*time.Second)
+	waitUntil(t, "the request reached the server stream", 10*time.Second, func() bool { return srv.BufferReader().Len() == hwSize })
 
 	const hold = 200 * time.Millisecond
 	go func() {
@@ -122,7 +108,7 @@ func TestWriteWaitsWhileDataUnread(t *testing.T) {
 		other.Close() // frees its slice
 	}()
 	start := time.Now()
-	reply, err := srv.BufferWriter().Reserve(size) // the request is still unread
+	reply, err := srv.BufferWriter().Reserve(hwSize) // the request is still unread
 	if err != nil {
 		t.Fatalf("Reserve with the request unread: %v", err)
 	}
@@ -133,16 +119,7 @@ func TestWriteWaitsWhileDataUnread(t *testing.T) {
 	if err := srv.Flush(false); err != nil {
 		t.Fatal(err)
 	}
-	back := make([]byte, size)
-	if _, err := io.ReadFull(st, back); err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(back, req) {
-		t.Fatal("the reply differs from the request")
-	}
-	if fb := srv.Session().Stats().FallbackMessagesOut; fb != 0 {
-		t.Fatalf("server sent %d fallback messages, want none (it waited for space)", fb)
-	}
+	hwExpectEcho(t, st, srv, req, 0) // it waited for space
 }
 
 // A writer that holds part of its message when the region runs short waits
