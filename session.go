@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -304,34 +305,25 @@ func (s *Session) teardown() {
 
 // recentIDsKept is how many ids recentIDs remembers: far more than the
 // streams a client can close in the time its late data takes to arrive.
-const recentIDsKept = 1024
+const recentIDsKept = 256
 
-// recentIDs remembers the last recentIDsKept ids added. Clients never reuse
-// the id of a stream they saw closed (they count ids up, PROTOCOL.md §6.1),
-// so forgetting the oldest ones is safe.
+// recentIDs remembers the last recentIDsKept ids added, in 1 KiB allocated
+// on first use. Clients never reuse the id of a stream they saw closed
+// (they count ids up, PROTOCOL.md §6.1), so forgetting the oldest ones is
+// safe. has scans the ring: it runs only for ids no open stream has.
 type recentIDs struct {
 	ring []uint32
 	next int
-	set  map[uint32]struct{}
 }
 
 func (r *recentIDs) add(id uint32) {
-	if r.set == nil {
+	if r.ring == nil {
 		r.ring = make([]uint32, recentIDsKept)
-		r.set = make(map[uint32]struct{}, recentIDsKept)
-	}
-	if _, ok := r.set[id]; ok {
-		return
-	}
-	if old := r.ring[r.next]; old != 0 {
-		delete(r.set, old)
 	}
 	r.ring[r.next] = id
 	r.next = (r.next + 1) % len(r.ring)
-	r.set[id] = struct{}{}
 }
 
 func (r *recentIDs) has(id uint32) bool {
-	_, ok := r.set[id]
-	return ok
+	return slices.Contains(r.ring, id)
 }
