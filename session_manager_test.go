@@ -197,8 +197,16 @@ func TestSessionManagerConcurrent(t *testing.T) {
 	if opened > 2*workers || opened >= workers*rounds {
 		t.Errorf("%d streams opened for %d requests by %d workers: streams are not reused", opened, workers*rounds, workers)
 	}
-	if n := m.IdleStreams(); int64(n) != opened {
-		t.Errorf("%d streams in the pool after all were put back, want %d", n, opened)
+	// A stream that fell back to the socket is closed, not pooled (PROTOCOL.md
+	// §6.5): under load, a region short of slices sends some messages that
+	// way. Every other stream must be back in the pool.
+	var fallbacks uint64
+	for _, s := range m.Sessions() {
+		st := s.Stats()
+		fallbacks += st.FallbackMessagesOut + st.FallbackMessagesIn
+	}
+	if n := int64(m.IdleStreams()); n > opened || uint64(opened-n) > fallbacks {
+		t.Errorf("%d streams in the pool after all were put back, want %d less at most one per fallback message (%d)", n, opened, fallbacks)
 	}
 
 	// New streams are spread over the sessions round-robin.
