@@ -144,18 +144,21 @@ func aqSmallRegion(c *Config) {
 	c.BufferSliceSizes = ReferenceSliceSizes()
 }
 
-// TestListenerStreamAfterClose: a session whose handshake ends as the
-// listener closes is not yet registered with it, so Close cannot close it;
-// its receive loop may still hand the listener a stream after Close. That
-// stream must be closed (the client sees io.EOF), not queued where nobody
-// accepts or closes it, keeping the session's region mapped for good. The
-// session is made here as Listener.serve makes it, so that the stream
-// certainly comes after Close.
+// TestListenerStreamAfterClose: a session whose handshake ends just after
+// the listener closed is closed by Listener.serve once the handshake
+// returns, but its receive loop may hand the listener a stream before that.
+// That stream must be closed (the client sees io.EOF), not queued where
+// nobody accepts or closes it, keeping the session's region mapped for
+// good. The session is made here as Listener.serve makes it, after Close,
+// and left open, so that the stream certainly reaches the closed listener.
 func TestListenerStreamAfterClose(t *testing.T) {
 	prefix := shmPrefix(t, "aq")
 	conf := clConfig(MemMapTypeMemFd, prefix)
 	ln, err := Listen("unix", filepath.Join(t.TempDir(), "s.sock"), conf)
 	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ln.Close(); err != nil {
 		t.Fatal(err)
 	}
 	clientConn, serverConn := ucConnPair(t)
@@ -178,9 +181,6 @@ func TestListenerStreamAfterClose(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	defer r.s.Close()
-	if err := ln.Close(); err != nil {
-		t.Fatal(err)
-	}
 
 	st, err := client.OpenStream()
 	if err != nil {

@@ -2,6 +2,8 @@ package shmipc
 
 import (
 	"io"
+	"os"
+	"strings"
 	"testing"
 	"time"
 )
@@ -67,4 +69,48 @@ func TestLateDataAfterServerClose(t *testing.T) {
 	if _, err := io.ReadFull(srv2, got); err != nil || string(got) != "next" {
 		t.Fatalf("new stream after late data: %q, %v", got, err)
 	}
+}
+
+// A stream whose Write overlaps the end of its session, and that is never
+// closed, must not keep the session's shared memory mapped: the writer lets
+// go of it when it finishes. (Only a stream holding received data needs
+// Close for that.)
+func TestWriteOverlappingSessionEndLetsGo(t *testing.T) {
+	conf := peerConfig(t, MemMapTypeDevShmFile, 0)
+	ln := startEchoListener(t, conf)
+	sess, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(st, make([]byte, 5)); err != nil {
+		t.Fatal(err)
+	}
+	mapped := func() int {
+		maps, err := os.ReadFile("/proc/self/maps")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.Count(string(maps), conf.ShareMemoryPathPrefix)
+	}
+	if mapped() == 0 {
+		t.Fatalf("no mapping of %s* in this process", conf.ShareMemoryPathPrefix)
+	}
+
+	st.lockWriter() // a Write in progress while the session ends
+	ln.CloseAll()
+	waitSessionClosed(t, sess, peerTimeout)
+	<-sess.loopDone
+	if mapped() == 0 {
+		t.Fatal("the regions were unmapped while a writer of the session was busy")
+	}
+	st.unlockWriter()
+	waitUntil(t, "every region of the session is unmapped, its stream never closed", peerTimeout, func() bool { return mapped() == 0 })
 }

@@ -204,12 +204,8 @@ func (l *Listener) serve(conn net.Conn) {
 	s, err := handshakeServer(conn, l.conf, l.adopt)
 	l.mu.Lock()
 	delete(l.pending, conn)
-	if err == nil {
-		if l.isClosed() {
-			err = ErrListenerClosed
-		} else {
-			l.sessions[s] = struct{}{}
-		}
+	if err == nil && l.isClosed() {
+		err = ErrListenerClosed
 	}
 	l.mu.Unlock()
 	if err != nil {
@@ -222,10 +218,15 @@ func (l *Listener) serve(conn net.Conn) {
 
 // adopt makes the listener the home of a session whose handshake is done
 // and whose receive loop has not started: its new streams go to the
-// listener's queue, and its end is noticed.
+// listener's queue, and its end is noticed. The session is registered
+// before it can deliver a stream, so that a session whose streams were
+// accepted is one the listener knows (Sessions, CloseAll, hot restart).
 func (l *Listener) adopt(s *Session) {
 	s.onAccept = l.streams.push
 	s.onTeardown = l.forget
+	l.mu.Lock()
+	l.sessions[s] = struct{}{}
+	l.mu.Unlock()
 }
 
 func (l *Listener) forget(s *Session) {

@@ -49,8 +49,8 @@ func (w *netpollWriter) Malloc(n int) (_ []byte, err error) {
 	if n < 0 {
 		return nil, errNegative
 	}
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	if n == 0 {
 		if err := st.writer.usable(); err != nil {
 			return nil, err
@@ -64,8 +64,8 @@ func (w *netpollWriter) Malloc(n int) (_ []byte, err error) {
 func (w *netpollWriter) WriteString(s string) (_ int, err error) {
 	st := w.st
 	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	return writeTo(&st.writer, s)
 }
 
@@ -74,8 +74,8 @@ func (w *netpollWriter) WriteString(s string) (_ int, err error) {
 func (w *netpollWriter) WriteBinary(p []byte) (_ int, err error) {
 	st := w.st
 	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	return writeTo(&st.writer, p)
 }
 
@@ -99,8 +99,8 @@ func (w *netpollWriter) WriteByte(c byte) error { return (*bufferWriter)(w.st).W
 func (w *netpollWriter) WriteDirect(p []byte, remainCap int) (err error) {
 	st := w.st
 	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	sw := &st.writer
 	if remainCap < 0 {
 		return errNegative
@@ -196,8 +196,8 @@ func (w *netpollWriter) discardLocked() {
 func (w *netpollWriter) MallocAck(n int) (err error) {
 	st := w.st
 	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	sw := &st.writer
 	if n < 0 {
 		return errNegative
@@ -231,8 +231,8 @@ func (w *netpollWriter) appendLinkBuffer(lb *netpoll.LinkBuffer) (err error) {
 	}
 	st := w.st
 	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	var vs [8][]byte
 	for lb.Len() > 0 {
 		n := 0
@@ -263,10 +263,10 @@ func (w *netpollWriter) appendWriter(o *netpollWriter) (err error) {
 	if uintptr(unsafe.Pointer(b)) < uintptr(unsafe.Pointer(a)) {
 		first, second = b, a
 	}
-	first.wmu.Lock()
-	defer first.wmu.Unlock()
-	second.wmu.Lock()
-	defer second.wmu.Unlock()
+	first.lockWriter()
+	defer first.unlockWriter()
+	second.lockWriter()
+	defer second.unlockWriter()
 	if err := o.applyMoves(); err != nil {
 		o.discardLocked()
 		return err
@@ -285,8 +285,8 @@ func (w *netpollWriter) appendWriter(o *netpollWriter) (err error) {
 func (w *netpollWriter) Flush() (err error) {
 	st := w.st
 	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	if len(w.moves) > 0 {
 		err := st.writer.usable()
 		if err == nil {

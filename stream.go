@@ -40,6 +40,7 @@ type Stream struct {
 	writeClosed  atomic.Bool  // writes fail: closed here or by the peer
 	fallback     atomic.Bool  // once set, every message goes as FallbackData
 	refDropped   atomic.Bool  // the stream's reference on the buffer region is gone
+	ended        atomic.Bool  // the session has ended (sessionEnded ran)
 	heldFallback atomic.Int64 // received fallback bytes not yet released
 	awaiting     atomic.Bool  // sent since data last arrived: a reply is likely on its way
 	polledLast   atomic.Bool  // the last wait was served by polling
@@ -195,8 +196,8 @@ func (st *Stream) peerClose() {
 
 // Write writes p as one message and flushes it.
 func (st *Stream) Write(p []byte) (int, error) {
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	if err := st.writeDeadlineErr(); err != nil {
 		return 0, err
 	}
@@ -220,8 +221,8 @@ func (st *Stream) Write(p []byte) (int, error) {
 // endStream has no effect on the wire; it is accepted for compatibility.
 // On error the message is discarded.
 func (st *Stream) Flush(endStream bool) error {
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	return st.s.access(st.flushLocked)
 }
 
@@ -385,24 +386,57 @@ func (st *Stream) closeReader() (first, tellPeer bool, err error) {
 
 // discardWriter frees the slices of an unsent message.
 func (st *Stream) discardWriter() error {
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	return st.s.access(st.writer.discard)
 }
 
 // sessionEnded is called for each stream when its session ends. Unread data
 // stays readable unless the session was closed locally. The stream lets go
-// of the mapping at once if nothing it handed out can still be in use;
-// otherwise Close does it.
+// of the mapping as soon as it holds nothing of it (letGo); while it holds
+// data still unread or handed out, Close does it.
 func (st *Stream) sessionEnded(local bool) {
 	idle := st.releaseUnexposed(local)
 	st.writeClosed.Store(true)
+	st.ended.Store(true) // before letGo's look at the writer: see unlockWriter
 	st.notify()
+	if idle {
+		st.letGo()
+	}
+}
+
+// letGo drops the stream's reference on the buffer region if its session
+// has ended and it holds nothing of the region: no received data and no
+// unsent message. A writer busy meanwhile does it when it is done
+// (unlockWriter), so that a stream whose last Write overlapped the end of
+// its session does not keep the region mapped until Close.
+func (st *Stream) letGo() {
+	if st.refDropped.Load() || !st.ended.Load() {
+		return
+	}
+	st.mu.Lock()
+	idle := !st.reader.exposed() && st.reader.unread == 0
+	st.mu.Unlock()
 	if idle && st.wmu.TryLock() {
 		if len(st.writer.segs) == 0 {
 			st.dropRef()
 		}
 		st.wmu.Unlock()
+	}
+}
+
+// lockWriter serialises writers, Flush and Close.
+func (st *Stream) lockWriter() { st.wmu.Lock() }
+
+// unlockWriter ends what lockWriter began. If the session ended meanwhile,
+// the writer may have been the one holding the stream's reference (letGo).
+// The session marks the stream ended before it tries the lock, and the
+// writer unlocks before it looks at the mark, so one of the two sees the
+// other.
+func (st *Stream) unlockWriter() {
+	st.wmu.Unlock()
+	if st.ended.Load() {
+		st.letGo()
 	}
 }
 

@@ -364,8 +364,8 @@ type bufferWriter Stream
 
 func (b *bufferWriter) Reserve(n int) (p []byte, err error) {
 	st := (*Stream)(b)
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	err = st.s.access(func() (err error) {
 		p, err = st.writer.reserve(n)
 		return err
@@ -375,8 +375,8 @@ func (b *bufferWriter) Reserve(n int) (p []byte, err error) {
 
 func (b *bufferWriter) WriteBytes(p []byte) (n int, err error) {
 	st := (*Stream)(b)
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	err = st.s.access(func() (err error) {
 		n, err = writeTo(&st.writer, p)
 		return err
@@ -386,8 +386,8 @@ func (b *bufferWriter) WriteBytes(p []byte) (n int, err error) {
 
 func (b *bufferWriter) WriteString(s string) (n int, err error) {
 	st := (*Stream)(b)
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	err = st.s.access(func() (err error) {
 		n, err = writeTo(&st.writer, s)
 		return err
@@ -397,8 +397,8 @@ func (b *bufferWriter) WriteString(s string) (n int, err error) {
 
 func (b *bufferWriter) WriteByte(c byte) error {
 	st := (*Stream)(b)
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	return st.s.access(func() error {
 		p, err := st.writer.reserve(1)
 		if err == nil {
@@ -410,7 +410,7 @@ func (b *bufferWriter) WriteByte(c byte) error {
 
 func (b *bufferWriter) Len() int {
 	st := (*Stream)(b)
-	st.wmu.Lock()
-	defer st.wmu.Unlock()
+	st.lockWriter()
+	defer st.unlockWriter()
 	return st.writer.size
 }
