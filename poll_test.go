@@ -178,6 +178,17 @@ func TestSpinGovernorCooldown(t *testing.T) {
 	if !past.free(false) || !past.enter(false) {
 		t.Error("no spinning after the cool-down ended")
 	}
+
+	// A cool-down ends by itself, without a spinner asking for the time.
+	live := newSpinGovernor(4)
+	live.pressure(time.Now().Add(-time.Millisecond), time.Now())
+	if live.free(false) {
+		t.Fatal("a slot looked free right after the pressure")
+	}
+	waitUntil(t, "spinning resumes after the cool-down", 5*time.Second, func() bool { return live.free(false) })
+	if !live.enter(false) {
+		t.Error("no slot once the cool-down ended")
+	}
 }
 
 // TestPollingWorkingFlag: the working flag stays set while any poller

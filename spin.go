@@ -80,6 +80,11 @@ type spinGovernor struct {
 	offUntil atomic.Int64 // no spinning before this time (UnixNano); 0 once it has passed
 	cooldown atomic.Int64 // the length of the last cool-down, in ns
 	lastEnd  atomic.Int64 // when the last cool-down ended or ends (UnixNano)
+	// ender clears offUntil when the cool-down is over, so that enter and
+	// free, called on every wait, never read the clock: under load a
+	// cool-down is running much of the time, and two clock reads per
+	// round trip cost several percent of the CPU.
+	ender *time.Timer
 }
 
 var spinning = newSpinGovernor(runtime.NumCPU())
@@ -90,7 +95,23 @@ func newSpinGovernor(cpus int) *spinGovernor {
 		g.local = int32(cpus)
 	}
 	g.cooldown.Store(int64(minSpinCooldown))
+	g.ender = time.AfterFunc(time.Hour, g.endCooldown)
+	g.ender.Stop()
 	return g
+}
+
+// endCooldown runs when the cool-down should be over: it ends it, or waits
+// for the rest if pressure extended it meanwhile.
+func (g *spinGovernor) endCooldown() {
+	until := g.offUntil.Load()
+	if until == 0 {
+		return
+	}
+	if left := until - time.Now().UnixNano(); left > 0 {
+		g.ender.Reset(time.Duration(left))
+		return
+	}
+	g.offUntil.CompareAndSwap(until, 0)
 }
 
 // enter takes a spinning slot if one is free and no cool-down is running;
@@ -103,14 +124,8 @@ func (g *spinGovernor) enter(local bool) bool {
 	if slots <= 0 {
 		return false
 	}
-	if g.active.Load() >= slots {
-		return false // without reading the clock: this is the common refusal
-	}
-	if until := g.offUntil.Load(); until != 0 {
-		if time.Now().UnixNano() < until {
-			return false
-		}
-		g.offUntil.CompareAndSwap(until, 0) // over: later calls need no clock
+	if g.active.Load() >= slots || g.offUntil.Load() != 0 {
+		return false
 	}
 	if g.active.Add(1) > slots {
 		g.active.Add(-1)
@@ -127,11 +142,7 @@ func (g *spinGovernor) free(local bool) bool {
 	if local {
 		slots = g.local
 	}
-	if g.active.Load() >= slots {
-		return false
-	}
-	until := g.offUntil.Load()
-	return until == 0 || time.Now().UnixNano() >= until
+	return g.active.Load() < slots && g.offUntil.Load() == 0
 }
 
 // pressure switches spinning off for a cool-down: a spinner was
@@ -148,8 +159,12 @@ func (g *spinGovernor) pressure(since, now time.Time) {
 		d = min(2*last, int64(maxSpinCooldown))
 	}
 	g.cooldown.Store(d)
-	g.lastEnd.Store(now.UnixNano() + d)
-	g.offUntil.Store(now.UnixNano() + d)
+	end := now.UnixNano() + d
+	g.lastEnd.Store(end)
+	if left := end - time.Now().UnixNano(); left > 0 {
+		g.offUntil.Store(end)
+		g.ender.Reset(time.Duration(left))
+	}
 }
 
 // osYield gives up the CPU to another runnable thread, if there is one
