@@ -17,9 +17,13 @@ import (
 //
 // So the process that created a region watches each of its lists every
 // circulationPeriod and keeps the slices that cycle close to what traffic
-// needs. It tracks the lowest free count of each list (its own pops and
-// pushes note the count they leave, and every look samples it), which gives
-// the slices in flight at the busiest moment: count − parked − lowest free.
+// needs. It tracks the most slices of each list in flight, count − parked
+// − free, both counts taken at the same moment: its own pops and pushes
+// note the free count they leave, an allocation that finds the list dry
+// notes it too, and every look samples it. (Taking the lowest free count
+// instead, against the parked count at the look, overstates the peak
+// whenever slices were unparked in between, and the surplus parked at the
+// next look is unparked again at once: a churn of punched pages.)
 // Over the last circulationWindow looks the largest of these is the peak.
 // A busy list keeps peak + spare slices in circulation, where spare is the
 // larger of minSpare slices, spareBytes of data, and a quarter of the peak;
@@ -77,12 +81,13 @@ const (
 )
 
 // circList is what the hot path reads and writes of a list's circulation:
-// on a cache line of its own, written only when a new lowest free count is
-// seen.
+// on a cache line of its own, written only when a new most in flight is
+// seen, and when slices are parked or unparked.
 type circList struct {
-	low   atomic.Int32 // the lowest free count seen since the last look
-	floor atomic.Int32 // refill when the free count falls below this; 0 while nothing is parked
-	_     [56]byte
+	high   atomic.Int32 // the most slices in flight seen since the last look
+	parked atomic.Int32 // how many are parked: len(circulation.parked[li])
+	floor  atomic.Int32 // refill when the free count falls below this; 0 while nothing is parked
+	_      [52]byte
 }
 
 // circulation is the circulation control of a region this process created.
@@ -116,7 +121,6 @@ func (m *bufferManager) startCirculation() {
 		settled: make([]bool, n),
 	}
 	for li := range m.lists {
-		c.lists[li].low.Store(int32(m.lists[li].count))
 		c.spare[li] = m.spareFor(li, 0)
 		c.last[li] = m.sample(li)
 	}
@@ -147,13 +151,28 @@ func (m *bufferManager) spareFor(li int, peak int32) int32 {
 // push of this process, and refills the list if it is short.
 func (c *circulation) observe(m *bufferManager, li int, left int32) error {
 	cl := &c.lists[li]
-	if left < cl.low.Load() {
-		cl.low.Store(left)
-	}
+	c.noteInFlight(m, li, left)
 	if left < cl.floor.Load() {
 		return c.refill(m, li)
 	}
 	return nil
+}
+
+// noteInFlight records the slices of list li in flight when it holds free
+// slices: those neither free nor parked. The parked count is read at the
+// same moment, so that parking and refilling between two looks do not
+// distort the count.
+func (c *circulation) noteInFlight(m *bufferManager, li int, free int32) {
+	cl := &c.lists[li]
+	if n := int32(m.lists[li].count) - cl.parked.Load() - free; n > cl.high.Load() {
+		cl.high.Store(n)
+	}
+}
+
+// setParkedLocked makes p the parked slices of list li.
+func (c *circulation) setParkedLocked(li int, p []uint32) {
+	c.parked[li] = p
+	c.lists[li].parked.Store(int32(len(p)))
 }
 
 // setFloorLocked sets the free count below which list li is refilled.
@@ -179,7 +198,7 @@ func (c *circulation) refillLocked(m *bufferManager, li int) error {
 	for len(p) > 0 && atomic.LoadInt32(free) < c.spare[li] {
 		off := p[len(p)-1]
 		p = p[:len(p)-1]
-		c.parked[li] = p
+		c.setParkedLocked(li, p)
 		if _, err := m.pushList(li, off); err != nil {
 			return err
 		}
@@ -196,8 +215,10 @@ func (c *circulation) unparkOne(m *bufferManager, li int) (uint32, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
+	// The list ran dry: every slice not parked is in flight.
+	c.noteInFlight(m, li, atomic.LoadInt32(m.i32(m.lists[li].header+listFreeOff)))
 	off := p[len(p)-1]
-	c.parked[li] = p[:len(p)-1]
+	c.setParkedLocked(li, p[:len(p)-1])
 	return off, c.refillLocked(m, li)
 }
 
@@ -215,9 +236,9 @@ func (c *circulation) unparkListLocked(m *bufferManager, li int) {
 	for len(p) > 0 {
 		off := p[len(p)-1]
 		p = p[:len(p)-1]
-		c.parked[li] = p
+		c.setParkedLocked(li, p)
 		if _, err := m.pushList(li, off); err != nil {
-			c.parked[li] = nil // a corrupt list: the region is lost anyway
+			c.setParkedLocked(li, nil) // a corrupt list: the region is lost anyway
 			return
 		}
 	}
@@ -271,11 +292,9 @@ func (m *bufferManager) look(period, giveBack time.Duration) {
 	var resident []byte
 	for li := range m.lists {
 		now := m.sample(li)
-		low := min(now.free, c.lists[li].low.Swap(now.free))
-		c.mu.Lock()
-		parked := int32(len(c.parked[li]))
-		c.mu.Unlock()
-		c.peaks[li][c.pos] = max(0, int32(m.lists[li].count)-parked-low)
+		cl := &c.lists[li]
+		inFlight := int32(m.lists[li].count) - cl.parked.Load() - now.free
+		c.peaks[li][c.pos] = max(0, inFlight, cl.high.Swap(inFlight))
 		switch {
 		case now != c.last[li]:
 			c.quiet[li], c.settled[li] = 0, false
@@ -340,7 +359,7 @@ func (c *circulation) parkOne(m *bufferManager, li int, keep int32) bool {
 		return false
 	}
 	m.punch(li, off)
-	c.parked[li] = append(c.parked[li], off)
+	c.setParkedLocked(li, append(c.parked[li], off))
 	c.setFloorLocked(li)
 	return true
 }
