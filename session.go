@@ -187,11 +187,25 @@ func (s *Session) closeWithError(cause error) {
 			s.err = fmt.Errorf("%w: %w", ErrSessionClosed, cause)
 		}
 		close(s.closed)
+		s.notifyStreams()
 		if s.buf != nil {
 			s.buf.sessionEnding() // before the peer sees the end
 		}
 		s.ec.conn.Close()
 	})
+}
+
+// notifyStreams wakes the readers of every stream as the session ends. The
+// caller may hold s.mu (an access that faulted under it): then teardown,
+// which follows at once, wakes them instead.
+func (s *Session) notifyStreams() {
+	if !s.mu.TryLock() {
+		return
+	}
+	for _, st := range s.streams {
+		st.notify()
+	}
+	s.mu.Unlock()
 }
 
 // closedErr is Err for a session known to have ended.
@@ -200,13 +214,13 @@ func (s *Session) closedErr() error {
 	return s.err
 }
 
-// wait blocks until ch is signalled, the session ends or deadline passes.
+// wait blocks until ch, a stream's readNotify, is signalled, the session
+// ends or deadline passes. Without a deadline it waits on ch alone, which
+// costs less than a select: the end of the session signals every stream's
+// channel (closeWithError, and teardown in any case).
 func (s *Session) wait(ch <-chan struct{}, deadline time.Time) {
 	if deadline.IsZero() {
-		select {
-		case <-ch:
-		case <-s.closed:
-		}
+		<-ch
 		return
 	}
 	t := time.NewTimer(time.Until(deadline))
