@@ -40,6 +40,7 @@ import (
 //     spurious wake-ups cost microseconds;
 //   - each session adapts how long it spins to how often spinning found
 //     something (consumer below);
+//   - the readers of a session take turns at polling (Stream.pollTurn);
 //   - the whole process spins on at most half the CPUs it may use at once
 //     (none on a single CPU), whether receive loops or readers, leaving the
 //     other half to the peer process's spinner; a session whose peer is this
@@ -323,6 +324,56 @@ func (s *Session) pollFor(ready <-chan struct{}) bool {
 		}
 	}
 	return got
+}
+
+// pollTurn reports whether the reader of st, waiting for a reply, may
+// poll this time or must sleep, so that the session's readers take turns.
+//
+// With a peer in another process, a reader whose last wait was served by
+// polling sleeps this time if other readers of the session sleep: the
+// spinning slot rotates instead of serving one pair of streams for ever.
+//
+// With the peer in this process, both ends of every stream share the
+// spinning slots and the processors, and that rule lets pairs fall into
+// step: the two ends of one stream poll at the same time and their round
+// trips take a microsecond, while for another both sleep and each waits to
+// be handed its data; the slowest stream got 0.05–0.15 of the fastest
+// one's round trips. So there the turns are time slices instead: time is
+// cut into pollTurnSlice, and a stream's readers may poll in the slices
+// its id is due in (turnDue), which both ends compute alike, as both see
+// the same ids and the same clock. A stream in its turn runs at the speed
+// of a lone stream; the others are served by hand-offs meanwhile.
+func (st *Stream) pollTurn() bool {
+	s := st.s
+	if !s.localPeer {
+		return !(st.polledLast.Load() && s.sleepers.Load() > 0)
+	}
+	return turnDue(st.id, s.contenders.Load(), time.Now())
+}
+
+// pollTurnSlice is how long one turn at polling lasts in a session whose
+// peer is this process, and maxTurnGroups how many groups of streams take
+// turns at most.
+const (
+	pollTurnSlice = time.Millisecond
+	maxTurnGroups = 64
+)
+
+// turnDue reports whether stream id may poll at now when contenders
+// readers of its session wait for a reply: always when it waits alone;
+// otherwise the streams are split by id into a power of two of groups, at
+// least one per contender (up to maxTurnGroups), which take turns one
+// pollTurnSlice each.
+func turnDue(id uint32, contenders int32, now time.Time) bool {
+	if contenders <= 1 {
+		return true
+	}
+	groups := uint64(1)
+	for groups < uint64(contenders) && groups < maxTurnGroups {
+		groups <<= 1
+	}
+	slice := uint64(now.UnixNano() / int64(pollTurnSlice))
+	return slice%groups == uint64(id)%groups
 }
 
 // mayPoll reports whether a reader of the session could poll now: the

@@ -129,17 +129,22 @@ func (st *Stream) waitReadable(n int) error {
 		st.mu.Unlock()
 		// Poll only while a reply is awaited: a reader that waits for the
 		// peer to start something (a server between requests) would spin
-		// for nothing, on a core others need. And take turns: a reader
-		// whose last wait was served by polling sleeps this time if other
-		// readers of the session sleep, so that the spinning slots rotate
-		// instead of serving one pair of streams for ever.
+		// for nothing, on a core others need. And only in turn with the
+		// session's other readers (pollTurn).
 		s := st.s
-		polled := st.awaiting.Load() && !(st.polledLast.Load() && s.sleepers.Load() > 0) && s.pollFor(st.readNotify)
+		awaiting := st.awaiting.Load()
+		if awaiting {
+			s.contenders.Add(1)
+		}
+		polled := awaiting && st.pollTurn() && s.pollFor(st.readNotify)
 		st.polledLast.Store(polled)
 		if !polled {
 			s.sleepers.Add(1)
 			s.wait(st.readNotify, deadline)
 			s.sleepers.Add(-1)
+		}
+		if awaiting {
+			s.contenders.Add(-1)
 		}
 		st.mu.Lock()
 	}
