@@ -201,7 +201,7 @@ func (l *Listener) acceptLoop() {
 // serve runs the handshake of one connection and registers its session.
 // A failed handshake closes the connection and nothing else.
 func (l *Listener) serve(conn net.Conn) {
-	s, err := handshakeServer(conn, l.conf, l.adopt)
+	s, err := handshakeServer(conn, l.conf, func(s *Session) { l.adopt(s, conn) })
 	l.mu.Lock()
 	delete(l.pending, conn)
 	if err == nil && l.isClosed() {
@@ -220,11 +220,14 @@ func (l *Listener) serve(conn net.Conn) {
 // and whose receive loop has not started: its new streams go to the
 // listener's queue, and its end is noticed. The session is registered
 // before it can deliver a stream, so that a session whose streams were
-// accepted is one the listener knows (Sessions, CloseAll, hot restart).
-func (l *Listener) adopt(s *Session) {
+// accepted is one the listener knows (CloseAll, hot restart), and its
+// connection, conn, stops counting as one in its handshake at the same
+// moment.
+func (l *Listener) adopt(s *Session, conn net.Conn) {
 	s.onAccept = l.streams.push
 	s.onTeardown = l.forget
 	l.mu.Lock()
+	delete(l.pending, conn)
 	l.sessions[s] = struct{}{}
 	l.mu.Unlock()
 }
