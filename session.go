@@ -60,8 +60,8 @@ type Session struct {
 
 	localPeer bool         // the peer is this process (both ends in one program)
 	sleepers  atomic.Int32 // readers waiting without polling
-	// contenders counts readers waiting for a reply, polling or not
-	// (pollTurn).
+	// contenders counts readers waiting for a reply, polling or not, when
+	// localPeer (pollTurn).
 	contenders atomic.Int32
 
 	// Fallback data received and not yet released by the streams.
@@ -198,13 +198,11 @@ func (s *Session) closeWithError(cause error) {
 	})
 }
 
-// notifyStreams wakes the readers of every stream as the session ends. The
-// caller may hold s.mu (an access that faulted under it): then teardown,
-// which follows at once, wakes them instead.
+// notifyStreams wakes the readers of every stream as the session ends.
+// closeWithError, its caller, never runs with s.mu held: nothing under s.mu
+// touches shared memory or ends the session.
 func (s *Session) notifyStreams() {
-	if !s.mu.TryLock() {
-		return
-	}
+	s.mu.Lock()
 	for _, st := range s.streams {
 		st.notify()
 	}
@@ -220,7 +218,7 @@ func (s *Session) closedErr() error {
 // wait blocks until ch, a stream's readNotify, is signalled, the session
 // ends or deadline passes. Without a deadline it waits on ch alone, which
 // costs less than a select: the end of the session signals every stream's
-// channel (closeWithError, and teardown in any case).
+// channel (closeWithError, and teardown again).
 func (s *Session) wait(ch <-chan struct{}, deadline time.Time) {
 	if deadline.IsZero() {
 		<-ch

@@ -133,7 +133,8 @@ func (st *Stream) waitReadable(n int) error {
 		// session's other readers (pollTurn).
 		s := st.s
 		awaiting := st.awaiting.Load()
-		if awaiting {
+		counted := awaiting && s.localPeer // only turnDue uses the count
+		if counted {
 			s.contenders.Add(1)
 		}
 		polled := awaiting && st.pollTurn() && s.pollFor(st.readNotify)
@@ -143,7 +144,7 @@ func (st *Stream) waitReadable(n int) error {
 			s.wait(st.readNotify, deadline)
 			s.sleepers.Add(-1)
 		}
-		if awaiting {
+		if counted {
 			s.contenders.Add(-1)
 		}
 		st.mu.Lock()
@@ -401,13 +402,11 @@ func (st *Stream) discardWriter() error {
 // of the mapping as soon as it holds nothing of it (letGo); while it holds
 // data still unread or handed out, Close does it.
 func (st *Stream) sessionEnded(local bool) {
-	idle := st.releaseUnexposed(local)
+	st.releaseUnexposed(local)
 	st.writeClosed.Store(true)
 	st.ended.Store(true) // before letGo's look at the writer: see unlockWriter
 	st.notify()
-	if idle {
-		st.letGo()
-	}
+	st.letGo()
 }
 
 // letGo drops the stream's reference on the buffer region if its session
@@ -446,15 +445,13 @@ func (st *Stream) unlockWriter() {
 }
 
 // releaseUnexposed frees the received data if the session was closed
-// locally and nothing of it has been handed out; it reports whether the
-// stream holds no received data any more.
-func (st *Stream) releaseUnexposed(local bool) bool {
+// locally and nothing of it has been handed out.
+func (st *Stream) releaseUnexposed(local bool) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if local && !st.reader.exposed() {
 		_ = st.s.access(st.reader.releaseAll)
 	}
-	return !st.reader.exposed() && st.reader.unread == 0
 }
 
 func (st *Stream) dropRef() {
