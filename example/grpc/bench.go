@@ -231,14 +231,15 @@ func rotated(targets []benchTarget, round int) []benchTarget {
 // connects a client to it.
 func connectInProc(ctx context.Context, opts optionSet) (*client, func(), error) {
 	lis := bufconn.Listen(1 << 20)
-	srv := grpc.NewServer(opts.server...)
+	dialOpts, serverOpts := opts.on(transportInProc)
+	srv := grpc.NewServer(serverOpts...)
 	srv.RegisterService(&echoServiceDesc, &echoServer{})
 	go srv.Serve(lis)
 	dopts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
 		callOpts,
-	}, opts.dial...)
+	}, dialOpts...)
 	cc, err := grpc.NewClient("passthrough:///in-process", dopts...)
 	if err != nil {
 		srv.Stop()
@@ -357,7 +358,7 @@ func (cfg benchConfig) between() []string {
 func printTables(cfg benchConfig, r results, out io.Writer) {
 	fmt.Fprintln(out, "Unary echo, one call at a time. CPU is user + system time of both processes per call, sleeps")
 	fmt.Fprintln(out, "their threads' voluntary context switches per call; \"vs UDS\" is the median over the rounds of")
-	fmt.Fprintln(out, "the round's p50 over the Unix socket's p50 in the same round, with the same options.")
+	fmt.Fprintln(out, "the round's p50 over the Unix socket's p50 in the same round, with the same option set.")
 	fmt.Fprintln(out)
 	t := table{header: []string{"options", "size", "transport", "p50", "p99", "calls/s", "CPU/call", "sleeps", "vs UDS"}}
 	for _, opts := range cfg.options {

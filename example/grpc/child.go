@@ -74,7 +74,8 @@ func serveChild() error {
 		if err != nil {
 			return fmt.Errorf("listen %s: %w", tr, err)
 		}
-		srv := grpc.NewServer(opts.server...)
+		_, serverOpts := opts.on(tr)
+		srv := grpc.NewServer(serverOpts...)
 		srv.RegisterService(&echoServiceDesc, impl)
 		servers = append(servers, srv)
 		addrs[tr] = addr

@@ -12,6 +12,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"github.com/goshm/shmipc"
@@ -32,11 +33,24 @@ var allTransports = []string{transportShmipc, transportUDS, transportTCP}
 // default limit for receiving is 4 MiB.
 const maxMsgSize = 64 << 20
 
-// optionSet is one choice of gRPC options, applied alike to every transport.
+// optionSet is one choice of gRPC options. Every transport gets the same
+// options, except for the read buffer of the tuned set (readBufferOn).
 type optionSet struct {
 	name   string
 	dial   []grpc.DialOption
 	server []grpc.ServerOption
+	tuned  bool
+}
+
+// on returns the options for one transport.
+func (o optionSet) on(transport string) ([]grpc.DialOption, []grpc.ServerOption) {
+	dial, server := slices.Clone(o.dial), slices.Clone(o.server)
+	if o.tuned {
+		n := readBufferOn(transport)
+		dial = append(dial, grpc.WithReadBufferSize(n))
+		server = append(server, grpc.ReadBufferSize(n))
+	}
+	return dial, server
 }
 
 // defaultOptions are gRPC's defaults, with only the message size limits
@@ -54,31 +68,45 @@ func defaultOptions() optionSet {
 // Tuned sizes for a transport that never drops or reorders data and whose
 // peer is on the same host: flow control only has to bound memory, not to
 // probe a network, so the windows are large enough that a message of a few
-// MiB never waits for a WINDOW_UPDATE; larger write and read buffers mean
-// fewer, larger writes and reads on the connection.
+// MiB never waits for a WINDOW_UPDATE; a larger write buffer means fewer,
+// larger writes on the connection.
 var (
 	tunedStreamWindow int32 = 16 << 20
 	tunedConnWindow   int32 = 64 << 20
 	tunedWriteBuffer        = 256 << 10
-	tunedReadBuffer         = 256 << 10
+	tunedSocketRead         = 256 << 10
 )
 
+// readBufferOn is the tuned read buffer of a transport. Over a socket a
+// large one saves system calls: one read takes in many HTTP/2 frames. Over
+// shmipc (and the in-process pipe) a read is a copy out of memory with no
+// system call, so a read buffer only adds a copy: gRPC reads each frame
+// straight into its own buffer with none (0). At 1 MiB that is about a
+// tenth of a call's time over shmipc, and over a Unix socket the same
+// setting is 1.7 times slower.
+func readBufferOn(transport string) int {
+	if transport == transportShmipc || transport == transportInProc {
+		return 0
+	}
+	return tunedSocketRead
+}
+
 // tunedOptions are the options this example recommends for a local
-// transport; the benchmark applies them to all three transports alike.
+// transport: the same windows and write buffer for all, and the read
+// buffer that suits each (readBufferOn).
 func tunedOptions() optionSet {
 	o := defaultOptions()
 	o.name = "tuned"
+	o.tuned = true
 	o.dial = append(o.dial,
 		grpc.WithInitialWindowSize(tunedStreamWindow),
 		grpc.WithInitialConnWindowSize(tunedConnWindow),
 		grpc.WithWriteBufferSize(tunedWriteBuffer),
-		grpc.WithReadBufferSize(tunedReadBuffer),
 	)
 	o.server = append(o.server,
 		grpc.InitialWindowSize(tunedStreamWindow),
 		grpc.InitialConnWindowSize(tunedConnWindow),
 		grpc.WriteBufferSize(tunedWriteBuffer),
-		grpc.ReadBufferSize(tunedReadBuffer),
 	)
 	return o
 }
@@ -139,10 +167,11 @@ type client struct {
 
 // dial connects a gRPC client to addr over transport.
 func dial(transport, addr string, opts optionSet) (*client, error) {
+	dialOpts, _ := opts.on(transport)
 	dopts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		callOpts,
-	}, opts.dial...)
+	}, dialOpts...)
 	c := &client{}
 	target := ""
 	switch transport {
