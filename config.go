@@ -92,12 +92,12 @@ type Config struct {
 	// net.Error; for a full queue it also wraps ErrQueueFull) and nothing of
 	// the message is sent.
 	//
-	// A writer that holds part of the region waits only briefly: a message
-	// that runs out of room part way goes on as fallback data after 50 ms,
-	// and a message on a stream whose reader holds received slices it read
-	// in place and has not released does at once (an echo that reserves its
-	// reply before releasing a large request would otherwise wait for what
-	// it holds itself); data read by copying, or not read yet, does not
+	// A writer that holds part of the region waits only briefly: after
+	// 50 ms, a message that runs out of room part way goes on as fallback
+	// data, and so does a message on a stream whose reader holds received
+	// slices it read in place and has not released (an echo that reserves
+	// its reply before releasing a large request could otherwise wait for
+	// what it holds itself); data read by copying, or not read yet, does not
 	// count. Waiting can still deadlock when every slice is held by streams
 	// other than the waiting one, whose owners wait too (a client that keeps
 	// large replies on some streams while it sends on others): size the
@@ -185,7 +185,7 @@ const (
 	defaultInitializeTimeout      = time.Second
 	defaultConnectionWriteTimeout = 10 * time.Second
 	defaultQueueCap               = 8192
-	defaultBufferCap              = 64 << 20
+	defaultBufferCap              = 128 << 20
 	defaultPathPrefix             = "/dev/shm/shmipc"
 	defaultMaxFallbackFrame       = 64 << 20
 	defaultConsumerSpinTime       = 200 * time.Microsecond
@@ -206,19 +206,20 @@ const (
 	maxPathBudget = 255 - 48 - 27
 )
 
-// DefaultConfig returns the default configuration: a 64 MiB buffer region
+// DefaultConfig returns the default configuration: a 128 MiB buffer region
 // per session with slices of 8 KiB, 32 KiB and 128 KiB (each less the 20-byte
 // slice header) and of 1 MiB and 4 MiB (each plus 4 KiB, room for a frame
-// header), at 30/12/13/13/32 % of the region (2457, 245, 66, 8 and 5
+// header), at 15/6/7/7/65 % of the region (2457, 245, 71, 8 and 20
 // slices), 8192-element queues and memfd regions.
 //
 // The other Shmipc implementations default to 32 MiB of 8, 32 and 128 KiB
 // slices (ReferenceSliceSizes); their peers accept any layout. The larger
 // classes let a message of up to 4 MiB sit in one slice, so Reserve and
-// ReadBytes stay zero-copy for it. The 64 MiB are address space: a region is
-// sparse, and its pages are committed only when written (the slice headers,
-// about 11 MiB for this layout, when the region is created; data pages as
-// traffic needs them).
+// ReadBytes stay zero-copy for it, and there are 20 of the 4 MiB slices so
+// that 8 streams can each hold a 4 MiB request while they reserve a 4 MiB
+// reply. The 128 MiB are address space: a region is sparse, and its pages
+// are committed only when written (the slice headers, about 11 MiB for this
+// layout, when the region is created; data pages as traffic needs them).
 func DefaultConfig() *Config {
 	return &Config{
 		InitializeTimeout:      defaultInitializeTimeout,
@@ -226,11 +227,11 @@ func DefaultConfig() *Config {
 		QueueCap:               defaultQueueCap,
 		ShareMemoryBufferCap:   defaultBufferCap,
 		BufferSliceSizes: []SizePercentPair{
-			{Size: 8<<10 - sliceHeaderSize, Percent: 30},
-			{Size: 32<<10 - sliceHeaderSize, Percent: 12},
-			{Size: 128<<10 - sliceHeaderSize, Percent: 13},
-			{Size: 1<<20 + 4<<10, Percent: 13},
-			{Size: 4<<20 + 4<<10, Percent: 32},
+			{Size: 8<<10 - sliceHeaderSize, Percent: 15},
+			{Size: 32<<10 - sliceHeaderSize, Percent: 6},
+			{Size: 128<<10 - sliceHeaderSize, Percent: 7},
+			{Size: 1<<20 + 4<<10, Percent: 7},
+			{Size: 4<<20 + 4<<10, Percent: 65},
 		},
 		ShareMemoryPathPrefix: defaultPathPrefix,
 		MemMapType:            MemMapTypeMemFd,

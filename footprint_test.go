@@ -58,7 +58,7 @@ func TestRegionCommittedOnUse(t *testing.T) {
 		t.Errorf("Buffer.Size %d, want %d", s.Buffer.Size, conf.ShareMemoryBufferCap)
 	}
 	// The slice headers of a fresh region and the pages of one small echo:
-	// about 11 MiB for the default layout, far from the 64 MiB reserved up
+	// about 11 MiB for the default layout, far from the 128 MiB reserved up
 	// front before.
 	if s.Buffer.Committed == 0 || s.Buffer.Committed > s.Buffer.Size/4 {
 		t.Errorf("Buffer.Committed %d of %d bytes after one small echo; want a small part of it", s.Buffer.Committed, s.Buffer.Size)

@@ -71,17 +71,19 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
 			return nil
 		}
-		held := len(w.segs) > 0 && !wait.start.IsZero() && time.Since(wait.start) >= heldSpaceWait
-		if st.s.conf.FallbackWhenFull || held || st.holdsReceived() {
+		waitedLong := !wait.start.IsZero() && time.Since(wait.start) >= heldSpaceWait
+		if st.s.conf.FallbackWhenFull || waitedLong && (len(w.segs) > 0 || st.holdsReceived()) {
 			// A writer waits only briefly while it holds part of its
 			// message: writers holding slices while waiting for more could
-			// hold the whole region between them and wait for ever. It
-			// does not wait while its stream's reader holds received
-			// slices in place: an echo that reserves its reply before
-			// releasing a large request could be waiting for the very
-			// slices it holds. (Unread data is left to the reader: a
-			// full-duplex stream, such as gRPC's, reads and frees it on
-			// another goroutine.) Falling back is not undone: the stream
+			// hold the whole region between them and wait for ever. So
+			// does a writer whose stream's reader holds received slices in
+			// place: an echo that reserves its reply before releasing a
+			// large request could be waiting for the very slices it holds.
+			// (Unread data is left to the reader: a full-duplex stream,
+			// such as gRPC's, reads and frees it on another goroutine.)
+			// Briefly, not at all: the region's creator hands its parked
+			// slices back within one look (circulation.go), and most
+			// shortages are that. Falling back is not undone: the stream
 			// sends fallback data from then on.
 			w.appendHeap(want)
 			return nil
