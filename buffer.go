@@ -71,6 +71,9 @@ type bufferManager struct {
 	counter  uint32       // offset of our counter word in a list header
 	sessions atomic.Int32 // sessions of this process using the region
 	circ     *circulation // slices taken out of circulation (creator only)
+
+	kept      atomic.Int32 // slices this process's streams keep (reuse.go)
+	keepLimit int32        // the most they may keep
 }
 
 // initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.
@@ -187,6 +190,7 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 			return nil, fmt.Errorf("two lists have slice size %d", m.lists[m.bySize[i]].sliceCap)
 		}
 	}
+	m.keepLimit = int32(m.lists[m.bySize[0]].count / keepShare)
 	return m, nil
 }
 

@@ -66,8 +66,11 @@ func TestRegionCommittedOnUse(t *testing.T) {
 	if s.Queue.Committed == 0 || s.Queue.Committed >= s.Queue.Size {
 		t.Errorf("Queue.Committed %d of %d bytes after one small echo; want a small part of it", s.Queue.Committed, s.Queue.Size)
 	}
-	if s.Buffer.InUse != 0 || s.Buffer.Sessions < 1 {
-		t.Errorf("Buffer.InUse %d, Sessions %d at rest; want 0 and at least 1", s.Buffer.InUse, s.Buffer.Sessions)
+	// At rest the open stream may keep the slice of the echo it read, for
+	// its next message (reuse.go); nothing else is in use.
+	small := uint64(sess.buf.lists[sess.buf.bySize[0]].sliceCap)
+	if s.Buffer.InUse > small || s.Buffer.Sessions < 1 {
+		t.Errorf("Buffer.InUse %d, Sessions %d at rest with one stream open; want at most %d and at least 1", s.Buffer.InUse, s.Buffer.Sessions, small)
 	}
 
 	// A reserved slice is in use, and its pages are committed before the
@@ -95,6 +98,10 @@ func TestRegionCommittedOnUse(t *testing.T) {
 	if agg.Buffer.Committed == 0 || agg.Queue.Committed == 0 {
 		t.Errorf("AggregateStats reports no committed memory: %+v %+v", agg.Buffer, agg.Queue)
 	}
+
+	// Closing the stream gives back what it kept.
+	st.Close()
+	waitUntil(t, "the closed stream's slices are free", 5*time.Second, func() bool { return sess.Stats().Buffer.InUse == 0 })
 }
 
 // meminfo returns a field of /proc/meminfo in bytes.

@@ -110,7 +110,10 @@ func hpBufferCases() []hpCase {
 			}},
 		{name: "free list tail outside the list (victim frees into it)", want: []string{"tail", "not a slice"},
 			do: func(c *hpCtx) {
-				off := c.p.msg("freed by the victim")
+				// Two slices: the victim's stream may keep one for its
+				// next message (reuse.go), and frees the other.
+				off, next := c.p.msg("freed by"), c.p.msg(" the victim")
+				c.p.link(off, next)
 				c.p.setU32(c.p.list(0).header+listTailOff, huge)
 				c.publish(c.id, off, statusOpened)
 			}},

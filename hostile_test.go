@@ -134,18 +134,24 @@ func (c *hpCtx) expectData(id uint32, data string) error {
 	}
 }
 
-// provokeSend makes the victim allocate and publish a message; corrupt runs
-// just before the victim allocates.
+// provokeSend makes the victim allocate from the smallest list and publish
+// a message; corrupt runs just before the victim allocates. A stream keeps
+// one slice it read for its next message (reuse.go), so the provocation
+// makes sure the victim has none to use: the server's echo gets its request
+// in a slice of another list, which it does not keep, and the client writes
+// twice with nothing read in between.
 func (c *hpCtx) provokeSend(corrupt func()) {
 	if c.isServerVictim() {
-		off := c.p.msg("boom") // allocated before the damage; the echo allocates after
+		off := c.p.msgIn(1, "boom") // allocated before the damage; the echo allocates after
 		corrupt()
 		c.publish(c.id, off, statusOpened)
 		return
 	}
 	corrupt()
-	if _, err := c.st.Write([]byte("boom")); err == nil {
-		c.t.Log("victim Write succeeded")
+	for range 2 {
+		if _, err := c.st.Write([]byte("boom")); err == nil {
+			c.t.Log("victim Write succeeded")
+		}
 	}
 }
 

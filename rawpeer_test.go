@@ -176,6 +176,18 @@ func (p *rawPeer) msg(data string) uint32 {
 	return off
 }
 
+// msgIn is msg in a slice of list li.
+func (p *rawPeer) msgIn(li int, data string) uint32 {
+	p.t.Helper()
+	off, err := p.bm.take(li)
+	if err != nil || off == 0 {
+		p.t.Fatalf("raw peer cannot take a slice of list %d: %v", li, err)
+	}
+	copy(p.bm.sliceData(li, off), data)
+	p.bm.linkSlice(off, len(data), 0)
+	return off
+}
+
 // link makes the slice at a continue with the slice at b.
 func (p *rawPeer) link(a, b uint32) {
 	p.setU32(a+sliceNextOff, b)

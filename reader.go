@@ -169,7 +169,7 @@ func (r *streamReader) release() error {
 		return nil
 	}
 	r.freeHeap(r.segs[:r.done])
-	err := r.st.s.freeSegments(r.segs[:r.done])
+	err := r.st.freeReceived(r.segs[:r.done])
 	n := copy(r.segs, r.segs[r.done:])
 	clear(r.segs[n:])
 	r.segs = r.segs[:n]

@@ -51,7 +51,9 @@ type RegionStats struct {
 	// InUse is the data capacity of the slices handed out and not yet
 	// freed, by either process (buffer regions only; parked slices are
 	// free). What one session holds of a shared region is not told apart
-	// from what the others hold.
+	// from what the others hold. An open stream that has read a message
+	// may keep one slice of the smallest class for its next message, so a
+	// region at rest shows up to one such slice per open stream in use.
 	InUse uint64
 	// Sessions is the number of this process's sessions using the region
 	// (or, for AggregateStats, the number of regions summed).

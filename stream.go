@@ -37,13 +37,14 @@ type Stream struct {
 	writer    streamWriter
 	wDeadline atomic.Pointer[time.Time]
 
-	writeClosed  atomic.Bool  // writes fail: closed here or by the peer
-	fallback     atomic.Bool  // once set, every message goes as FallbackData
-	refDropped   atomic.Bool  // the stream's reference on the buffer region is gone
-	ended        atomic.Bool  // the session has ended (sessionEnded ran)
-	heldFallback atomic.Int64 // received fallback bytes not yet released
-	awaiting     atomic.Bool  // sent since data last arrived: a reply is likely on its way
-	polledLast   atomic.Bool  // the last wait was served by polling
+	writeClosed  atomic.Bool   // writes fail: closed here or by the peer
+	fallback     atomic.Bool   // once set, every message goes as FallbackData
+	refDropped   atomic.Bool   // the stream's reference on the buffer region is gone
+	ended        atomic.Bool   // the session has ended (sessionEnded ran)
+	heldFallback atomic.Int64  // received fallback bytes not yet released
+	awaiting     atomic.Bool   // sent since data last arrived: a reply is likely on its way
+	polledLast   atomic.Bool   // the last wait was served by polling
+	kept         atomic.Uint64 // a received slice kept for the next message (reuse.go)
 }
 
 var _ net.Conn = (*Stream)(nil)
@@ -456,6 +457,7 @@ func (st *Stream) releaseUnexposed(local bool) {
 
 func (st *Stream) dropRef() {
 	if st.refDropped.CompareAndSwap(false, true) {
+		st.dropKept()
 		st.s.buf.region.release()
 	}
 }

@@ -60,6 +60,10 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		w.appendHeap(want)
 		return nil
 	}
+	if li, off, ok := st.takeKept(want); ok {
+		w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
+		return nil
+	}
 	var wait spaceWait
 	for {
 		li, off, err := buf.alloc(want, !contiguous)
