@@ -35,6 +35,15 @@ type eventConn struct {
 	wbuf         []byte      // scratch for small frames; guarded by wmu
 	wvec         net.Buffers // scratch for fallback writes; guarded by wmu
 	deadline     time.Time   // the write deadline set on conn (zero: none); guarded by wmu
+
+	// One non-blocking write (tryWrite), set up on first use; guarded by
+	// wmu. wraw is nil when the connection has no file descriptor.
+	wraw  syscall.RawConn
+	wfn   func(fd uintptr) bool
+	wb    []byte
+	wn    int
+	wErr  error
+	wInit bool
 }
 
 // readBufSize is the initial receive buffer: many wake-up frames per read.
@@ -193,23 +202,67 @@ func (c *eventConn) clearDeadlines() error {
 	return c.conn.SetDeadline(time.Time{})
 }
 
-// refreshDeadline keeps the socket's write deadline between half of and the
-// whole ConnectionWriteTimeout ahead, without touching it on every write.
-func (c *eventConn) refreshDeadline() error {
-	now := time.Now()
-	if c.deadline.Sub(now) > c.writeTimeout/2 {
-		return nil
-	}
-	c.deadline = now.Add(c.writeTimeout)
+// armDeadline sets the socket's write deadline ConnectionWriteTimeout
+// ahead, for a write that may block.
+func (c *eventConn) armDeadline() error {
+	c.deadline = time.Now().Add(c.writeTimeout)
 	return c.conn.SetWriteDeadline(c.deadline)
 }
 
+// disarmDeadline removes the write deadline once such a write is done. A
+// deadline left set would keep a runtime timer pending for good, and the
+// Go scheduler reads the clock on every round while any timer is pending.
+func (c *eventConn) disarmDeadline() {
+	if !c.deadline.IsZero() {
+		c.deadline = time.Time{}
+		_ = c.conn.SetWriteDeadline(time.Time{})
+	}
+}
+
+// writeLocked writes b whole. A frame nearly always fits in the socket's
+// buffer, so it first tries one non-blocking write with no deadline armed;
+// only a write that would block arms the deadline (ConnectionWriteTimeout),
+// for as long as it takes.
 func (c *eventConn) writeLocked(b []byte) error {
-	if err := c.refreshDeadline(); err != nil {
+	n := c.tryWrite(b)
+	if n == len(b) {
+		return nil
+	}
+	if err := c.armDeadline(); err != nil {
 		return err
 	}
-	_, err := c.conn.Write(b)
+	defer c.disarmDeadline()
+	_, err := c.conn.Write(b[n:])
 	return err
+}
+
+// tryWrite makes one non-blocking write(2) of b and returns how much of it
+// went out (0 when the socket is full, or has no file descriptor).
+func (c *eventConn) tryWrite(b []byte) int {
+	if !c.wInit {
+		c.wInit = true
+		if sc, ok := c.conn.(syscall.Conn); ok {
+			if raw, err := sc.SyscallConn(); err == nil {
+				c.wraw, c.wfn = raw, c.writeOnce
+			}
+		}
+	}
+	if c.wraw == nil {
+		return 0
+	}
+	c.wb = b
+	err := c.wraw.Write(c.wfn)
+	c.wb = nil
+	if err != nil || c.wErr != nil || c.wn < 0 {
+		return 0
+	}
+	return c.wn
+}
+
+// writeOnce is tryWrite's callback: it never waits for the socket.
+func (c *eventConn) writeOnce(fd uintptr) bool {
+	c.wn, c.wErr = unix.Write(int(fd), c.wb)
+	return true
 }
 
 // writeEvent sends a frame without payload.
@@ -245,9 +298,10 @@ func (c *eventConn) writeFallback(version uint8, id uint32, data [][]byte, deadl
 	}
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	if err := c.refreshDeadline(); err != nil {
+	if err := c.armDeadline(); err != nil {
 		return err
 	}
+	defer c.disarmDeadline()
 	byStream := !deadline.IsZero() && deadline.Before(c.deadline)
 	if byStream {
 		if !time.Now().Before(deadline) {
@@ -256,7 +310,7 @@ func (c *eventConn) writeFallback(version uint8, id uint32, data [][]byte, deadl
 		if err := c.conn.SetWriteDeadline(deadline); err != nil {
 			return err
 		}
-		c.deadline = deadline // the next write moves it on again
+		c.deadline = deadline
 	}
 	c.wbuf = wire.AppendFallbackHead(c.wbuf[:0], version, id, statusOpened, n)
 	total := len(c.wbuf) + n

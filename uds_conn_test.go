@@ -158,3 +158,53 @@ func TestWriteFallbackStreamDeadline(t *testing.T) {
 		t.Errorf("the write took %v; its deadline was 100ms away", d)
 	}
 }
+
+// TestEventWriteDeadlineOnlyWhileBlocked: event frames go out without a
+// write deadline left on the socket (a pending deadline is a runtime timer
+// the Go scheduler checks on every round), yet a frame that cannot be
+// written because the peer stopped reading fails within about
+// ConnectionWriteTimeout rather than blocking for good.
+func TestEventWriteDeadlineOnlyWhileBlocked(t *testing.T) {
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mine, err := net.FileConn(os.NewFile(uintptr(fds[0]), "mine"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mine.Close()
+	peer := os.NewFile(uintptr(fds[1]), "peer") // never read
+	defer peer.Close()
+
+	const timeout = 300 * time.Millisecond
+	c := newEventConn(mine, timeout)
+	frame := make([]byte, 4096)
+	start := time.Now()
+	var werr error
+	for time.Since(start) < 10*time.Second {
+		if werr = c.write(frame); werr != nil {
+			break
+		}
+		c.wmu.Lock()
+		armed := !c.deadline.IsZero()
+		c.wmu.Unlock()
+		if armed {
+			t.Fatal("a write that did not block left a write deadline on the socket")
+		}
+	}
+	took := time.Since(start)
+	if werr == nil {
+		t.Fatalf("writes to a peer that never reads still succeed after %v", took)
+	}
+	var ne net.Error
+	if !errors.As(werr, &ne) || !ne.Timeout() {
+		t.Errorf("the blocked write failed with %v; want a timeout", werr)
+	}
+	if took > timeout+5*time.Second {
+		t.Errorf("the blocked write took %v to fail; ConnectionWriteTimeout is %v", took, timeout)
+	}
+	if !c.deadline.IsZero() {
+		t.Error("the write deadline is still set after the blocked write returned")
+	}
+}
