@@ -278,12 +278,7 @@ func TestParkedSlicesReachThePeer(t *testing.T) {
 	giveBackPeriod = time.Minute // no quiet give-back: only the refills return slices
 	defer func() { giveBackPeriod = old }()
 	conf := DefaultConfig()
-	ln := startEchoListener(t, conf)
-	sess, err := Dial("unix", ln.Addr().String(), conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sess.Close()
+	sess := dialEchoSession(t, conf)
 	m := sess.buf
 	li := circListFor(t, m, 100<<10)
 
@@ -320,6 +315,7 @@ func TestParkedSlicesReachThePeer(t *testing.T) {
 		start := time.Now()
 		var off uint32
 		for {
+			var err error
 			if off, err = pm.pop(li); err != nil {
 				t.Fatal(err)
 			}

@@ -44,12 +44,7 @@ func fpEcho(t testing.TB, sess *Session, msg []byte) *Stream {
 // committed and in-use bytes.
 func TestRegionCommittedOnUse(t *testing.T) {
 	conf := DefaultConfig()
-	ln := startEchoListener(t, conf)
-	sess, err := Dial("unix", ln.Addr().String(), conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sess.Close()
+	sess := dialEchoSession(t, conf)
 	st := fpEcho(t, sess, []byte("hello"))
 	defer st.Close()
 
@@ -541,12 +536,7 @@ func TestGiveBackAfterQuiet(t *testing.T) {
 	giveBackPeriod = 50 * time.Millisecond
 	defer func() { giveBackPeriod = old }()
 	conf := DefaultConfig()
-	ln := startEchoListener(t, conf)
-	sess, err := Dial("unix", ln.Addr().String(), conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sess.Close()
+	sess := dialEchoSession(t, conf)
 	fpEcho(t, sess, []byte("hello")).Close()
 	idle := sess.Stats().Buffer.Committed
 	msg := make([]byte, 6<<20)

@@ -30,12 +30,7 @@ func echoChecked(t *testing.T, st *Stream, msg []byte) {
 // rest; closing them gives everything back.
 func TestStreamReusesSlice(t *testing.T) {
 	conf := DefaultConfig()
-	ln := startEchoListener(t, conf)
-	sess, err := Dial("unix", ln.Addr().String(), conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sess.Close()
+	sess := dialEchoSession(t, conf)
 	small := int(sess.buf.lists[sess.buf.bySize[0]].sliceCap)
 
 	const streams = 4
@@ -85,12 +80,7 @@ func TestKeptSlicesBounded(t *testing.T) {
 		{Size: 8<<10 - sliceHeaderSize, Percent: 50},
 		{Size: 32<<10 - sliceHeaderSize, Percent: 50},
 	}
-	ln := startEchoListener(t, conf)
-	sess, err := Dial("unix", ln.Addr().String(), conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sess.Close()
+	sess := dialEchoSession(t, conf)
 	m := sess.buf
 	smallest := m.lists[m.bySize[0]]
 	limit := int(smallest.count) / keepShare

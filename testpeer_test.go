@@ -202,6 +202,19 @@ func startEchoListener(t testing.TB, conf *Config) *Listener {
 	return ln
 }
 
+// dialEchoSession starts an echo listener with conf and dials it; the
+// session and the listener are closed when the test ends.
+func dialEchoSession(t testing.TB, conf *Config) *Session {
+	t.Helper()
+	ln := startEchoListener(t, conf)
+	sess, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sess.Close() })
+	return sess
+}
+
 // echoRoundTrip does one echo round trip on a client session.
 func echoRoundTrip(s *Session, msg string) error {
 	st, err := s.OpenStream()
