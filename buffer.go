@@ -72,8 +72,8 @@ type bufferManager struct {
 	sessions atomic.Int32 // sessions of this process using the region
 	circ     *circulation // slices taken out of circulation (creator only)
 
-	kept      atomic.Int32 // slices this process's streams keep (reuse.go)
-	keepLimit int32        // the most they may keep
+	keepers   atomic.Int32 // streams of this process that may keep a slice (reuse.go)
+	keepLimit int32        // the most that may
 }
 
 // initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.

@@ -16,24 +16,29 @@ import "math"
 //
 // Only slices of the smallest class are kept (small messages are where the
 // list operations weigh), one per stream, and used only for a message
-// piece that fits in one. A process's streams keep at most 1/keepShare of
-// the class of a region between them, so that many open streams cannot
-// starve the list. PROTOCOL.md §6.6 allows it: a peer may hold
+// piece that fits in one. At most 1/keepShare of the class of a region may
+// be kept by a process's streams, so that many open streams cannot starve
+// the list. PROTOCOL.md §6.6 allows it: a peer may hold
 // slices, and the root slice of a message may have been allocated by the
 // other process (the reference implementations' stream pools do the same).
 // A kept slice goes back to its list when the stream lets go of the buffer
 // region (dropRef: Close, or the end of the session); until then it counts
 // as in flight.
 
-// keepShare: the streams of a process keep at most 1/keepShare of the
-// smallest class of a region (307 of the 2457 slices of the default
-// layout).
+// keepShare: at most 1/keepShare of the smallest class of a region may be
+// kept by the streams of a process (307 of the 2457 slices of the default
+// layout). A stream asks once, when it first has a slice to keep, and holds
+// its permission until it lets go of the region, so that the count shared
+// by the process's streams is not touched per message.
 const keepShare = 8
 
-// The kept slot of a stream: keptNone, keptShut once the stream has let go
-// of the region, or the slice as keptValue encodes it.
+// The kept slot of a stream: keptNone until it may keep a slice, keptFree
+// while it may and holds none, keptShut once it has let go of the region,
+// or the slice it holds as keptValue encodes it (never 0 or 1: a slice
+// header lies at offset 44 or beyond).
 const (
 	keptNone uint64 = 0
+	keptFree uint64 = 1
 	keptShut uint64 = math.MaxUint64
 )
 
@@ -41,27 +46,29 @@ func keptValue(li int, off uint32) uint64 { return uint64(li)<<32 | uint64(off) 
 
 func keptSlice(v uint64) (li int, off uint32) { return int(v >> 32), uint32(v) }
 
+// holdsSlice reports whether slot value v is a kept slice.
+func holdsSlice(v uint64) bool { return v != keptNone && v != keptFree && v != keptShut }
+
 // freeReceived returns the shared-memory segments among segs, which the
 // stream's reader has finished with, to the buffer region, keeping one
 // slice of the smallest class for the stream's next message. It runs
-// inside an access.
+// inside an access, with st.mu held.
 func (st *Stream) freeReceived(segs []segment) error {
-	s, m := st.s, st.s.buf
-	if st.kept.Load() != keptNone {
+	s := st.s
+	v := st.kept.Load()
+	if v != keptNone && v != keptFree {
 		return s.freeSegments(segs)
 	}
-	smallest := int32(m.bySize[0])
+	smallest := int32(s.buf.bySize[0])
 	for i, seg := range segs {
 		if seg.list != smallest {
 			continue
 		}
-		if m.kept.Add(1) > m.keepLimit {
-			m.kept.Add(-1)
+		if v == keptNone && !st.mayKeep() {
 			break
 		}
-		if !st.kept.CompareAndSwap(keptNone, keptValue(int(seg.list), seg.off)) {
-			m.kept.Add(-1)
-			break
+		if !st.kept.CompareAndSwap(keptFree, keptValue(int(seg.list), seg.off)) {
+			break // the stream let go of the region meanwhile
 		}
 		if err := s.freeSegments(segs[:i]); err != nil {
 			return err
@@ -71,35 +78,45 @@ func (st *Stream) freeReceived(segs []segment) error {
 	return s.freeSegments(segs)
 }
 
+// mayKeep asks for the stream's permission to keep slices, within the
+// process's share of the region, and reports whether it has it.
+func (st *Stream) mayKeep() bool {
+	m := st.s.buf
+	if m.keepers.Add(1) > m.keepLimit {
+		m.keepers.Add(-1)
+		return false
+	}
+	if !st.kept.CompareAndSwap(keptNone, keptFree) {
+		m.keepers.Add(-1) // the stream let go of the region meanwhile
+		return false
+	}
+	return true
+}
+
 // takeKept hands the kept slice to a writer that needs room for want more
 // bytes, if it holds them.
 func (st *Stream) takeKept(want int) (li int, off uint32, ok bool) {
 	v := st.kept.Load()
-	if v == keptNone || v == keptShut {
+	if !holdsSlice(v) {
 		return 0, 0, false
 	}
 	li, off = keptSlice(v)
-	if want > int(st.s.buf.lists[li].sliceCap) || !st.kept.CompareAndSwap(v, keptNone) {
+	if want > int(st.s.buf.lists[li].sliceCap) || !st.kept.CompareAndSwap(v, keptFree) {
 		return 0, 0, false
 	}
-	st.s.buf.kept.Add(-1)
 	return li, off, true
 }
 
-// dropKept returns the kept slice to its list for good: the stream keeps
-// none from now on.
+// dropKept returns the kept slice to its list and the stream's permission
+// to the process, for good: the stream keeps none from now on.
 func (st *Stream) dropKept() {
 	v := st.kept.Swap(keptShut)
 	if v == keptNone || v == keptShut {
 		return
 	}
-	st.s.buf.kept.Add(-1)
-	li, off := keptSlice(v)
-	_ = st.s.access(func() error {
-		if err := st.s.buf.push(li, off); err != nil {
-			st.s.closeWithError(err)
-			return err
-		}
-		return nil
-	})
+	st.s.buf.keepers.Add(-1)
+	if holdsSlice(v) {
+		li, off := keptSlice(v)
+		_ = st.s.access(func() error { return st.s.freeSegments([]segment{{list: int32(li), off: off}}) })
+	}
 }

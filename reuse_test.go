@@ -99,8 +99,8 @@ func TestKeptSlicesBounded(t *testing.T) {
 		streams[i] = st
 		echoChecked(t, st, []byte("keep me"))
 	}
-	if kept := int(m.kept.Load()); kept > limit {
-		t.Errorf("this process's streams keep %d slices; want at most %d", kept, limit)
+	if kept := int(m.keepers.Load()); kept > limit {
+		t.Errorf("%d streams of this process may keep a slice; want at most %d", kept, limit)
 	}
 	// Both processes (here both ends are this test) keep at most limit
 	// each, so the list has slices left for everybody.

@@ -36,14 +36,13 @@ type eventConn struct {
 	wvec         net.Buffers // scratch for fallback writes; guarded by wmu
 	deadline     time.Time   // the write deadline set on conn (zero: none); guarded by wmu
 
-	// One non-blocking write (tryWrite), set up on first use; guarded by
-	// wmu. wraw is nil when the connection has no file descriptor.
-	wraw  syscall.RawConn
-	wfn   func(fd uintptr) bool
-	wb    []byte
-	wn    int
-	wErr  error
-	wInit bool
+	// One non-blocking write (tryWrite); guarded by wmu. wraw is nil when
+	// the connection has no file descriptor.
+	wraw syscall.RawConn
+	wfn  func(fd uintptr) bool
+	wb   []byte
+	wn   int
+	wErr error
 }
 
 // readBufSize is the initial receive buffer: many wake-up frames per read.
@@ -52,6 +51,11 @@ const readBufSize = 64 << 10
 func newEventConn(conn net.Conn, writeTimeout time.Duration) *eventConn {
 	c := &eventConn{conn: conn, writeTimeout: writeTimeout}
 	c.unix, _ = conn.(*net.UnixConn)
+	if sc, ok := conn.(syscall.Conn); ok {
+		if raw, err := sc.SyscallConn(); err == nil {
+			c.wraw, c.wfn = raw, c.writeOnce
+		}
+	}
 	return c
 }
 
@@ -239,14 +243,6 @@ func (c *eventConn) writeLocked(b []byte) error {
 // tryWrite makes one non-blocking write(2) of b and returns how much of it
 // went out (0 when the socket is full, or has no file descriptor).
 func (c *eventConn) tryWrite(b []byte) int {
-	if !c.wInit {
-		c.wInit = true
-		if sc, ok := c.conn.(syscall.Conn); ok {
-			if raw, err := sc.SyscallConn(); err == nil {
-				c.wraw, c.wfn = raw, c.writeOnce
-			}
-		}
-	}
 	if c.wraw == nil {
 		return 0
 	}
