@@ -350,6 +350,9 @@ func (c *circulation) parkOne(m *bufferManager, li int, keep int32) bool {
 	l := &m.lists[li]
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if !time.Now().After(c.hold) || m.sessions.Load() == 0 {
+		return false // unparkAll ran since steer decided to park
+	}
 	circulating := int32(l.count) - int32(len(c.parked[li]))
 	if circulating <= keep || atomic.LoadInt32(m.i32(l.header+listFreeOff)) <= c.spare[li] {
 		return false

@@ -1,6 +1,9 @@
 package shmipc
 
-import "math"
+import (
+	"math"
+	"runtime/debug"
+)
 
 // Slice reuse: a stream keeps one slice it received, once read, for the
 // next message it sends.
@@ -110,13 +113,49 @@ func (st *Stream) takeKept(want int) (li int, off uint32, ok bool) {
 // dropKept returns the kept slice to its list and the stream's permission
 // to the process, for good: the stream keeps none from now on.
 func (st *Stream) dropKept() {
+	if li, off, ok := st.shutKept(); ok {
+		_ = st.s.access(func() error { return st.s.freeSegments([]segment{{list: int32(li), off: off}}) })
+	}
+}
+
+// shutKept shuts the stream's kept slot for good, gives back its permission
+// to keep, and returns the slice it held, if any, for the caller to free.
+func (st *Stream) shutKept() (li int, off uint32, ok bool) {
 	v := st.kept.Swap(keptShut)
 	if v == keptNone || v == keptShut {
-		return
+		return 0, 0, false
 	}
 	st.s.buf.keepers.Add(-1)
-	if holdsSlice(v) {
-		li, off := keptSlice(v)
-		_ = st.s.access(func() error { return st.s.freeSegments([]segment{{list: int32(li), off: off}}) })
+	if !holdsSlice(v) {
+		return 0, 0, false
+	}
+	li, off = keptSlice(v)
+	return li, off, true
+}
+
+// dropAllKept returns the slices kept by the session's streams to their
+// lists as the session ends, before its connection closes, so that the peer
+// finds them free when it sees the end. It runs inside closeWithError, so
+// it cannot end the session on a fault or a corrupt list as an access
+// would: either ends the work quietly.
+func (s *Session) dropAllKept() {
+	s.mu.Lock()
+	streams := make([]*Stream, 0, len(s.streams))
+	for _, st := range s.streams {
+		streams = append(streams, st)
+	}
+	s.mu.Unlock()
+	defer func() {
+		if r := recover(); r != nil {
+			_ = faultError(r) // re-panics anything but a memory fault
+		}
+	}()
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	for _, st := range streams {
+		if li, off, ok := st.shutKept(); ok {
+			if s.buf.push(li, off) != nil {
+				return
+			}
+		}
 	}
 }

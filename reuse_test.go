@@ -2,8 +2,10 @@ package shmipc
 
 import (
 	"bytes"
+	"fmt"
 	"io"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -109,5 +111,90 @@ func TestKeptSlicesBounded(t *testing.T) {
 	}
 	for _, st := range streams {
 		echoChecked(t, st, bytes.Repeat([]byte("x"), int(smallest.sliceCap)))
+	}
+}
+
+// keepOneSlice opens a stream of a client whose server is a raw peer and
+// exchanges one message each way, after which the client's stream keeps
+// the slice of the reply it read. It checks that it does.
+func keepOneSlice(t *testing.T) (*rawPeer, *Session, *Stream) {
+	t.Helper()
+	p, sess := acceptRawVictim(t, MemMapTypeMemFd, defaultConsumerSpinTime)
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	st.SetDeadline(time.Now().Add(3 * peerTimeout))
+	if _, err := st.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	e, err := p.waitElem()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.readMsg(e.offset); err != nil {
+		t.Fatal(err)
+	}
+	p.publish(st.ID(), p.msg("pong"), statusOpened)
+	got := make([]byte, 4)
+	if _, err := io.ReadFull(st, got); err != nil || string(got) != "pong" {
+		t.Fatalf("read %q, %v; want \"pong\"", got, err)
+	}
+	if sess.Stats().Buffer.InUse == 0 {
+		t.Fatal("the stream kept no slice of the reply it read")
+	}
+	return p, sess, st
+}
+
+// fullLists reports whether every list of the region, as the raw peer sees
+// it, holds all its slices, and describes the lists.
+func fullLists(p *rawPeer) (bool, string) {
+	free, _ := p.bm.counts()
+	full := true
+	var desc []string
+	for i, f := range free {
+		desc = append(desc, fmt.Sprintf("%d/%d", f, p.bm.lists[i].count))
+		full = full && f == int32(p.bm.lists[i].count)
+	}
+	return full, strings.Join(desc, " ")
+}
+
+// TestKeptSliceFreeWhenPeerSeesEnd: when a client closes its session while
+// a stream still keeps a slice, the slice is back on its list by the time
+// the peer reads the end of the connection, as a peer that counts its free
+// lists then expects.
+func TestKeptSliceFreeWhenPeerSeesEnd(t *testing.T) {
+	p, sess, _ := keepOneSlice(t)
+	atEnd := make(chan string, 1)
+	go func() {
+		p.conn.SetReadDeadline(time.Now().Add(peerTimeout))
+		for {
+			if _, err := readN(p.conn, 8); err != nil {
+				if full, desc := fullLists(p); !full {
+					atEnd <- fmt.Sprintf("free lists %s at the end of the connection (%v)", desc, err)
+				}
+				close(atEnd)
+				return
+			}
+		}
+	}()
+	closeWithin(t, sess, peerTimeout)
+	if problem, ok := <-atEnd; ok {
+		t.Error(problem)
+	}
+}
+
+// TestKeptSliceFreeWhenPeerCloses: a stream the peer closed sends nothing
+// more, so the slice it kept goes back at once, before the user closes it.
+func TestKeptSliceFreeWhenPeerCloses(t *testing.T) {
+	p, sess, st := keepOneSlice(t)
+	p.publish(st.ID(), 0, statusClosed)
+	waitUntil(t, "the kept slice is free", peerTimeout, func() bool { return sess.Stats().Buffer.InUse == 0 })
+	if full, desc := fullLists(p); !full {
+		t.Errorf("free lists %s after the peer closed the only stream", desc)
+	}
+	if _, err := st.Read(make([]byte, 1)); err != io.EOF {
+		t.Errorf("Read after the peer closed the stream: %v, want io.EOF", err)
 	}
 }

@@ -192,7 +192,9 @@ func (s *Session) closeWithError(cause error) {
 		close(s.closed)
 		s.notifyStreams()
 		if s.buf != nil {
-			s.buf.sessionEnding() // before the peer sees the end
+			// Before the peer sees the end: it may count its free lists.
+			s.dropAllKept()
+			s.buf.sessionEnding()
 		}
 		s.ec.conn.Close()
 	})

@@ -192,13 +192,15 @@ func (st *Stream) sent() {
 	}
 }
 
-// peerClose records that the peer closed the stream.
+// peerClose records that the peer closed the stream. The stream will send
+// nothing more, so the slice it kept for its next message goes back now.
 func (st *Stream) peerClose() {
 	st.mu.Lock()
 	st.peerClosed = true
 	st.mu.Unlock()
 	st.writeClosed.Store(true)
 	st.notify()
+	st.dropKept()
 }
 
 // Write writes p as one message and flushes it.
