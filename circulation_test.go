@@ -344,3 +344,35 @@ func TestParkedSlicesReachThePeer(t *testing.T) {
 	}
 	fpWaitFull(t, sess)
 }
+
+// TestNoParkingAfterUnparkAll: once unparkAll has put every parked slice
+// back (a session ending, so that the peer finds its lists full), nothing
+// parks again for parkHold, even a park that circulation decided on
+// before: parkOne itself refuses.
+func TestNoParkingAfterUnparkAll(t *testing.T) {
+	conf := DefaultConfig()
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "park")
+	m, err := createBuffer(conf, conf.ShareMemoryPathPrefix+"_buffer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.region.release()
+	m.sessions.Add(1) // as if a session used the region
+	defer m.sessions.Add(-1)
+	li := m.bySize[0]
+	count := int32(m.lists[li].count)
+
+	if !m.circ.parkOne(m, li, 0) {
+		t.Fatal("parkOne parked nothing in a full list with parking allowed")
+	}
+	if free, parked := m.counts(); parked[li] != 1 || free[li] != count {
+		t.Fatalf("after one park: %d free of %d, %d parked; want all free, 1 parked", free[li], count, parked[li])
+	}
+	m.unparkAll()
+	if m.circ.parkOne(m, li, 0) {
+		t.Error("parkOne parked a slice right after unparkAll")
+	}
+	if got := atomic.LoadInt32(m.i32(m.lists[li].header + listFreeOff)); got != count {
+		t.Errorf("the list holds %d of its %d slices after unparkAll", got, count)
+	}
+}
