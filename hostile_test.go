@@ -134,6 +134,29 @@ func (c *hpCtx) expectData(id uint32, data string) error {
 	}
 }
 
+// openPinged opens a stream of victim, a client whose server is the raw
+// peer p, and sends "ping" on it, which p reads and frees.
+func openPinged(t *testing.T, p *rawPeer, victim *Session) *Stream {
+	t.Helper()
+	st, err := victim.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	st.SetDeadline(time.Now().Add(3 * peerTimeout))
+	if _, err := st.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	e, err := p.waitElem()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := p.readMsg(e.offset); err != nil || got != "ping" || e.id != st.ID() {
+		t.Fatalf("raw server got %+v %q %v, want stream %d \"ping\"", e, got, err, st.ID())
+	}
+	return st
+}
+
 // provokeSend makes the victim allocate from the smallest list and publish
 // a message; corrupt runs just before the victim allocates. A stream keeps
 // one slice it read for its next message (reuse.go), so the provocation
@@ -263,22 +286,7 @@ func hpClientCase(t *testing.T, mode MemMapType, reader bool) *hpCtx {
 		spin = readerSpin
 	}
 	p, victim := acceptRawVictim(t, mode, spin)
-	st, err := victim.OpenStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
-	st.SetDeadline(time.Now().Add(3 * peerTimeout))
-	if _, err := st.Write([]byte("ping")); err != nil {
-		t.Fatal(err)
-	}
-	e, err := p.waitElem()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got, err := p.readMsg(e.offset); err != nil || got != "ping" || e.id != st.ID() {
-		t.Fatalf("raw server got %+v %q %v, want stream %d \"ping\"", e, got, err, st.ID())
-	}
+	st := openPinged(t, p, victim)
 	c := &hpCtx{t: t, p: p, victim: victim, id: st.ID(), reader: reader, st: st}
 	c.publish(c.id, p.msg("pong"), statusOpened)
 	got := make([]byte, 4)

@@ -120,22 +120,7 @@ func TestKeptSlicesBounded(t *testing.T) {
 func keepOneSlice(t *testing.T) (*rawPeer, *Session, *Stream) {
 	t.Helper()
 	p, sess := acceptRawVictim(t, MemMapTypeMemFd, defaultConsumerSpinTime)
-	st, err := sess.OpenStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
-	st.SetDeadline(time.Now().Add(3 * peerTimeout))
-	if _, err := st.Write([]byte("ping")); err != nil {
-		t.Fatal(err)
-	}
-	e, err := p.waitElem()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := p.readMsg(e.offset); err != nil {
-		t.Fatal(err)
-	}
+	st := openPinged(t, p, sess)
 	p.publish(st.ID(), p.msg("pong"), statusOpened)
 	got := make([]byte, 4)
 	if _, err := io.ReadFull(st, got); err != nil || string(got) != "pong" {
