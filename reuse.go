@@ -25,8 +25,11 @@ import (
 // slices, and the root slice of a message may have been allocated by the
 // other process (the reference implementations' stream pools do the same).
 // A kept slice goes back to its list when the stream lets go of the buffer
-// region (dropRef: Close, or the end of the session); until then it counts
-// as in flight.
+// region (dropRef: Close, or the end of the session), when the peer closes
+// the stream (peerClose: it sends nothing more), and, for a session closed
+// locally, before its connection closes (dropAllKept), since a peer may
+// count its free lists as soon as it sees the end. Until then it counts as
+// in flight.
 
 // keepShare: at most 1/keepShare of the smallest class of a region may be
 // kept by the streams of a process (307 of the 2457 slices of the default
