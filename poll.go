@@ -329,9 +329,16 @@ func (s *Session) pollFor(ready <-chan struct{}) bool {
 // pollTurn reports whether the reader of st, waiting for a reply, may
 // poll this time or must sleep, so that the session's readers take turns.
 //
-// With a peer in another process, a reader whose last wait was served by
-// polling sleeps this time if other readers of the session sleep: the
-// spinning slot rotates instead of serving one pair of streams for ever.
+// With a peer in another process, a reader polls only while no other
+// reader of the session sleeps. Once several streams wait at once, the
+// receive loop harvests for all of them, a batch per look, and readers that
+// poll for themselves only get in its way: they contend for the consumer
+// token and for the spinning slot (a reader takes over the loop's), and the
+// last one to stop kicks the loop for what arrived meanwhile. Between two
+// processes, 8 streams went from 1.4–1.6× the round trips per second of
+// Unix sockets to 3.7–4.6× with this rule, and 64 streams from 4.7× to
+// 6.6× (medians). A lone reader (a single stream, or one gRPC connection)
+// still polls and is served without a hand-off.
 //
 // With the peer in this process, both ends of every stream share the
 // spinning slots and the processors, and that rule lets pairs fall into
@@ -346,7 +353,7 @@ func (s *Session) pollFor(ready <-chan struct{}) bool {
 func (st *Stream) pollTurn() bool {
 	s := st.s
 	if !s.localPeer {
-		return !(st.polledLast.Load() && s.sleepers.Load() > 0)
+		return s.sleepers.Load() == 0
 	}
 	return turnDue(st.id, s.contenders.Load(), time.Now())
 }

@@ -357,3 +357,24 @@ func TestTurnDue(t *testing.T) {
 		}
 	}
 }
+
+// TestPollTurnCrossProcess: with the peer in another process, a reader
+// awaiting a reply polls only while no other reader of its session sleeps;
+// once one does, the receive loop harvests for all of them.
+func TestPollTurnCrossProcess(t *testing.T) {
+	s := &Session{}
+	st := &Stream{s: s, id: 3}
+	if !st.pollTurn() {
+		t.Error("a lone reader may not poll")
+	}
+	for _, n := range []int32{1, 7, 63} {
+		s.sleepers.Store(n)
+		if st.pollTurn() {
+			t.Errorf("a reader polls while %d others of its session sleep", n)
+		}
+	}
+	s.sleepers.Store(0)
+	if !st.pollTurn() {
+		t.Error("a reader may not poll once the others are served")
+	}
+}

@@ -43,7 +43,6 @@ type Stream struct {
 	ended        atomic.Bool   // the session has ended (sessionEnded ran)
 	heldFallback atomic.Int64  // received fallback bytes not yet released
 	awaiting     atomic.Bool   // sent since data last arrived: a reply is likely on its way
-	polledLast   atomic.Bool   // the last wait was served by polling
 	kept         atomic.Uint64 // a received slice kept for the next message (reuse.go)
 }
 
@@ -139,7 +138,6 @@ func (st *Stream) waitReadable(n int) error {
 			s.contenders.Add(1)
 		}
 		polled := awaiting && st.pollTurn() && s.pollFor(st.readNotify)
-		st.polledLast.Store(polled)
 		if !polled {
 			s.sleepers.Add(1)
 			s.wait(st.readNotify, deadline)
