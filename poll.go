@@ -40,9 +40,7 @@ import (
 //     spurious wake-ups cost microseconds;
 //   - each session adapts how long it spins to how often spinning found
 //     something (consumer below);
-//   - a reader polls only while no other reader of its session sleeps
-//     (Stream.pollTurn): with several streams waiting, the receive loop
-//     harvests for all of them;
+//   - the readers of a session take turns at polling (Stream.pollTurn);
 //   - the whole process spins on at most half the CPUs it may use at once
 //     (none on a single CPU), whether receive loops or readers, leaving the
 //     other half to the peer process's spinner; a session whose peer is this
@@ -329,25 +327,60 @@ func (s *Session) pollFor(ready <-chan struct{}) bool {
 }
 
 // pollTurn reports whether the reader of st, waiting for a reply, may
-// poll this time or must sleep: only while no other reader of its session
-// sleeps. Once several streams wait at once, the receive loop harvests for
-// all of them, a batch per look, and readers that poll for themselves only
-// get in its way: they contend for the consumer token and for the spinning
-// slot (a reader takes over the loop's), and the last one to stop kicks the
-// loop for what arrived meanwhile. A lone reader (a single stream, or one
-// gRPC connection) still polls and is served without a hand-off.
+// poll this time or must sleep, so that the session's readers take turns.
 //
-// Between two processes, 8 streams went from 1.4–1.6× the round trips per
-// second of Unix sockets to 3.7–4.6× with this rule, and 64 streams from
-// 4.7× to 6.6× (medians), the slowest stream getting 0.94–0.99 of the
-// fastest one's round trips at 8. It replaced two schemes of taking turns
-// at polling: with the peer in another process, a reader that polled last
-// time slept this time if others slept; with the peer in this process,
-// streams took turns by time slice (with the first scheme, pairs of ends
-// fell into step and starved the others). In one process, 64 streams then
-// ran 1.3–2.5× faster and fair (0.97 against 0.62–0.80).
+// With a peer in another process, a reader polls only while no other
+// reader of the session sleeps. Once several streams wait at once, the
+// receive loop harvests for all of them, a batch per look, and readers that
+// poll for themselves only get in its way: they contend for the consumer
+// token and for the spinning slot (a reader takes over the loop's), and the
+// last one to stop kicks the loop for what arrived meanwhile. Between two
+// processes, 8 streams went from 1.4–1.6× the round trips per second of
+// Unix sockets to 3.7–4.6× with this rule, and 64 streams from 4.7× to
+// 6.6× (medians). A lone reader (a single stream, or one gRPC connection)
+// still polls and is served without a hand-off.
+//
+// With the peer in this process, both ends of every stream share the
+// spinning slots and the processors, and that rule lets pairs fall into
+// step: the two ends of one stream poll at the same time and their round
+// trips take a microsecond, while for another both sleep and each waits to
+// be handed its data; the slowest stream got 0.05–0.15 of the fastest
+// one's round trips. So there the turns are time slices instead: time is
+// cut into pollTurnSlice, and a stream's readers may poll in the slices
+// its id is due in (turnDue), which both ends compute alike, as both see
+// the same ids and the same clock. A stream in its turn runs at the speed
+// of a lone stream; the others are served by hand-offs meanwhile.
 func (st *Stream) pollTurn() bool {
-	return st.s.sleepers.Load() == 0
+	s := st.s
+	if !s.localPeer {
+		return s.sleepers.Load() == 0
+	}
+	return turnDue(st.id, s.contenders.Load(), time.Now())
+}
+
+// pollTurnSlice is how long one turn at polling lasts in a session whose
+// peer is this process, and maxTurnGroups how many groups of streams take
+// turns at most.
+const (
+	pollTurnSlice = time.Millisecond
+	maxTurnGroups = 64
+)
+
+// turnDue reports whether stream id may poll at now when contenders
+// readers of its session wait for a reply: always when it waits alone;
+// otherwise the streams are split by id into a power of two of groups, at
+// least one per contender (up to maxTurnGroups), which take turns one
+// pollTurnSlice each.
+func turnDue(id uint32, contenders int32, now time.Time) bool {
+	if contenders <= 1 {
+		return true
+	}
+	groups := uint64(1)
+	for groups < uint64(contenders) && groups < maxTurnGroups {
+		groups <<= 1
+	}
+	slice := uint64(now.UnixNano() / int64(pollTurnSlice))
+	return slice%groups == uint64(id)%groups
 }
 
 // mayPoll reports whether a reader of the session could poll now: the

@@ -314,16 +314,55 @@ func TestDrainBeforeIgnoresPendingClose(t *testing.T) {
 	}
 }
 
-// TestPollTurn: a reader awaiting a reply polls only while no other reader
-// of its session sleeps; once one does, the receive loop harvests for all
-// of them. It holds whether the peer is another process or this one.
-func TestPollTurn(t *testing.T) {
-	for _, local := range []bool{false, true} {
-		testPollTurn(t, &Session{localPeer: local})
+// TestTurnDue: readers of a session whose peer is this process take turns
+// at polling by stream id, one slice of time each. Alone, a reader may
+// always poll; with n waiting, every id in a run of consecutive ids has
+// exactly one turn in each cycle of slices, and both ends of a stream,
+// which share its id and the clock, agree.
+func TestTurnDue(t *testing.T) {
+	at := func(slice int) time.Time { return time.Unix(0, int64(slice)*int64(pollTurnSlice)) }
+	for _, id := range []uint32{1, 2, 77} {
+		for slice := range 5 {
+			if !turnDue(id, 1, at(slice)) || !turnDue(id, 0, at(slice)) {
+				t.Fatalf("stream %d waiting alone may not poll in slice %d", id, slice)
+			}
+		}
+	}
+	for _, tc := range []struct {
+		contenders int32
+		ids        int // ids 101, 102, …: a run of streams opened one after the other
+		groups     int // slices in a cycle
+		perSlice   int // most streams due in one slice
+	}{
+		{2, 2, 2, 1}, {8, 8, 8, 1}, {5, 5, 8, 1}, {64, 64, 64, 1}, {1000, 128, maxTurnGroups, 2},
+	} {
+		turns := make(map[uint32]int)
+		for slice := range tc.groups {
+			due := 0
+			for i := range tc.ids {
+				id := uint32(101 + i)
+				if turnDue(id, tc.contenders, at(1000+slice)) {
+					due++
+					turns[id]++
+				}
+			}
+			if due > tc.perSlice {
+				t.Errorf("%d waiting: %d streams due in one slice, want at most %d", tc.contenders, due, tc.perSlice)
+			}
+		}
+		for i := range tc.ids {
+			if id := uint32(101 + i); turns[id] != 1 {
+				t.Errorf("%d waiting: stream %d had %d turns in a cycle of %d slices, want 1", tc.contenders, id, turns[id], tc.groups)
+			}
+		}
 	}
 }
 
-func testPollTurn(t *testing.T, s *Session) {
+// TestPollTurnCrossProcess: with the peer in another process, a reader
+// awaiting a reply polls only while no other reader of its session sleeps;
+// once one does, the receive loop harvests for all of them.
+func TestPollTurnCrossProcess(t *testing.T) {
+	s := &Session{}
 	st := &Stream{s: s, id: 3}
 	if !st.pollTurn() {
 		t.Error("a lone reader may not poll")

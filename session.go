@@ -60,6 +60,9 @@ type Session struct {
 
 	localPeer bool         // the peer is this process (both ends in one program)
 	sleepers  atomic.Int32 // readers waiting without polling
+	// contenders counts readers waiting for a reply, polling or not, when
+	// localPeer (pollTurn).
+	contenders atomic.Int32
 
 	// Fallback data received and not yet released by the streams.
 	fallbackHeld atomic.Int64

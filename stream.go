@@ -129,15 +129,22 @@ func (st *Stream) waitReadable(n int) error {
 		st.mu.Unlock()
 		// Poll only while a reply is awaited: a reader that waits for the
 		// peer to start something (a server between requests) would spin
-		// for nothing, on a core others need. And only while no other reader
-		// of the session sleeps (pollTurn).
+		// for nothing, on a core others need. And only in turn with the
+		// session's other readers (pollTurn).
 		s := st.s
 		awaiting := st.awaiting.Load()
+		counted := awaiting && s.localPeer // only turnDue uses the count
+		if counted {
+			s.contenders.Add(1)
+		}
 		polled := awaiting && st.pollTurn() && s.pollFor(st.readNotify)
 		if !polled {
 			s.sleepers.Add(1)
 			s.wait(st.readNotify, deadline)
 			s.sleepers.Add(-1)
+		}
+		if counted {
+			s.contenders.Add(-1)
 		}
 		st.mu.Lock()
 	}
