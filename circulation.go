@@ -1,7 +1,6 @@
 package shmipc
 
 import (
-	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -132,7 +131,7 @@ func (m *bufferManager) startCirculation() {
 		if !m.region.acquire() {
 			return // unmapped
 		}
-		m.look(period, giveBack)
+		quietly(func() { m.look(period, giveBack) })
 		m.region.release()
 		time.AfterFunc(period, tick)
 	}
@@ -262,31 +261,22 @@ func (m *bufferManager) unparkAll() {
 	if c == nil {
 		return
 	}
-	defer func() {
-		if r := recover(); r != nil {
-			_ = faultError(r) // re-panics anything but a memory fault
+	quietly(func() {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.hold = time.Now().Add(parkHold)
+		for li := range c.parked {
+			c.unparkListLocked(m, li)
 		}
-	}()
-	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.hold = time.Now().Add(parkHold)
-	for li := range c.parked {
-		c.unparkListLocked(m, li)
-	}
+	})
 }
 
 // look is one look at every list: it records the peak in flight, steers
-// busy lists, and gives the pages of lists quiet for giveBack back. A
-// fault (a region shrunk or a page not committable) ends the work quietly:
-// the sessions using the region meet it in their own accesses.
+// busy lists, and gives the pages of lists quiet for giveBack back. It runs
+// inside quietly: a fault (a region shrunk or a page not committable) ends
+// the work, and the sessions using the region meet it in their own
+// accesses.
 func (m *bufferManager) look(period, giveBack time.Duration) {
-	defer func() {
-		if r := recover(); r != nil {
-			_ = faultError(r) // re-panics anything but a memory fault
-		}
-	}()
-	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	c := m.circ
 	c.pos = (c.pos + 1) % circulationWindow
 	var resident []byte
@@ -330,9 +320,8 @@ func (m *bufferManager) steer(li int) {
 	free := m.i32(l.header + listFreeOff)
 	c.mu.Lock()
 	c.spare[li] = spare
-	park := time.Now().After(c.hold) && m.sessions.Load() > 0
 	c.mu.Unlock()
-	for park && c.parkOne(m, li, peak+spare) {
+	for c.parkOne(m, li, peak+spare) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -351,7 +340,7 @@ func (c *circulation) parkOne(m *bufferManager, li int, keep int32) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !time.Now().After(c.hold) || m.sessions.Load() == 0 {
-		return false // unparkAll ran since steer decided to park
+		return false // no session, or unparkAll ran less than parkHold ago
 	}
 	circulating := int32(l.count) - int32(len(c.parked[li]))
 	if circulating <= keep || atomic.LoadInt32(m.i32(l.header+listFreeOff)) <= c.spare[li] {

@@ -1,9 +1,6 @@
 package shmipc
 
-import (
-	"math"
-	"runtime/debug"
-)
+import "math"
 
 // Slice reuse: a stream keeps one slice it received, once read, for the
 // next message it sends.
@@ -148,17 +145,13 @@ func (s *Session) dropAllKept() {
 		streams = append(streams, st)
 	}
 	s.mu.Unlock()
-	defer func() {
-		if r := recover(); r != nil {
-			_ = faultError(r) // re-panics anything but a memory fault
-		}
-	}()
-	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
-	for _, st := range streams {
-		if li, off, ok := st.shutKept(); ok {
-			if s.buf.push(li, off) != nil {
-				return
+	quietly(func() {
+		for _, st := range streams {
+			if li, off, ok := st.shutKept(); ok {
+				if s.buf.push(li, off) != nil {
+					return
+				}
 			}
 		}
-	}
+	})
 }

@@ -36,6 +36,11 @@ import (
 // be half-way through updating a lock, a token or a counter that lives
 // outside the region (the regions' own contents are the peer's to ruin).
 //
+// Work on a region that belongs to no session's access (circulation
+// control, and the kept slices a session returns as it ends) runs inside
+// quietly instead: a fault ends that work and is dropped, since the
+// sessions using the region meet it in their own accesses.
+//
 // What access cannot cover is memory handed to the application: a slice
 // returned by ReadBytes, Peek or Reserve is read and written by application
 // code. Config.RequireSealedMemory keeps such faults from happening.
@@ -67,4 +72,16 @@ func faultError(r any) error {
 		panic(r)
 	}
 	return fmt.Errorf("%w: memory fault at %#x in a shared region (did the peer shrink it, or could a page not be committed?)", ErrProtocol, f.Addr())
+}
+
+// quietly runs f, which touches a shared region outside any session's
+// access, with a memory fault ending f silently. Any other panic goes on.
+func quietly(f func()) {
+	defer func() {
+		if r := recover(); r != nil {
+			_ = faultError(r) // re-panics anything but a memory fault
+		}
+	}()
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	f()
 }
