@@ -165,7 +165,7 @@ func (s *Session) consume(resume bool) error {
 			s.cons.woken()
 		}
 		first = false
-		if n > 0 && s.cons.pollers.Load() == 1 {
+		if n > 0 && s.cons.pollers.Load() == 1 && !s.leading {
 			// Let the readers just served run before looking again.
 			runtime.Gosched()
 			switch s.spin() {
@@ -264,6 +264,9 @@ func (s *Session) sealConsumer() {
 func (s *Session) kick() {
 	s.cons.kicked.Store(true)
 	_ = s.ec.conn.SetReadDeadline(time.Unix(1, 0))
+	if !s.sock.held.Load() {
+		s.sock.signal() // nobody reads the socket: the receive loop takes it (lead.go)
+	}
 }
 
 // pollFor lets a reader poll the queue while it waits for ready, if the

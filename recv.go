@@ -23,11 +23,20 @@ import (
 // the streams, so nothing reaches a stream after that.
 func (s *Session) recvLoop() {
 	defer close(s.loopDone)
+	defer s.sock.timer.Stop()
 	var err error
 	for err == nil {
 		var h wire.Header
 		var payload []byte
-		if h, payload, err = s.ec.readFrame(s.conf.MaxFallbackFrameSize); err != nil {
+		if s.mayLend() {
+			// A lone reader reads the socket itself (lead.go).
+			if h, payload, err = s.lendSocket(); err != nil {
+				break
+			}
+			if h == nil {
+				continue
+			}
+		} else if h, payload, err = s.ec.readFrame(s.conf.MaxFallbackFrameSize); err != nil {
 			if !isTimeout(err) || s.IsClosed() {
 				break
 			}

@@ -67,6 +67,9 @@ type Session struct {
 	// Fallback data received and not yet released by the streams.
 	fallbackHeld atomic.Int64
 	fallbackRoom chan struct{} // signalled when fallback data is released
+
+	sock    socketTurn // who reads the socket (lead.go)
+	leading bool       // a reader reads the socket; written by the socket's holder
 }
 
 func newSession(conn net.Conn, conf *Config, client bool) *Session {
@@ -81,6 +84,7 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 		fallbackRoom: make(chan struct{}, 1),
 	}
 	s.cons.init(conf.ConsumerSpinTime)
+	s.sock.init()
 	s.accepted.init()
 	return s
 }

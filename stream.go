@@ -72,6 +72,9 @@ func (st *Stream) notify() {
 	case st.readNotify <- struct{}{}:
 	default:
 	}
+	if st.s.sock.blocked.Load() == st {
+		st.s.kick() // its reader is in a socket read (lead.go)
+	}
 }
 
 // Read reads up to len(p) bytes into p. It copies, so it returns the
@@ -140,7 +143,9 @@ func (st *Stream) waitReadable(n int) error {
 		polled := awaiting && st.pollTurn() && s.pollFor(st.readNotify)
 		if !polled {
 			s.sleepers.Add(1)
-			s.wait(st.readNotify, deadline)
+			if !deadline.IsZero() || !s.lead(st) {
+				s.wait(st.readNotify, deadline)
+			}
 			s.sleepers.Add(-1)
 		}
 		if counted {

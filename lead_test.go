@@ -1,0 +1,280 @@
+package shmipc
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"testing"
+	"time"
+)
+
+// Tests of a lone reader reading the socket itself (lead.go). Spinning is
+// off in all of them, so that a reader waiting for data sleeps, or leads.
+
+func noSpin(c *Config) { c.ConsumerSpinTime = 0 }
+
+// leadPair returns a pair without spinning and a stream open on both sides.
+func leadPair(t *testing.T) (p *streamTestPair, cli, srv *Stream) {
+	t.Helper()
+	p = newStreamTestPair(t, MemMapTypeMemFd, noSpin)
+	cli, err := p.client.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	srv, err = p.server.AcceptStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 5)
+	if _, err := io.ReadFull(srv, buf); err != nil {
+		t.Fatal(err)
+	}
+	// A reply, which the client's receive loop hands to the waiting reader
+	// together with the socket.
+	if _, err := srv.Write(buf); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(cli, buf); err != nil {
+		t.Fatal(err)
+	}
+	return p, cli, srv
+}
+
+// waitLeading waits up to d for st's reader to be in a socket read of its
+// own.
+func waitLeading(st *Stream, d time.Duration) bool {
+	deadline := time.Now().Add(d)
+	for st.s.sock.blocked.Load() != st {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	return true
+}
+
+// leadingRead starts a read of n bytes on cli that leads. A reader that
+// waits while the receive loop holds the socket gets its data from the
+// loop, and the socket with it; so until a read leads, peer sends it a
+// byte and it tries again.
+func leadingRead(t *testing.T, cli, peer *Stream, n int) <-chan error {
+	t.Helper()
+	for range 100 {
+		done := readAsync(cli, n)
+		if waitLeading(cli, 50*time.Millisecond) {
+			return done
+		}
+		if _, err := peer.Write(bytes.Repeat([]byte{1}, n)); err != nil {
+			t.Fatal(err)
+		}
+		if err := waitErr(t, done, "a read handed over by the loop"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Fatal("the reader never read the socket itself")
+	return nil
+}
+
+// readAsync reads once from st in a goroutine.
+func readAsync(st *Stream, n int) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		buf := make([]byte, n)
+		_, err := io.ReadFull(st, buf)
+		done <- err
+	}()
+	return done
+}
+
+func waitErr(t *testing.T, done <-chan error, what string) error {
+	t.Helper()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s: the read did not return", what)
+		return nil
+	}
+}
+
+// TestLoneReaderLeads: in a request-reply exchange, the waiting reader reads
+// the socket itself (after the first exchange, in which the receive loop
+// hands it the socket), and every message arrives intact and in order.
+func TestLoneReaderLeads(t *testing.T) {
+	_, cli, srv := leadPair(t)
+	go func() {
+		buf := make([]byte, 64)
+		for {
+			n, err := srv.Read(buf)
+			if err != nil {
+				return
+			}
+			if _, err := srv.Write(buf[:n]); err != nil {
+				return
+			}
+		}
+	}()
+	for i := range 200 {
+		msg := bytes.Repeat([]byte{byte(i)}, 1+i%64)
+		if _, err := cli.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(cli, got); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, msg) {
+			t.Fatalf("round trip %d: got %x, want %x", i, got, msg)
+		}
+	}
+	// The client's reader now waits with nothing to come: it leads.
+	done := leadingRead(t, cli, srv, 1)
+	if _, err := srv.Write([]byte{7}); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitErr(t, done, "read while leading"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestLeaderWokenByCloseAndDeadline: a reader blocked in its own socket read
+// returns when its stream is closed, when a read deadline passes and when
+// the session is closed, as a sleeping reader does.
+func TestLeaderWokenByCloseAndDeadline(t *testing.T) {
+	t.Run("Close", func(t *testing.T) {
+		_, cli, srv := leadPair(t)
+		done := leadingRead(t, cli, srv, 1)
+		cli.Close()
+		if err := waitErr(t, done, "after Close"); !errors.Is(err, ErrStreamClosed) {
+			t.Fatalf("got %v, want ErrStreamClosed", err)
+		}
+	})
+	t.Run("SetReadDeadline", func(t *testing.T) {
+		_, cli, srv := leadPair(t)
+		done := leadingRead(t, cli, srv, 1)
+		if err := cli.SetReadDeadline(time.Now().Add(20 * time.Millisecond)); err != nil {
+			t.Fatal(err)
+		}
+		if err := waitErr(t, done, "after SetReadDeadline"); !errors.Is(err, ErrTimeout) {
+			t.Fatalf("got %v, want ErrTimeout", err)
+		}
+	})
+	t.Run("SessionClose", func(t *testing.T) {
+		p, cli, srv := leadPair(t)
+		done := leadingRead(t, cli, srv, 1)
+		p.client.Close()
+		if err := waitErr(t, done, "after the session closed"); err == nil {
+			t.Fatal("read succeeded on a closed session")
+		}
+	})
+	t.Run("PeerClose", func(t *testing.T) {
+		_, cli, srv := leadPair(t)
+		done := leadingRead(t, cli, srv, 1)
+		srv.Close()
+		if err := waitErr(t, done, "after the peer closed"); !errors.Is(err, io.EOF) {
+			t.Fatalf("got %v, want io.EOF", err)
+		}
+	})
+	t.Run("PeerDies", func(t *testing.T) {
+		p, cli, srv := leadPair(t)
+		done := leadingRead(t, cli, srv, 1)
+		p.server.Close()
+		if err := waitErr(t, done, "after the peer's session closed"); err == nil {
+			t.Fatal("read succeeded after the peer's session closed")
+		}
+	})
+}
+
+// TestLeaderServesOtherStreams: while one reader leads, data for another
+// stream, whose reader sleeps, reaches that reader; the leader still gets
+// its own data afterwards.
+func TestLeaderServesOtherStreams(t *testing.T) {
+	p, cli, srv := leadPair(t)
+	done := leadingRead(t, cli, srv, 3)
+
+	other, err := p.client.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	srvOther, err := p.server.AcceptStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(srvOther, make([]byte, 1)); err != nil {
+		t.Fatal(err)
+	}
+	otherDone := readAsync(other, 4)
+	time.Sleep(5 * time.Millisecond) // let it sleep
+	if _, err := srvOther.Write([]byte("four")); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitErr(t, otherDone, "the other stream"); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("the leader's read returned (%v) with nothing sent to it", err)
+	default:
+	}
+	if _, err := srv.Write([]byte("abc")); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitErr(t, done, "the leader"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestSocketGoesBackToLoop: once a reader that led stops reading, the
+// receive loop takes the socket back, so a stream nobody reads yet, and
+// the server's Accept, still get what the peer sends.
+func TestSocketGoesBackToLoop(t *testing.T) {
+	p, cli, srv := leadPair(t)
+	for range 20 {
+		if _, err := srv.Write([]byte("r")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(cli, make([]byte, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Nobody reads on the client from here on. A new stream from the server
+	// side is not possible (servers cannot open streams), so the client
+	// side is checked through the peer: the server's own socket.
+	for range 20 {
+		if _, err := cli.Write([]byte("q")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(srv, make([]byte, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The server's reader has stopped: a new stream must still be accepted.
+	accepted := make(chan error, 1)
+	go func() {
+		st, err := p.server.AcceptStream()
+		if err == nil {
+			_, err = io.ReadFull(st, make([]byte, 2))
+		}
+		accepted <- err
+	}()
+	time.Sleep(10 * time.Millisecond)
+	if p.server.sock.held.Load() == false {
+		t.Fatal("the server's socket is still free 10 ms after its reader stopped")
+	}
+	st, err := p.client.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Write([]byte("hi")); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitErr(t, accepted, "accepting a new stream"); err != nil {
+		t.Fatal(err)
+	}
+}
