@@ -18,6 +18,7 @@ import (
 	"github.com/goshm/shmipc"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/experimental"
 )
 
 // Transports.
@@ -75,6 +76,10 @@ var (
 	tunedConnWindow   int32 = 64 << 20
 	tunedWriteBuffer        = 256 << 10
 	tunedSocketRead         = 256 << 10
+	// tunedPool saves gRPC's clearing of every buffer it takes from its pool
+	// (dirtyPool), whatever the transport. It is set through gRPC's
+	// experimental package.
+	tunedPool = &dirtyPool{}
 )
 
 // readBufferOn is the tuned read buffer of a transport. Over a socket a
@@ -102,11 +107,13 @@ func tunedOptions() optionSet {
 		grpc.WithInitialWindowSize(tunedStreamWindow),
 		grpc.WithInitialConnWindowSize(tunedConnWindow),
 		grpc.WithWriteBufferSize(tunedWriteBuffer),
+		experimental.WithBufferPool(tunedPool),
 	)
 	o.server = append(o.server,
 		grpc.InitialWindowSize(tunedStreamWindow),
 		grpc.InitialConnWindowSize(tunedConnWindow),
 		grpc.WriteBufferSize(tunedWriteBuffer),
+		experimental.BufferPool(tunedPool),
 	)
 	return o
 }
