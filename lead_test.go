@@ -70,7 +70,7 @@ func leadingRead(t *testing.T, cli, peer *Stream, n int) <-chan error {
 		if _, err := peer.Write(bytes.Repeat([]byte{1}, n)); err != nil {
 			t.Fatal(err)
 		}
-		if err := waitErr(t, done, "a read handed over by the loop"); err != nil {
+		if err := waitResult(t, done, "a read handed over by the loop"); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -87,17 +87,6 @@ func readAsync(st *Stream, n int) <-chan error {
 		done <- err
 	}()
 	return done
-}
-
-func waitErr(t *testing.T, done <-chan error, what string) error {
-	t.Helper()
-	select {
-	case err := <-done:
-		return err
-	case <-time.After(10 * time.Second):
-		t.Fatalf("%s: the read did not return", what)
-		return nil
-	}
 }
 
 // TestLoneReaderLeads: in a request-reply exchange, the waiting reader reads
@@ -135,7 +124,7 @@ func TestLoneReaderLeads(t *testing.T) {
 	if _, err := srv.Write([]byte{7}); err != nil {
 		t.Fatal(err)
 	}
-	if err := waitErr(t, done, "read while leading"); err != nil {
+	if err := waitResult(t, done, "read while leading"); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -148,7 +137,7 @@ func TestLeaderWokenByCloseAndDeadline(t *testing.T) {
 		_, cli, srv := leadPair(t)
 		done := leadingRead(t, cli, srv, 1)
 		cli.Close()
-		if err := waitErr(t, done, "after Close"); !errors.Is(err, ErrStreamClosed) {
+		if err := waitResult(t, done, "after Close"); !errors.Is(err, ErrStreamClosed) {
 			t.Fatalf("got %v, want ErrStreamClosed", err)
 		}
 	})
@@ -158,7 +147,7 @@ func TestLeaderWokenByCloseAndDeadline(t *testing.T) {
 		if err := cli.SetReadDeadline(time.Now().Add(20 * time.Millisecond)); err != nil {
 			t.Fatal(err)
 		}
-		if err := waitErr(t, done, "after SetReadDeadline"); !errors.Is(err, ErrTimeout) {
+		if err := waitResult(t, done, "after SetReadDeadline"); !errors.Is(err, ErrTimeout) {
 			t.Fatalf("got %v, want ErrTimeout", err)
 		}
 	})
@@ -166,7 +155,7 @@ func TestLeaderWokenByCloseAndDeadline(t *testing.T) {
 		p, cli, srv := leadPair(t)
 		done := leadingRead(t, cli, srv, 1)
 		p.client.Close()
-		if err := waitErr(t, done, "after the session closed"); err == nil {
+		if err := waitResult(t, done, "after the session closed"); err == nil {
 			t.Fatal("read succeeded on a closed session")
 		}
 	})
@@ -174,7 +163,7 @@ func TestLeaderWokenByCloseAndDeadline(t *testing.T) {
 		_, cli, srv := leadPair(t)
 		done := leadingRead(t, cli, srv, 1)
 		srv.Close()
-		if err := waitErr(t, done, "after the peer closed"); !errors.Is(err, io.EOF) {
+		if err := waitResult(t, done, "after the peer closed"); !errors.Is(err, io.EOF) {
 			t.Fatalf("got %v, want io.EOF", err)
 		}
 	})
@@ -182,7 +171,7 @@ func TestLeaderWokenByCloseAndDeadline(t *testing.T) {
 		p, cli, srv := leadPair(t)
 		done := leadingRead(t, cli, srv, 1)
 		p.server.Close()
-		if err := waitErr(t, done, "after the peer's session closed"); err == nil {
+		if err := waitResult(t, done, "after the peer's session closed"); err == nil {
 			t.Fatal("read succeeded after the peer's session closed")
 		}
 	})
@@ -214,7 +203,7 @@ func TestLeaderServesOtherStreams(t *testing.T) {
 	if _, err := srvOther.Write([]byte("four")); err != nil {
 		t.Fatal(err)
 	}
-	if err := waitErr(t, otherDone, "the other stream"); err != nil {
+	if err := waitResult(t, otherDone, "the other stream"); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -225,7 +214,7 @@ func TestLeaderServesOtherStreams(t *testing.T) {
 	if _, err := srv.Write([]byte("abc")); err != nil {
 		t.Fatal(err)
 	}
-	if err := waitErr(t, done, "the leader"); err != nil {
+	if err := waitResult(t, done, "the leader"); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -274,7 +263,7 @@ func TestSocketGoesBackToLoop(t *testing.T) {
 	if _, err := st.Write([]byte("hi")); err != nil {
 		t.Fatal(err)
 	}
-	if err := waitErr(t, accepted, "accepting a new stream"); err != nil {
+	if err := waitResult(t, accepted, "accepting a new stream"); err != nil {
 		t.Fatal(err)
 	}
 }
