@@ -46,6 +46,7 @@ type socketTurn struct {
 	toLoop  atomic.Bool            // a leader handed the socket to the receive loop
 	blocked atomic.Pointer[Stream] // the stream whose reader is in a socket read
 	wanted  atomic.Pointer[Stream] // a lone reader slept while the loop read
+	wantSeq atomic.Uint64          // its stream's delivered count then
 	back    chan struct{}          // wakes a receive loop that lent the socket
 	timer   *time.Timer            // gives a free socket back to the loop
 	armed   atomic.Bool            // timer is set
@@ -115,19 +116,25 @@ func (t *socketTurn) signal() {
 	}
 }
 
-// othersSleep reports whether a reader other than st's sleeps: one that is
-// counted in sleepers and is not st's, about to be woken (its notification
-// pending).
+// othersSleep reports whether a reader other than st's sleeps; st's reader
+// has just been handed data and is about to wake. (A notification to a
+// reader parked on its channel goes straight to it, so that cannot be told
+// from the channel.)
 func (s *Session) othersSleep(st *Stream) bool {
 	n := s.sleepers.Load()
-	return n > 1 || n == 1 && len(st.readNotify) == 0
+	if st != nil && st.sleeping.Load() {
+		n--
+	}
+	return n > 0
 }
 
 // mayLend reports whether the receive loop should lend the socket now: a
-// reader wants it and no other reader sleeps.
+// reader wants it, has been handed data since it asked, and no other reader
+// sleeps.
 func (s *Session) mayLend() bool {
 	st := s.sock.wanted.Load()
-	return st != nil && !s.othersSleep(st) && !s.IsClosed()
+	return st != nil && st.delivered.Load() != s.sock.wantSeq.Load() &&
+		!s.othersSleep(st) && !s.IsClosed()
 }
 
 // lendSocket leaves the socket to readers and waits until the receive loop
@@ -173,6 +180,7 @@ func (s *Session) lead(st *Stream) bool {
 	}
 	if !t.held.CompareAndSwap(false, true) {
 		if s.sleepers.Load() == 1 {
+			t.wantSeq.Store(st.delivered.Load())
 			t.wanted.Store(st)
 		}
 		return false

@@ -29,6 +29,8 @@ type Stream struct {
 	mu         sync.Mutex // guards reader and the fields below it
 	reader     streamReader
 	readNotify chan struct{} // signalled on new data, close and deadline changes
+	sleeping   atomic.Bool   // the reader sleeps on readNotify (lead.go)
+	delivered  atomic.Uint64 // messages handed to the stream (lead.go)
 	rDeadline  time.Time
 	closed     bool // Close was called
 	peerClosed bool // the peer closed its side
@@ -144,7 +146,9 @@ func (st *Stream) waitReadable(n int) error {
 		if !polled {
 			s.sleepers.Add(1)
 			if !deadline.IsZero() || !s.lead(st) {
+				st.sleeping.Store(true)
 				s.wait(st.readNotify, deadline)
+				st.sleeping.Store(false)
 			}
 			s.sleepers.Add(-1)
 		}
@@ -179,6 +183,7 @@ func (st *Stream) deliver(slices []segment, heap []byte) bool {
 		st.reader.append(slices)
 	}
 	st.mu.Unlock()
+	st.delivered.Add(1)
 	st.awaiting.Store(false)
 	st.notify()
 	return true
