@@ -34,9 +34,9 @@ import (
 //     socket (handBack);
 //   - a leader that got its data leaves the socket free for its next wait,
 //     and a timer gives it back to the receive loop if no reader takes it
-//     within socketLendTime; if another reader sleeps, the loop is woken at
-//     once instead. A reader that begins to sleep while the socket is free
-//     takes it, so no reader waits on a socket nobody reads.
+//     within one to two socketLendTime; if another reader sleeps, the loop
+//     is woken at once instead. A reader that begins to sleep while the
+//     socket is free takes it, so no reader waits on a socket nobody reads.
 //
 // Whatever wakes a reader (its data delivered by someone else, a close, a
 // deadline set) also kicks it out of its socket read when it leads
@@ -50,7 +50,8 @@ type socketTurn struct {
 	back    chan struct{}          // wakes a receive loop that lent the socket
 	timer   *time.Timer            // gives a free socket back to the loop
 	armed   atomic.Bool            // timer is set
-	freed   atomic.Int64           // when the socket was last left free (monotonic ns)
+	frees   atomic.Uint64          // how often the socket was left free
+	seen    atomic.Uint64          // frees when the timer was set
 
 	// Left by a leader for the receive loop, written before toLoop is set:
 	// a frame it read and does not handle, or the error that ended its
@@ -60,8 +61,8 @@ type socketTurn struct {
 	err     error
 }
 
-// socketLendTime is how long the socket may stay free after a leader got its
-// data, before the receive loop takes it back. A reader in a request-reply
+// socketLendTime is about how long the socket may stay free after a leader
+// got its data, before the receive loop takes it back (one to two periods). A reader in a request-reply
 // exchange waits again well within it; the loop taking the socket back
 // costs a wake-up, and frames (other than wake-ups for a reader) wait at
 // most this long meanwhile.
@@ -74,38 +75,37 @@ func (t *socketTurn) init() {
 	t.timer.Stop()
 }
 
-// monoBase makes monotonic timestamps small integers.
-var monoBase = time.Now()
-
-func monoNow() int64 { return int64(time.Since(monoBase)) }
-
 // free leaves the socket to whichever reader waits next, and sees that the
-// receive loop takes it back if none does within socketLendTime. The timer
-// is set once per period, not per call: moving it on every message would
-// make the runtime wake its network poller each time.
+// receive loop takes it back if none does within one to two
+// socketLendTime. The timer is set once per period, not per call, and no
+// clock is read: moving the timer on every message would make the runtime
+// wake its network poller each time.
 func (t *socketTurn) free() {
-	t.freed.Store(monoNow())
+	t.frees.Add(1)
 	t.held.Store(false)
 	if !t.armed.Load() && t.armed.CompareAndSwap(false, true) {
+		t.seen.Store(t.frees.Load())
 		t.timer.Reset(socketLendTime)
 	}
 }
 
-// check runs on the timer: it wakes the receive loop if the socket has been
-// free for socketLendTime, and looks again later if it was freed since.
-// While a reader holds the socket the timer stays off; its next free sets it.
+// check runs on the timer: it wakes the receive loop if the socket is free
+// and was not freed again for a whole period, and waits another period if
+// it was. While a reader holds the socket the timer stays off; its next
+// free sets it.
 func (t *socketTurn) check() {
 	t.armed.Store(false)
 	if t.held.Load() {
 		return
 	}
-	idle := time.Duration(monoNow() - t.freed.Load())
-	if idle >= socketLendTime {
+	n := t.frees.Load()
+	if n == t.seen.Load() {
 		t.signal()
 		return
 	}
 	if t.armed.CompareAndSwap(false, true) {
-		t.timer.Reset(socketLendTime - idle)
+		t.seen.Store(n)
+		t.timer.Reset(socketLendTime)
 	}
 }
 

@@ -130,51 +130,38 @@ func TestLoneReaderLeads(t *testing.T) {
 }
 
 // TestLeaderWokenByCloseAndDeadline: a reader blocked in its own socket read
-// returns when its stream is closed, when a read deadline passes and when
-// the session is closed, as a sleeping reader does.
+// returns when its stream is closed, when a read deadline passes, when the
+// session is closed and when the peer closes the stream or its session, as
+// a sleeping reader does.
 func TestLeaderWokenByCloseAndDeadline(t *testing.T) {
-	t.Run("Close", func(t *testing.T) {
-		_, cli, srv := leadPair(t)
-		done := leadingRead(t, cli, srv, 1)
-		cli.Close()
-		if err := waitResult(t, done, "after Close"); !errors.Is(err, ErrStreamClosed) {
-			t.Fatalf("got %v, want ErrStreamClosed", err)
-		}
-	})
-	t.Run("SetReadDeadline", func(t *testing.T) {
-		_, cli, srv := leadPair(t)
-		done := leadingRead(t, cli, srv, 1)
-		if err := cli.SetReadDeadline(time.Now().Add(20 * time.Millisecond)); err != nil {
-			t.Fatal(err)
-		}
-		if err := waitResult(t, done, "after SetReadDeadline"); !errors.Is(err, ErrTimeout) {
-			t.Fatalf("got %v, want ErrTimeout", err)
-		}
-	})
-	t.Run("SessionClose", func(t *testing.T) {
-		p, cli, srv := leadPair(t)
-		done := leadingRead(t, cli, srv, 1)
-		p.client.Close()
-		if err := waitResult(t, done, "after the session closed"); err == nil {
-			t.Fatal("read succeeded on a closed session")
-		}
-	})
-	t.Run("PeerClose", func(t *testing.T) {
-		_, cli, srv := leadPair(t)
-		done := leadingRead(t, cli, srv, 1)
-		srv.Close()
-		if err := waitResult(t, done, "after the peer closed"); !errors.Is(err, io.EOF) {
-			t.Fatalf("got %v, want io.EOF", err)
-		}
-	})
-	t.Run("PeerDies", func(t *testing.T) {
-		p, cli, srv := leadPair(t)
-		done := leadingRead(t, cli, srv, 1)
-		p.server.Close()
-		if err := waitResult(t, done, "after the peer's session closed"); err == nil {
-			t.Fatal("read succeeded after the peer's session closed")
-		}
-	})
+	anyErr := func(err error) bool { return err != nil }
+	cases := []struct {
+		name string
+		act  func(t *testing.T, p *streamTestPair, cli, srv *Stream)
+		want func(error) bool
+	}{
+		{"Close", func(t *testing.T, p *streamTestPair, cli, srv *Stream) { cli.Close() },
+			func(err error) bool { return errors.Is(err, ErrStreamClosed) }},
+		{"SetReadDeadline", func(t *testing.T, p *streamTestPair, cli, srv *Stream) {
+			if err := cli.SetReadDeadline(time.Now().Add(20 * time.Millisecond)); err != nil {
+				t.Fatal(err)
+			}
+		}, func(err error) bool { return errors.Is(err, ErrTimeout) }},
+		{"SessionClose", func(t *testing.T, p *streamTestPair, cli, srv *Stream) { p.client.Close() }, anyErr},
+		{"PeerClose", func(t *testing.T, p *streamTestPair, cli, srv *Stream) { srv.Close() },
+			func(err error) bool { return errors.Is(err, io.EOF) }},
+		{"PeerDies", func(t *testing.T, p *streamTestPair, cli, srv *Stream) { p.server.Close() }, anyErr},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p, cli, srv := leadPair(t)
+			done := leadingRead(t, cli, srv, 1)
+			c.act(t, p, cli, srv)
+			if err := waitResult(t, done, "the leading read"); !c.want(err) {
+				t.Fatalf("the leading read returned %v", err)
+			}
+		})
+	}
 }
 
 // TestLeaderServesOtherStreams: while one reader leads, data for another
@@ -219,31 +206,28 @@ func TestLeaderServesOtherStreams(t *testing.T) {
 	}
 }
 
-// TestSocketGoesBackToLoop: once a reader that led stops reading, the
-// receive loop takes the socket back, so a stream nobody reads yet, and
-// the server's Accept, still get what the peer sends.
+// TestSocketGoesBackToLoop: once a reader that led has its data and reads
+// no more, the receive loop takes the socket back, so the server's Accept
+// still gets a stream the peer opens.
 func TestSocketGoesBackToLoop(t *testing.T) {
 	p, cli, srv := leadPair(t)
-	for range 20 {
-		if _, err := srv.Write([]byte("r")); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := io.ReadFull(cli, make([]byte, 1)); err != nil {
-			t.Fatal(err)
-		}
+	// A read on the server that leads, then completes: the server's socket
+	// is left free.
+	done := leadingRead(t, srv, cli, 1)
+	if _, err := cli.Write([]byte("q")); err != nil {
+		t.Fatal(err)
 	}
-	// Nobody reads on the client from here on. A new stream from the server
-	// side is not possible (servers cannot open streams), so the client
-	// side is checked through the peer: the server's own socket.
-	for range 20 {
-		if _, err := cli.Write([]byte("q")); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := io.ReadFull(srv, make([]byte, 1)); err != nil {
-			t.Fatal(err)
-		}
+	if err := waitResult(t, done, "the server's leading read"); err != nil {
+		t.Fatal(err)
 	}
-	// The server's reader has stopped: a new stream must still be accepted.
+	deadline := time.Now().Add(5 * time.Second)
+	for !p.server.sock.held.Load() {
+		if time.Now().After(deadline) {
+			t.Fatal("the receive loop did not take the free socket back")
+		}
+		time.Sleep(time.Millisecond)
+	}
+
 	accepted := make(chan error, 1)
 	go func() {
 		st, err := p.server.AcceptStream()
@@ -252,10 +236,6 @@ func TestSocketGoesBackToLoop(t *testing.T) {
 		}
 		accepted <- err
 	}()
-	time.Sleep(10 * time.Millisecond)
-	if p.server.sock.held.Load() == false {
-		t.Fatal("the server's socket is still free 10 ms after its reader stopped")
-	}
 	st, err := p.client.OpenStream()
 	if err != nil {
 		t.Fatal(err)
