@@ -33,6 +33,12 @@ const (
 	flagHasNext = 0x01
 	flagInUse   = 0x02
 
+	// maxReserve is how many free slices a list keeps for writers that
+	// hold slices (bufferManager.alloc): 2, or a quarter of a list of fewer
+	// than 8 slices. It is about liveness, not room: one slice is enough
+	// for an answer to go out and free its request.
+	maxReserve = 2
+
 	// popAttempts bounds the retries of one pop (PROTOCOL.md §4.8).
 	popAttempts = 200
 	// pushAttempts bounds the retries of one push. The protocol sets no
@@ -48,6 +54,9 @@ type sliceList struct {
 	stride   uint32 // sliceCap + sliceHeaderSize
 	sliceCap uint32
 	count    uint32
+	// reserve is how many free slices a writer that holds no slice of the
+	// region leaves on the list for writers that do (see alloc).
+	reserve int32
 }
 
 func (l *sliceList) end() uint32 { return l.area + l.count*l.stride }
@@ -74,6 +83,8 @@ type bufferManager struct {
 
 	keepers   atomic.Int32 // streams of this process that may keep a slice (reuse.go)
 	keepLimit int32        // the most that may
+
+	space spaceQueues // this process's writers waiting for room, in turn (space_queue.go)
 }
 
 // initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.
@@ -170,6 +181,7 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 			stride:   uint32(stride),
 			sliceCap: uint32(sliceCap),
 			count:    uint32(count),
+			reserve:  int32(min(count/4, maxReserve)),
 		}
 		total += count
 		// The last slice of a list is never handed out (PROTOCOL.md §4.8).
@@ -191,6 +203,7 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 		}
 	}
 	m.keepLimit = int32(m.lists[m.bySize[0]].count / keepShare)
+	m.space.init(n + 1)
 	return m, nil
 }
 
@@ -232,21 +245,28 @@ func corrupt(format string, args ...any) error {
 // absolute offset of the slice header, or 0 when the list has no slice to
 // spare. An error means the list is corrupt.
 func (m *bufferManager) pop(li int) (uint32, error) {
-	off, left, err := m.popList(li)
+	return m.popLeaving(li, 0)
+}
+
+// popLeaving is pop that gives up when it would leave the list with fewer
+// than keep free slices.
+func (m *bufferManager) popLeaving(li int, keep int32) (uint32, error) {
+	off, left, err := m.popList(li, keep)
 	if off != 0 && m.circ != nil {
 		err = m.circ.observe(m, li, left)
 	}
 	return off, err
 }
 
-// popList is pop without the circulation bookkeeping. It also returns the
-// free count the list was left with.
-func (m *bufferManager) popList(li int) (uint32, int32, error) {
+// popList is pop without the circulation bookkeeping, giving up when it
+// would leave the list with fewer than keep free slices (0: take any but
+// the last). It also returns the free count the list was left with.
+func (m *bufferManager) popList(li int, keep int32) (uint32, int32, error) {
 	l := &m.lists[li]
 	free, head := m.i32(l.header+listFreeOff), m.u32(l.header+listHeadOff)
 	h := atomic.LoadUint32(head)
 	left := atomic.AddInt32(free, -1)
-	if left <= 0 {
+	if left <= 0 || left < keep {
 		atomic.AddInt32(free, 1)
 		return 0, 0, nil
 	}
@@ -309,6 +329,7 @@ func (m *bufferManager) pushList(li int, off uint32) (int32, error) {
 			atomic.OrUint32(m.u32(prev+sliceFlagsOff), flagHasNext)
 			left := atomic.AddInt32(m.i32(l.header+listFreeOff), 1)
 			atomic.AddInt32(m.i32(l.header+m.counter), -1)
+			m.space.freed()
 			return left, nil
 		}
 	}
@@ -334,10 +355,27 @@ func (m *bufferManager) locate(off uint32) (int, error) {
 // is set the bytes need not be contiguous, so after those it takes the
 // largest smaller slice that is left. It returns li = -1 when no list can
 // give a slice.
-func (m *bufferManager) alloc(n int, split bool) (li int, off uint32, err error) {
-	start := sort.Search(len(m.bySize), func(i int) bool { return int(m.lists[m.bySize[i]].sliceCap) >= n })
+//
+// With leave, the writer holds no slice of the region, and it leaves the
+// reserve (maxReserve slices) of the lists it takes as a last resort: the
+// largest list, and the smaller ones of a split. It takes no slice that
+// would leave such a list with fewer free slices than its reserve besides
+// the last one, which is never handed out; parked slices count as being on
+// the list. The reserve goes to writers that hold slices: part of the
+// message they are building, or a message they received and have not
+// released, such as a request an echo answers before releasing it. When
+// every writer may take every slice, new requests fill the region and the
+// writers that would answer them, holding a request each, wait for room
+// that only their answers would free; with the reserve there is always
+// room for an answer, so exchanges go on turning instead of stalling until
+// those writers fall back to the socket. The lists between the first that
+// fits and the largest are taken in full: an answer that finds one empty
+// goes on to a larger one, as a request does.
+func (m *bufferManager) alloc(n int, split, leave bool) (li int, off uint32, err error) {
+	start := m.firstFit(n)
+	largest := m.bySize[len(m.bySize)-1]
 	for _, i := range m.bySize[start:] {
-		if off, err = m.take(i); off != 0 || err != nil {
+		if off, err = m.take(i, leave && i == largest); off != 0 || err != nil {
 			return i, off, err
 		}
 	}
@@ -346,19 +384,49 @@ func (m *bufferManager) alloc(n int, split bool) (li int, off uint32, err error)
 	}
 	for k := start - 1; k >= 0; k-- {
 		i := m.bySize[k]
-		if off, err = m.take(i); off != 0 || err != nil {
+		if off, err = m.take(i, leave); off != 0 || err != nil {
 			return i, off, err
 		}
 	}
 	return -1, 0, nil
 }
 
+// firstFit is the position in bySize of the smallest list whose slices
+// hold n bytes (len(bySize) if none does).
+func (m *bufferManager) firstFit(n int) int {
+	return sort.Search(len(m.bySize), func(i int) bool { return int(m.lists[m.bySize[i]].sliceCap) >= n })
+}
+
+// class is the queue a writer asking for n bytes waits for room in
+// (space_queue.go): for n contiguous bytes, that of the smallest list whose
+// slices hold them (or the largest list); for bytes that may be split over
+// slices of any list, one queue of its own.
+func (m *bufferManager) class(n int, split bool) int {
+	if split {
+		return len(m.lists)
+	}
+	return m.bySize[min(m.firstFit(n), len(m.bySize)-1)]
+}
+
 // take pops a slice of list li for this process's own use: from the free
 // list, or when that has none to spare, one of the list's parked slices
-// (circulation.go).
-func (m *bufferManager) take(li int) (uint32, error) {
-	off, err := m.pop(li)
+// (circulation.go). With leave, it leaves the list's reserve (see alloc),
+// parked slices included.
+func (m *bufferManager) take(li int, leave bool) (uint32, error) {
+	var keep, parked int32
+	if m.circ != nil {
+		parked = m.circ.lists[li].parked.Load()
+	}
+	if leave {
+		// The reserve, beyond the last slice, which is never handed out;
+		// parked slices are free too.
+		keep = m.lists[li].reserve + 1 - parked
+	}
+	off, err := m.popLeaving(li, keep)
 	if off == 0 && err == nil && m.circ != nil {
+		if leave && atomic.LoadInt32(m.i32(m.lists[li].header+listFreeOff))+parked-1 < m.lists[li].reserve+1 {
+			return 0, nil
+		}
 		off, err = m.circ.unparkOne(m, li)
 	}
 	return off, err

@@ -115,7 +115,7 @@ func TestBufferAllocSizeClasses(t *testing.T) {
 	m, _ := newHeapBuffer(t, bufTestPlans...)
 	capOf := func(n int, split bool) uint32 {
 		t.Helper()
-		li, off, err := m.alloc(n, split)
+		li, off, err := m.alloc(n, split, false)
 		if err != nil {
 			t.Fatalf("alloc(%d, %v): %v", n, split, err)
 		}
@@ -167,7 +167,7 @@ func TestBufferExhaustion(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for {
-				li, off, err := bm.alloc(1, true)
+				li, off, err := bm.alloc(1, true, false)
 				if err != nil {
 					errs <- err
 					return
@@ -205,7 +205,7 @@ func TestBufferExhaustion(t *testing.T) {
 	if got := fmt.Sprint(m.freeCounts()); got != initial {
 		t.Errorf("free counts %s after freeing everything, want %s", got, initial)
 	}
-	if li, off, err := m.alloc(64, false); li < 0 || err != nil {
+	if li, off, err := m.alloc(64, false, false); li < 0 || err != nil {
 		t.Errorf("alloc after freeing everything: list %d offset %d, %v", li, off, err)
 	}
 }
@@ -216,7 +216,7 @@ func bufTestMsg(t *testing.T, m *bufferManager, parts ...string) (root uint32, o
 	t.Helper()
 	lists := make([]int, len(parts))
 	for i, p := range parts {
-		li, off, err := m.alloc(len(p), false)
+		li, off, err := m.alloc(len(p), false, false)
 		if err != nil || li < 0 {
 			t.Fatalf("alloc(%d): list %d, %v", len(p), li, err)
 		}
@@ -405,7 +405,7 @@ func TestBufferCorruptFreeList(t *testing.T) {
 		if off, err := m.pop(li); off != 0 || !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "head") {
 			t.Errorf("pop: offset %d, %v; want ErrProtocol about the head", off, err)
 		}
-		if li2, _, err := m.alloc(1, false); !errors.Is(err, ErrProtocol) || li2 != li {
+		if li2, _, err := m.alloc(1, false, false); !errors.Is(err, ErrProtocol) || li2 != li {
 			t.Errorf("alloc: list %d, %v; want ErrProtocol from list %d", li2, err, li)
 		}
 		if f := m.freeCounts()[li]; f != 4 {

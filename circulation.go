@@ -346,7 +346,7 @@ func (c *circulation) parkOne(m *bufferManager, li int, keep int32) bool {
 	if circulating <= keep || atomic.LoadInt32(m.i32(l.header+listFreeOff)) <= c.spare[li] {
 		return false
 	}
-	off, _, err := m.popList(li)
+	off, _, err := m.popList(li, 0)
 	if off == 0 || err != nil {
 		return false
 	}

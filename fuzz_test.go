@@ -653,7 +653,7 @@ func (fm *fzBufModel) run(script []byte) {
 		case 0, 1: // alloc
 			n := int(s.u32() % (2*m.maxSliceCap() + 2))
 			split := op&0x80 != 0
-			li, off, err := m.alloc(n, split)
+			li, off, err := m.alloc(n, split, false)
 			fm.wantProtocol("alloc", err)
 			if err != nil {
 				if off != 0 {

@@ -101,7 +101,7 @@ func (m *bufferManager) giveBackList(li int, resident []byte) bool {
 	}
 	n := atomic.LoadInt32(m.i32(l.header + listFreeOff))
 	for range n {
-		off, _, err := m.popList(li)
+		off, _, err := m.popList(li, 0)
 		if err != nil || off == 0 {
 			break
 		}

@@ -175,7 +175,7 @@ func TestIsolationFaultWhileReaderWaits(t *testing.T) {
 			// lie beyond the file's new end.
 			var far uint32
 			for {
-				li, off, err := p.bm.alloc(100, false)
+				li, off, err := p.bm.alloc(100, false, false)
 				if err != nil || li < 0 {
 					t.Fatalf("no slice to spare: %d %v", li, err)
 				}
@@ -266,7 +266,7 @@ func TestIsolationNoDeliveryAfterClose(t *testing.T) {
 				return
 			default:
 			}
-			li, off, err := victimPeer.bm.alloc(4, false)
+			li, off, err := victimPeer.bm.alloc(4, false, false)
 			if err != nil || li < 0 || victimPeer.send.tail()-victimPeer.send.head() >= int64(victimPeer.send.cap) {
 				if li >= 0 && err == nil {
 					victimPeer.bm.push(li, off)
@@ -314,7 +314,7 @@ func TestIsolationCyclicChainFreesNothingTwice(t *testing.T) {
 	for _, size := range []int{0, 3} {
 		t.Run(fmt.Sprintf("size%d", size), func(t *testing.T) {
 			p, _, victim := srv.connect(t, MemMapTypeMemFd)
-			li, off, err := p.bm.alloc(4, false)
+			li, off, err := p.bm.alloc(4, false, false)
 			if err != nil || li < 0 {
 				t.Fatal("no slice")
 			}

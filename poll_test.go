@@ -45,7 +45,7 @@ func newPollSession(t *testing.T) (*Session, *pollPeer) {
 // data publishes a one-slice message for stream id.
 func (p *pollPeer) data(t *testing.T, id uint32) {
 	t.Helper()
-	li, off, err := p.buf.alloc(4, false)
+	li, off, err := p.buf.alloc(4, false, false)
 	if err != nil || li < 0 {
 		t.Fatalf("alloc: %d %v", li, err)
 	}

@@ -167,7 +167,7 @@ func (p *rawPeer) setU32(off, v uint32) {
 // absolute offset of its slice header.
 func (p *rawPeer) msg(data string) uint32 {
 	p.t.Helper()
-	li, off, err := p.bm.alloc(len(data), false)
+	li, off, err := p.bm.alloc(len(data), false, false)
 	if err != nil || li < 0 {
 		p.t.Fatalf("raw peer cannot allocate a slice: list %d, %v", li, err)
 	}
@@ -179,7 +179,7 @@ func (p *rawPeer) msg(data string) uint32 {
 // msgIn is msg in a slice of list li.
 func (p *rawPeer) msgIn(li int, data string) uint32 {
 	p.t.Helper()
-	off, err := p.bm.take(li)
+	off, err := p.bm.take(li, false)
 	if err != nil || off == 0 {
 		p.t.Fatalf("raw peer cannot take a slice of list %d: %v", li, err)
 	}

@@ -50,7 +50,7 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 			}
 			return true, nil
 		}
-		if err := wait.pause(s, st); err != nil {
+		if err := wait.pause(s, st, nil); err != nil {
 			if err == errSpaceTimeout {
 				return false, &spaceTimeout{msg: fmt.Sprintf("shmipc: IO queue full for %v: the peer is not consuming", wait.waited()), cause: ErrQueueFull}
 			}
@@ -70,9 +70,10 @@ type spaceWait struct {
 	limit time.Time
 }
 
-// pause sleeps once. It returns errSpaceTimeout when the time is up, or the
-// error that stops the writer (stream or session closed).
-func (w *spaceWait) pause(s *Session, st *Stream) error {
+// pause sleeps once, or until wake (if not nil) is signalled. It returns
+// errSpaceTimeout when the time is up, or the error that stops the writer
+// (stream or session closed).
+func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 	now := time.Now()
 	if w.start.IsZero() {
 		w.start, w.delay = now, minSpacePause
@@ -91,9 +92,24 @@ func (w *spaceWait) pause(s *Session, st *Stream) error {
 	if !now.Before(w.limit) {
 		return errSpaceTimeout
 	}
-	t := time.NewTimer(min(w.delay, w.limit.Sub(now)))
+	d := min(w.delay, w.limit.Sub(now))
+	var t *time.Timer
+	if st != nil {
+		// The stream's writer is the only one to use its timer, so that
+		// waiting allocates nothing after the first time.
+		if st.spaceTimer == nil {
+			st.spaceTimer = time.NewTimer(d)
+		} else {
+			st.spaceTimer.Reset(d)
+		}
+		t = st.spaceTimer
+	} else {
+		t = time.NewTimer(d)
+	}
 	select {
 	case <-t.C:
+	case <-wake:
+		t.Stop()
 	case <-s.closed:
 		t.Stop()
 		return s.closedErr()

@@ -35,9 +35,12 @@ type Stream struct {
 	closed     bool // Close was called
 	peerClosed bool // the peer closed its side
 
-	wmu       sync.Mutex // serialises writers, Flush and Close
-	writer    streamWriter
-	wDeadline atomic.Pointer[time.Time]
+	wmu    sync.Mutex // serialises writers, Flush and Close
+	writer streamWriter
+	// The writer's, for waiting for room (send.go, space_queue.go).
+	spaceCh    chan struct{}
+	spaceTimer *time.Timer
+	wDeadline  atomic.Pointer[time.Time]
 
 	writeClosed  atomic.Bool   // writes fail: closed here or by the peer
 	fallback     atomic.Bool   // once set, every message goes as FallbackData

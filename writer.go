@@ -65,15 +65,70 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		return nil
 	}
 	var wait spaceWait
-	for {
-		li, off, err := buf.alloc(want, !contiguous)
-		if err != nil {
-			st.s.closeWithError(err)
-			return fmt.Errorf("%w: %w", ErrSessionClosed, err)
+	// A writer that holds no slice leaves each list's reserve to those that
+	// do (bufferManager.alloc), and waits for room in turn with the other
+	// writers of this process that hold none (space_queue.go). A writer
+	// that never waits has no need to.
+	leave := len(w.segs) == 0 && !st.s.conf.FallbackWhenFull
+	asked := false
+	class, queued := -1, false
+	quit := func() {
+		if queued {
+			buf.space.leave(class, st.spaceCh)
+			queued = false
 		}
-		if li >= 0 {
-			w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
-			return nil
+	}
+	join := func() {
+		if st.spaceCh == nil {
+			st.spaceCh = make(chan struct{}, 1)
+		}
+		select {
+		case <-st.spaceCh: // a wake-up left over from an earlier wait
+		default:
+		}
+		buf.space.join(class, st.spaceCh)
+		queued = true
+	}
+	if leave {
+		class = buf.class(want, !contiguous)
+		if buf.space.busy(class) {
+			// Others wait for this class: after them, unless the stream
+			// holds received slices.
+			asked = true
+			if st.holdsReceived() {
+				leave = false
+			} else {
+				join()
+			}
+		}
+	}
+	head := false
+	for {
+		if queued && !head && buf.space.isHead(class, st.spaceCh) {
+			head = true
+			wait.delay = minSpacePause // its turn: look often again
+		}
+		if !queued || head {
+			li, off, err := buf.alloc(want, !contiguous, leave)
+			if err != nil {
+				quit()
+				st.s.closeWithError(err)
+				return fmt.Errorf("%w: %w", ErrSessionClosed, err)
+			}
+			if li >= 0 {
+				quit() // the next in the queue looks at once
+				w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
+				return nil
+			}
+			if leave && !asked {
+				// Short of room: does the stream hold received slices?
+				asked = true
+				if st.holdsReceived() {
+					leave = false
+					quit()
+					continue
+				}
+			}
 		}
 		waitedLong := !wait.start.IsZero() && time.Since(wait.start) >= heldSpaceWait
 		if st.s.conf.FallbackWhenFull || waitedLong && (len(w.segs) > 0 || st.holdsReceived()) {
@@ -89,11 +144,20 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			// slices back within one look (circulation.go), and most
 			// shortages are that. Falling back is not undone: the stream
 			// sends fallback data from then on.
+			quit()
 			w.appendHeap(want)
 			return nil
 		}
-		// Back-pressure: nothing is held; wait for the peer to free slices.
-		if err := wait.pause(st.s, st); err != nil {
+		if leave && !queued {
+			join()
+		}
+		// Back-pressure: wait for the peer to free slices.
+		var wake <-chan struct{}
+		if queued {
+			wake = st.spaceCh
+		}
+		if err := wait.pause(st.s, st, wake); err != nil {
+			quit()
 			if err == errSpaceTimeout {
 				return &spaceTimeout{msg: fmt.Sprintf("shmipc: no shared memory for %d more bytes for %v: the peer is not releasing what it received", want, wait.waited())}
 			}

@@ -1,0 +1,118 @@
+package shmipc
+
+import (
+	"sync"
+	"sync/atomic"
+)
+
+// Waiting for room in the buffer region, in turn.
+//
+// A writer that holds no slice and finds no room waits for the peer to free
+// some (back-pressure). When many wait at once, as when many streams send
+// large messages into a region that cannot hold them all, trying again at
+// intervals hands the room to whoever happens to look first after a slice
+// is freed. A stream that has just finished an exchange looks at once,
+// while one that has waited long sleeps between looks, so the streams that
+// already got room keep getting it and the others starve: with 64 streams
+// of 4 MiB echoes the slowest stream got under 1 % of the fastest one's
+// round trips.
+//
+// So such writers of this process queue, one queue per class of slice they
+// ask for (the smallest list whose slices hold the request, or one queue
+// for writers whose bytes may be split over slices of any size), and take
+// the room in the order they came: only the head of a queue looks for room, and
+// a writer that finds others queued for its class joins the end instead of
+// looking. The head looks at the usual back-pressure intervals, and at once
+// whenever this process frees a slice; once it has its slice, the next
+// writer becomes the head and looks at once. A writer that gives up (its
+// stream closed, a deadline, WriteSpaceTimeout) leaves the queue and, if it
+// was the head, passes the turn on.
+//
+// Writers that hold slices (bufferManager.alloc) do not queue: the room
+// they take lets an exchange finish and free slices, and the list reserve
+// keeps room for them.
+type spaceQueue struct {
+	mu      sync.Mutex
+	waiters []chan struct{} // in arrival order; the first is the head
+	n       atomic.Int32    // len(waiters), read without the lock
+}
+
+// spaceQueues are a region's queues for this process: one per list, and
+// one for writers that can use any list.
+type spaceQueues struct {
+	qs      []spaceQueue
+	waiting atomic.Int32 // writers in all the queues
+}
+
+func (sq *spaceQueues) init(lists int) { sq.qs = make([]spaceQueue, lists) }
+
+// busy reports whether writers wait in queue li.
+func (sq *spaceQueues) busy(li int) bool { return sq.qs[li].n.Load() > 0 }
+
+// join appends the writer whose wake-up channel is ch to queue li and
+// reports whether it is the head.
+func (sq *spaceQueues) join(li int, ch chan struct{}) bool {
+	q := &sq.qs[li]
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.waiters = append(q.waiters, ch)
+	q.n.Store(int32(len(q.waiters)))
+	sq.waiting.Add(1)
+	return len(q.waiters) == 1
+}
+
+// isHead reports whether ch heads queue li.
+func (sq *spaceQueues) isHead(li int, ch chan struct{}) bool {
+	q := &sq.qs[li]
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.waiters) > 0 && q.waiters[0] == ch
+}
+
+// leave takes ch out of queue li, and wakes the next writer if ch was the
+// head (it got its room, or gave up).
+func (sq *spaceQueues) leave(li int, ch chan struct{}) {
+	q := &sq.qs[li]
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for i, c := range q.waiters {
+		if c != ch {
+			continue
+		}
+		copy(q.waiters[i:], q.waiters[i+1:])
+		q.waiters[len(q.waiters)-1] = nil
+		q.waiters = q.waiters[:len(q.waiters)-1]
+		q.n.Store(int32(len(q.waiters)))
+		sq.waiting.Add(-1)
+		if i == 0 && len(q.waiters) > 0 {
+			wakeWriter(q.waiters[0])
+		}
+		return
+	}
+}
+
+// freed wakes the head of every queue: this process just freed a slice.
+func (sq *spaceQueues) freed() {
+	if sq.waiting.Load() == 0 {
+		return
+	}
+	for i := range sq.qs {
+		q := &sq.qs[i]
+		if q.n.Load() == 0 {
+			continue
+		}
+		q.mu.Lock()
+		if len(q.waiters) > 0 {
+			wakeWriter(q.waiters[0])
+		}
+		q.mu.Unlock()
+	}
+}
+
+// wakeWriter wakes the writer waiting on ch, if it is not awake already.
+func wakeWriter(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
+	}
+}

@@ -1,0 +1,271 @@
+package shmipc
+
+import (
+	"bytes"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/goshm/shmipc/internal/proctest"
+)
+
+func TestSpaceQueueOrder(t *testing.T) {
+	var sq spaceQueues
+	sq.init(2)
+	a, b, c := make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{}, 1)
+	if !sq.join(1, a) {
+		t.Fatal("the first writer of an empty queue is not its head")
+	}
+	if sq.join(1, b) || sq.join(1, c) {
+		t.Fatal("a writer joining a queue with others in it became its head")
+	}
+	if sq.busy(0) || !sq.busy(1) {
+		t.Fatalf("busy(0) %v, busy(1) %v: want false, true", sq.busy(0), sq.busy(1))
+	}
+	sq.freed() // wakes the head alone
+	if len(a) != 1 || len(b) != 0 || len(c) != 0 {
+		t.Fatalf("after a free: wake-ups a %d, b %d, c %d; want only the head's", len(a), len(b), len(c))
+	}
+	<-a
+	sq.leave(1, c) // not the head: nobody is woken
+	if len(a)+len(b) != 0 || !sq.isHead(1, a) {
+		t.Fatal("a writer leaving from the middle woke someone or changed the head")
+	}
+	sq.leave(1, a) // the head: the next is woken and heads the queue
+	if len(b) != 1 || !sq.isHead(1, b) {
+		t.Fatal("the head left and the next writer was not woken as the new head")
+	}
+	sq.leave(1, b)
+	if sq.busy(1) || sq.waiting.Load() != 0 {
+		t.Fatalf("queue still busy (%v) or counting %d waiters after all left", sq.busy(1), sq.waiting.Load())
+	}
+}
+
+// sqRegion is a region whose large class has 7 slices of sqSize: with the
+// last never handed out and a reserve of 1, a writer that holds nothing can
+// take 5 of them.
+func sqRegion() *Config {
+	conf := DefaultConfig()
+	conf.ShareMemoryBufferCap = 4 << 20
+	conf.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 50}, {Size: sqSize, Percent: 50}}
+	conf.WriteSpaceTimeout = 20 * time.Second
+	return conf
+}
+
+const sqSize = 256 << 10
+
+// Writers that find no room take it in the order they came, not whoever
+// looks first after a slice is freed.
+func TestWritersGetRoomInTurn(t *testing.T) {
+	sess, _ := bpPair(t, sqRegion())
+	if l := sess.Stats().Lists; len(l) != 2 || l[1].Slices != 7 {
+		t.Fatalf("lists %+v: want 7 slices of %d bytes", l, sqSize)
+	}
+	open := func() *Stream {
+		st, err := sess.OpenStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { st.Close() })
+		return st
+	}
+	// Five streams hold a large slice each in a message they have not sent.
+	var holders []*Stream
+	for range 5 {
+		st := open()
+		if _, err := st.BufferWriter().Reserve(sqSize); err != nil {
+			t.Fatal(err)
+		}
+		holders = append(holders, st)
+	}
+	class := sess.buf.class(sqSize, false)
+	const writers = 4
+	done := make(chan int, writers)
+	var wg sync.WaitGroup
+	for i := range writers {
+		st := open()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := st.BufferWriter().Reserve(sqSize); err != nil {
+				t.Errorf("writer %d: %v", i, err)
+			}
+			done <- i
+		}()
+		// Let it queue before the next one starts.
+		waitFor(t, fmt.Sprintf("writer %d to queue", i), func() bool { return sess.buf.space.qs[class].n.Load() == int32(i+1) })
+	}
+	for want := range writers {
+		holders[want].Close() // frees one large slice: room for one writer
+		select {
+		case got := <-done:
+			if got != want {
+				t.Fatalf("freed slice %d went to writer %d, want %d (the longest waiting)", want, got, want)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("no writer got the freed slice %d", want)
+		}
+	}
+	wg.Wait()
+	if n := sess.buf.space.waiting.Load(); n != 0 {
+		t.Fatalf("%d writers still counted as waiting", n)
+	}
+}
+
+// waitFor polls cond until it holds, failing the test after 10 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+const sqEchoRole = "space-queue-echo"
+
+// TestSpaceQueueEchoChild is the child process of
+// TestOverflowingEchoesStayInSharedMemory: an echo server that reserves
+// each reply before it releases the request it answers, until the parent
+// closes stdin; it then prints how many messages it sent as fallback data.
+func TestSpaceQueueEchoChild(t *testing.T) {
+	if proctest.Role() != sqEchoRole {
+		t.Skip("runs only as the child process of TestOverflowingEchoesStayInSharedMemory")
+	}
+	ln, err := Listen("unix", proctest.MustArg(t, "SOCK"), sqRegion())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu   sync.Mutex
+		sess *Session
+	)
+	go func() {
+		for {
+			st, err := ln.AcceptStream()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			sess = st.Session()
+			mu.Unlock()
+			go func() {
+				defer st.Close()
+				r, w := st.BufferReader(), st.BufferWriter()
+				for {
+					req, err := r.ReadBytes(sqSize)
+					if err != nil {
+						return
+					}
+					p, err := w.Reserve(sqSize)
+					if err != nil {
+						proctest.Println("reserve:", err)
+						return
+					}
+					copy(p, req)
+					r.ReleasePreviousRead()
+					if err := st.Flush(false); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	proctest.Ready()
+	<-proctest.StdinClosed()
+	mu.Lock()
+	defer mu.Unlock()
+	var fallbacks uint64
+	if sess != nil {
+		fallbacks = sess.Stats().FallbackMessagesOut
+	}
+	proctest.Println("fallbacks " + strconv.FormatUint(fallbacks, 10))
+	ln.Close()
+}
+
+// Echoes between two processes whose requests and replies together need
+// more of the region than it has: the echo server reserves each reply
+// while it holds the request. Requests must not take every slice, or the
+// server waits for room that only its replies would free and ends up
+// sending its replies over the socket; with the list reserve every
+// exchange stays in shared memory, and every stream gets its round trips.
+func TestOverflowingEchoesStayInSharedMemory(t *testing.T) {
+	sock := sockPath(t)
+	c, _ := startChild(t, proctest.Config{
+		TestName: "TestSpaceQueueEchoChild",
+		Role:     sqEchoRole,
+		Args:     map[string]string{"SOCK": sock},
+	})
+	sess, err := Dial("unix", sock, sqRegion())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+	const (
+		streams = 16 // each needs two large slices in flight; 6 can be handed out
+		rounds  = 30
+	)
+	var wg sync.WaitGroup
+	for i := range streams {
+		st, err := sess.OpenStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer st.Close()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for n := range rounds {
+				p, err := st.BufferWriter().Reserve(sqSize)
+				if err != nil {
+					t.Errorf("stream %d round %d: %v", i, n, err)
+					return
+				}
+				fill := byte(i*rounds + n)
+				for k := range p {
+					p[k] = fill
+				}
+				if err := st.Flush(false); err != nil {
+					t.Errorf("stream %d round %d: flush: %v", i, n, err)
+					return
+				}
+				got, err := st.BufferReader().ReadBytes(sqSize)
+				if err != nil {
+					t.Errorf("stream %d round %d: read: %v", i, n, err)
+					return
+				}
+				if !bytes.Equal(got, bytes.Repeat([]byte{fill}, sqSize)) {
+					t.Errorf("stream %d round %d: the echo differs", i, n)
+				}
+				st.BufferReader().ReleasePreviousRead()
+			}
+		}()
+	}
+	wg.Wait()
+	if fb := sess.Stats().FallbackMessagesOut; fb != 0 {
+		t.Errorf("the client sent %d messages as fallback data, want 0", fb)
+	}
+	if err := c.CloseStdin(); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		line, err := c.ReadLine(30 * time.Second)
+		if err != nil {
+			t.Fatalf("no report from the echo server: %v\n%s", err, c.Output())
+		}
+		if rest, ok := strings.CutPrefix(line, "fallbacks "); ok {
+			if rest != "0" {
+				t.Errorf("the echo server sent %s replies as fallback data, want 0", rest)
+			}
+			break
+		}
+		if strings.HasPrefix(line, "reserve:") {
+			t.Errorf("echo server: %s", line)
+		}
+	}
+}
