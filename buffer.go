@@ -371,7 +371,13 @@ func (m *bufferManager) locate(off uint32) (int, error) {
 // those writers fall back to the socket. The lists between the first that
 // fits and the largest are taken in full: an answer that finds one empty
 // goes on to a larger one, as a request does.
+//
+// Only the region's creator leaves a reserve. It alone sees the slices it
+// parked (circulation.go), and keeps a busy list short of free slices on
+// purpose; a mapper that counted only the free list could find such a list
+// never above the reserve, and wait for ever.
 func (m *bufferManager) alloc(n int, split, leave bool) (li int, off uint32, err error) {
+	leave = leave && m.circ != nil
 	start := m.firstFit(n)
 	largest := m.bySize[len(m.bySize)-1]
 	for _, i := range m.bySize[start:] {

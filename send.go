@@ -68,6 +68,7 @@ type spaceWait struct {
 	start time.Time
 	delay time.Duration
 	limit time.Time
+	max   time.Duration // the longest pause; maxSpacePause if zero
 }
 
 // pause sleeps once, or until wake (if not nil) is signalled. It returns
@@ -76,6 +77,7 @@ type spaceWait struct {
 func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 	now := time.Now()
 	if w.start.IsZero() {
+		s.counters.spaceWaits.Add(1)
 		w.start, w.delay = now, minSpacePause
 		w.limit = now.Add(s.conf.WriteSpaceTimeout)
 		if st != nil {
@@ -114,7 +116,11 @@ func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 		t.Stop()
 		return s.closedErr()
 	}
-	w.delay = min(2*w.delay, maxSpacePause)
+	longest := w.max
+	if longest == 0 {
+		longest = maxSpacePause
+	}
+	w.delay = min(2*w.delay, longest)
 	return nil
 }
 

@@ -269,3 +269,116 @@ func TestOverflowingEchoesStayInSharedMemory(t *testing.T) {
 		}
 	}
 }
+
+const sqPushRole = "space-queue-push"
+
+// TestSpaceQueuePushChild is the child process of
+// TestMapperWritesIntoParkedRegion: a server that sends messages of 4 MiB
+// on the stream it accepts, one at a time, each after the parent
+// acknowledged the previous one with a 1, until the parent answers 0; it
+// then prints "sent" and how many writes waited for room, or the error
+// that stopped it.
+func TestSpaceQueuePushChild(t *testing.T) {
+	if proctest.Role() != sqPushRole {
+		t.Skip("runs only as the child process of TestMapperWritesIntoParkedRegion")
+	}
+	conf := DefaultConfig()
+	conf.WriteSpaceTimeout = 3 * time.Second
+	ln, err := Listen("unix", proctest.MustArg(t, "SOCK"), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	proctest.Ready()
+	st, err := ln.AcceptStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	r, w := st.BufferReader(), st.BufferWriter()
+	if _, err := r.ReadBytes(2); err != nil { // the parent's "go"
+		t.Fatal(err)
+	}
+	r.ReleasePreviousRead()
+	for n := 0; ; n++ {
+		p, err := w.Reserve(4 << 20)
+		if err == nil {
+			p[0], p[len(p)-1] = byte(n), byte(n)
+			err = st.Flush(false)
+		}
+		var ack []byte
+		if err == nil {
+			ack, err = r.ReadBytes(1)
+		}
+		if err != nil {
+			proctest.Println(fmt.Sprintf("error after %d messages: %v", n, err))
+			return
+		}
+		more := ack[0] == 1
+		r.ReleasePreviousRead()
+		if !more {
+			break
+		}
+	}
+	proctest.Println(fmt.Sprintf("sent, %d waits", st.Session().Stats().SpaceWaits))
+	<-proctest.StdinClosed()
+}
+
+// The server maps the region the client created, and the client parks the
+// slices of a busy list that traffic does not need (circulation.go): the
+// list of 4 MiB slices, with one message in flight, keeps only a few of its
+// 20 slices free. The server's writers must still get room there, message
+// after message.
+func TestMapperWritesIntoParkedRegion(t *testing.T) {
+	sock := sockPath(t)
+	c, _ := startChild(t, proctest.Config{
+		TestName: "TestSpaceQueuePushChild",
+		Role:     sqPushRole,
+		Args:     map[string]string{"SOCK": sock},
+	})
+	sess, err := Dial("unix", sock, DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	if _, err := st.Write([]byte("go")); err != nil { // the server accepts it
+		t.Fatal(err)
+	}
+	large := sess.buf.class(4<<20, false)
+	start, parked, n := time.Now(), int32(0), 0
+	for ; time.Since(start) < 20*circulationPeriod || parked == 0; n++ {
+		if time.Since(start) > 20*time.Second {
+			t.Fatalf("no 4 MiB slice was parked in 20 s: the test does not test what it should")
+		}
+		if err := st.SetReadDeadline(time.Now().Add(20 * time.Second)); err != nil {
+			t.Fatal(err)
+		}
+		msg, err := st.BufferReader().ReadBytes(4 << 20)
+		if err != nil {
+			t.Fatalf("message %d: %v\n%s", n, err, c.Output())
+		}
+		if msg[0] != byte(n) || msg[len(msg)-1] != byte(n) {
+			t.Fatalf("message %d differs", n)
+		}
+		st.BufferReader().ReleasePreviousRead()
+		if _, err := st.Write([]byte{1}); err != nil {
+			t.Fatal(err)
+		}
+		parked = max(parked, sess.Stats().Lists[large].Parked)
+	}
+	if _, err := st.Write([]byte{0}); err != nil {
+		t.Fatal(err)
+	}
+	// The client releases each message before it acknowledges it, so the
+	// server finds the slice back on the list when it writes the next one.
+	line, err := c.ReadLine(30 * time.Second)
+	if err != nil || line != "sent, 0 waits" {
+		t.Fatalf("server: %q, %v (want \"sent, 0 waits\": no write waited for room)\n%s", line, err, c.Output())
+	}
+	t.Logf("%d messages of 4 MiB in %v; at most %d slices of 4 MiB parked", n, time.Since(start).Round(time.Millisecond), parked)
+}

@@ -25,6 +25,11 @@ type Stats struct {
 	WakeupsSaved    uint64 // messages published while the peer was awake, so no Polling frame was needed
 	WakeupsReceived uint64 // Polling frames received
 
+	// SpaceWaits counts the writes that had to wait for room in the buffer
+	// region or in the peer's IO queue (back-pressure): the peer had not yet
+	// released or taken enough of what was sent.
+	SpaceWaits uint64
+
 	ActiveStreams  int   // open streams
 	SendQueueDepth int64 // elements published to the peer and not yet taken
 	RecvQueueDepth int64 // elements the peer published that this side has not yet taken
@@ -81,6 +86,7 @@ type sessionCounters struct {
 	messagesOut, bytesOut                 atomic.Uint64
 	fallbackMessagesOut, fallbackBytesOut atomic.Uint64
 	wakeupsSent, wakeupsSaved             atomic.Uint64
+	spaceWaits                            atomic.Uint64
 	_                                     cacheLinePad
 	messagesIn, bytesIn                   atomic.Uint64
 	fallbackMessagesIn, fallbackBytesIn   atomic.Uint64
@@ -102,6 +108,7 @@ func (c *sessionCounters) addTo(st *Stats) {
 	st.WakeupsSent += c.wakeupsSent.Load()
 	st.WakeupsSaved += c.wakeupsSaved.Load()
 	st.WakeupsReceived += c.wakeupsReceived.Load()
+	st.SpaceWaits += c.spaceWaits.Load()
 }
 
 // Stats returns the session's counters and gauges. The gauges of a closed

@@ -105,8 +105,10 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 	head := false
 	for {
 		if queued && !head && buf.space.isHead(class, st.spaceCh) {
+			// Its turn: it looks for everyone in the queue, so it looks
+			// often. Room the peer frees wakes nobody.
 			head = true
-			wait.delay = minSpacePause // its turn: look often again
+			wait.delay, wait.max = minSpacePause, headSpacePause
 		}
 		if !queued || head {
 			li, off, err := buf.alloc(want, !contiguous, leave)
@@ -165,6 +167,10 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		}
 	}
 }
+
+// headSpacePause is the longest pause of the writer at the head of a queue
+// for room (space_queue.go): the writers behind it do not look at all.
+const headSpacePause = 50 * time.Microsecond
 
 // heldSpaceWait is how long a writer that holds part of its message waits
 // for more of the region before the rest goes as fallback data: one look of
