@@ -110,6 +110,9 @@ func TestWritersGetRoomInTurn(t *testing.T) {
 		}
 	}
 	wg.Wait()
+	if w := sess.Stats().SpaceWaits; w != writers {
+		t.Errorf("Stats.SpaceWaits = %d, want %d: each writer waited for room once", w, writers)
+	}
 	if n := sess.buf.space.waiting.Load(); n != 0 {
 		t.Fatalf("%d writers still counted as waiting", n)
 	}
