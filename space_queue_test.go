@@ -130,6 +130,20 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
+// sqDialChild starts the child process test in role, which listens on
+// the socket it is given, and dials it with conf.
+func sqDialChild(t *testing.T, test, role string, conf *Config) (*proctest.Child, *Session) {
+	t.Helper()
+	sock := sockPath(t)
+	c, _ := startChild(t, proctest.Config{TestName: test, Role: role, Args: map[string]string{"SOCK": sock}})
+	sess, err := Dial("unix", sock, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sess.Close() })
+	return c, sess
+}
+
 const sqEchoRole = "space-queue-echo"
 
 // TestSpaceQueueEchoChild is the child process of
@@ -198,17 +212,7 @@ func TestSpaceQueueEchoChild(t *testing.T) {
 // sending its replies over the socket; with the list reserve every
 // exchange stays in shared memory, and every stream gets its round trips.
 func TestOverflowingEchoesStayInSharedMemory(t *testing.T) {
-	sock := sockPath(t)
-	c, _ := startChild(t, proctest.Config{
-		TestName: "TestSpaceQueueEchoChild",
-		Role:     sqEchoRole,
-		Args:     map[string]string{"SOCK": sock},
-	})
-	sess, err := Dial("unix", sock, sqRegion())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sess.Close()
+	c, sess := sqDialChild(t, "TestSpaceQueueEchoChild", sqEchoRole, sqRegion())
 	const (
 		streams = 16 // each needs two large slices in flight; 6 can be handed out
 		rounds  = 30
@@ -333,17 +337,7 @@ func TestSpaceQueuePushChild(t *testing.T) {
 // 20 slices free. The server's writers must still get room there, message
 // after message.
 func TestMapperWritesIntoParkedRegion(t *testing.T) {
-	sock := sockPath(t)
-	c, _ := startChild(t, proctest.Config{
-		TestName: "TestSpaceQueuePushChild",
-		Role:     sqPushRole,
-		Args:     map[string]string{"SOCK": sock},
-	})
-	sess, err := Dial("unix", sock, DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer sess.Close()
+	c, sess := sqDialChild(t, "TestSpaceQueuePushChild", sqPushRole, DefaultConfig())
 	st, err := sess.OpenStream()
 	if err != nil {
 		t.Fatal(err)
