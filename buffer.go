@@ -416,26 +416,26 @@ func (m *bufferManager) class(n int, split bool) int {
 
 // take pops a slice of list li for this process's own use: from the free
 // list, or when that has none to spare, one of the list's parked slices
-// (circulation.go). With leave, it leaves the list's reserve (see alloc),
-// parked slices included.
+// (circulation.go). With leave (which alloc sets only for the region's
+// creator, the one that parks), it leaves the list's reserve, parked slices
+// included.
 func (m *bufferManager) take(li int, leave bool) (uint32, error) {
+	l := &m.lists[li]
 	var keep, parked int32
-	if m.circ != nil {
-		parked = m.circ.lists[li].parked.Load()
-	}
 	if leave {
 		// The reserve, beyond the last slice, which is never handed out;
 		// parked slices are free too.
-		keep = m.lists[li].reserve + 1 - parked
+		parked = m.circ.lists[li].parked.Load()
+		keep = l.reserve + 1 - parked
 	}
 	off, err := m.popLeaving(li, keep)
-	if off == 0 && err == nil && m.circ != nil {
-		if leave && atomic.LoadInt32(m.i32(m.lists[li].header+listFreeOff))+parked-1 < m.lists[li].reserve+1 {
-			return 0, nil
-		}
-		off, err = m.circ.unparkOne(m, li)
+	if off != 0 || err != nil || m.circ == nil {
+		return off, err
 	}
-	return off, err
+	if leave && atomic.LoadInt32(m.i32(l.header+listFreeOff))+parked-1 < l.reserve+1 {
+		return 0, nil
+	}
+	return m.circ.unparkOne(m, li)
 }
 
 // sliceData returns the whole data area of the slice at off in list li.

@@ -98,8 +98,9 @@ type Config struct {
 	// slices it read in place and has not released (an echo that reserves
 	// its reply before releasing a large request could otherwise wait for
 	// what it holds itself); data read by copying, or not read yet, does not
-	// count. Writers that hold nothing leave a few slices of the region to
-	// those that do, and wait for room first come, first served. Waiting can
+	// count. Writers that hold nothing wait for room first come, first
+	// served, and on the side that created the region they leave a few of
+	// its slices to writers that hold some. Waiting can
 	// still deadlock when every slice is held by streams
 	// other than the waiting one, whose owners wait too (a client that keeps
 	// large replies on some streams while it sends on others): size the

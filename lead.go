@@ -62,10 +62,10 @@ type socketTurn struct {
 }
 
 // socketLendTime is about how long the socket may stay free after a leader
-// got its data, before the receive loop takes it back (one to two periods). A reader in a request-reply
-// exchange waits again well within it; the loop taking the socket back
-// costs a wake-up, and frames (other than wake-ups for a reader) wait at
-// most this long meanwhile.
+// got its data, before the receive loop takes it back (one to two
+// periods). A reader in a request-reply exchange waits again well within
+// it; the loop taking the socket back costs a wake-up, and frames (other
+// than wake-ups for a reader) wait at most this long meanwhile.
 const socketLendTime = 500 * time.Microsecond
 
 func (t *socketTurn) init() {

@@ -89,7 +89,7 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		buf.space.join(class, st.spaceCh)
 		queued = true
 	}
-	if leave {
+	if leave && buf.space.waiting.Load() > 0 {
 		class = buf.class(want, !contiguous)
 		if buf.space.busy(class) {
 			// Others wait for this class: after them, unless the stream
@@ -151,6 +151,7 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			return nil
 		}
 		if leave && !queued {
+			class = buf.class(want, !contiguous)
 			join()
 		}
 		// Back-pressure: wait for the peer to free slices.
