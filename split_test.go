@@ -1,0 +1,198 @@
+package shmipc
+
+import (
+	"bytes"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/goshm/shmipc/internal/proctest"
+)
+
+// A writer that finds the large lists empty splits its message over
+// smaller slices, but not into slices far smaller than the message.
+func TestAllocSplitsNoFinerThanAnEighth(t *testing.T) {
+	sess, _ := bpPair(t, sqRegion())
+	m := sess.buf
+	small, large := m.bySize[0], m.bySize[1]
+	// Take every large slice that can be handed out.
+	var held []uint32
+	for {
+		li, off, err := m.alloc(sqSize, false, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if li < 0 {
+			break
+		}
+		if li != large {
+			t.Fatalf("a contiguous %d bytes came from list %d", sqSize, li)
+		}
+		held = append(held, off)
+	}
+	if len(held) == 0 {
+		t.Fatal("no large slice could be taken")
+	}
+	smallCap := int(m.lists[small].sliceCap)
+	for _, tc := range []struct {
+		n    int
+		want int // list, -1 for none
+	}{
+		{sqSize, -1},                          // 4 KiB is 1/64 of it
+		{maxSplitPieces * smallCap, small},    // exactly an eighth
+		{maxSplitPieces * (smallCap + 1), -1}, // just over
+		{smallCap / 2, small},
+	} {
+		li, off, err := m.alloc(tc.n, true, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if li != tc.want {
+			t.Errorf("alloc(%d, split) took list %d, want %d", tc.n, li, tc.want)
+		}
+		if li >= 0 {
+			if err := m.push(li, off); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for _, off := range held {
+		if err := m.push(large, off); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+const splitEchoRole = "split-echo"
+
+// TestSplitEchoChild is the child process of
+// TestSplitEchoesStayInSharedMemory: an echo server that appends a copy of
+// each request to its reply (WriteBytes, which may split it over slices)
+// before it releases the request, until the parent closes stdin; it then
+// prints how many messages it sent as fallback data.
+func TestSplitEchoChild(t *testing.T) {
+	if proctest.Role() != splitEchoRole {
+		t.Skip("runs only as the child process of TestSplitEchoesStayInSharedMemory")
+	}
+	ln, err := Listen("unix", proctest.MustArg(t, "SOCK"), sqRegion())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu   sync.Mutex
+		sess *Session
+	)
+	go func() {
+		for {
+			st, err := ln.AcceptStream()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			sess = st.Session()
+			mu.Unlock()
+			go func() {
+				defer st.Close()
+				r, w := st.BufferReader(), st.BufferWriter()
+				for {
+					req, err := r.ReadBytes(sqSize)
+					if err != nil {
+						return
+					}
+					if _, err := w.WriteBytes(req); err != nil {
+						proctest.Println("write:", err)
+						return
+					}
+					r.ReleasePreviousRead()
+					if err := st.Flush(false); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	proctest.Ready()
+	<-proctest.StdinClosed()
+	mu.Lock()
+	defer mu.Unlock()
+	var fallbacks uint64
+	if sess != nil {
+		fallbacks = sess.Stats().FallbackMessagesOut
+	}
+	proctest.Println("fallbacks " + strconv.FormatUint(fallbacks, 10))
+	ln.Close()
+}
+
+// Echoes between two processes that need more large slices than the
+// region has, written with WriteBytes, which may split a message over
+// smaller slices. Split into 4 KiB slices (64 per message), the messages
+// used to hold parts of the region while their writers waited for the
+// rest, until the writers gave up and sent over the socket; split no
+// finer than an eighth, a writer waits for a large slice instead, and
+// every exchange stays in shared memory.
+func TestSplitEchoesStayInSharedMemory(t *testing.T) {
+	c, sess := sqDialChild(t, "TestSplitEchoChild", splitEchoRole, sqRegion())
+	const (
+		streams = 16
+		rounds  = 30
+	)
+	var wg sync.WaitGroup
+	for i := range streams {
+		st, err := sess.OpenStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer st.Close()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			msg := make([]byte, sqSize)
+			for n := range rounds {
+				for k := range msg {
+					msg[k] = byte(i*rounds + n + k)
+				}
+				if _, err := st.BufferWriter().WriteBytes(msg); err != nil {
+					t.Errorf("stream %d round %d: %v", i, n, err)
+					return
+				}
+				if err := st.Flush(false); err != nil {
+					t.Errorf("stream %d round %d: flush: %v", i, n, err)
+					return
+				}
+				got, err := st.BufferReader().ReadBytes(sqSize)
+				if err != nil {
+					t.Errorf("stream %d round %d: read: %v", i, n, err)
+					return
+				}
+				if !bytes.Equal(got, msg) {
+					t.Errorf("stream %d round %d: the echo differs", i, n)
+				}
+				st.BufferReader().ReleasePreviousRead()
+			}
+		}()
+	}
+	wg.Wait()
+	if fb := sess.Stats().FallbackMessagesOut; fb != 0 {
+		t.Errorf("the client sent %d messages as fallback data, want 0", fb)
+	}
+	if err := c.CloseStdin(); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		line, err := c.ReadLine(30 * time.Second)
+		if err != nil {
+			t.Fatalf("no report from the echo server: %v\n%s", err, c.Output())
+		}
+		if rest, ok := strings.CutPrefix(line, "fallbacks "); ok {
+			if rest != "0" {
+				t.Errorf("the echo server sent %s replies as fallback data, want 0", rest)
+			}
+			break
+		}
+		if strings.HasPrefix(line, "write:") {
+			t.Errorf("echo server: %s", line)
+		}
+	}
+}
