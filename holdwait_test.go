@@ -143,11 +143,19 @@ func TestWriterHoldingPartWaitsBriefly(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		// Other streams take all big slices but four: the writer takes
-		// one (a writer that holds nothing leaves two, bufferManager.alloc),
-		// then two more, and waits for a fourth (the last one is never
-		// handed out). The small slices are too small for it to split
-		// its message over them.
+		if _, err := st.Write([]byte{1}); err != nil {
+			t.Fatal(err)
+		}
+		srv := <-accepted
+		if _, err := io.ReadFull(srv, make([]byte, 1)); err != nil {
+			t.Fatal(err)
+		}
+		// Streams of the client take all big slices but four. The writer
+		// is the server's stream: the side that did not create the region
+		// takes any slice but the last (a writer of the creator's that
+		// holds nothing would wait for room for all of its message,
+		// bufferManager.roomFor), so it takes three and waits for a
+		// fourth. The small slices are too small to split it over.
 		var holders []*Stream
 		for range lists[1].Slices - 4 {
 			h, err := sess.OpenStream()
@@ -166,16 +174,15 @@ func TestWriterHoldingPartWaitsBriefly(t *testing.T) {
 			}()
 		}
 		start := time.Now()
-		if _, err := st.Write(msg); err != nil {
+		if _, err := srv.Write(msg); err != nil {
 			t.Fatal(err)
 		}
 		took := time.Since(start)
-		srv := <-accepted
 		got := make([]byte, len(msg))
-		if _, err := io.ReadFull(srv, got); err != nil || !bytes.Equal(got, msg) {
+		if _, err := io.ReadFull(st, got); err != nil || !bytes.Equal(got, msg) {
 			t.Fatalf("free=%v: the message arrived as %d bytes, %v", free, len(got), err)
 		}
-		fb := sess.Stats().FallbackMessagesOut
+		fb := srv.Session().Stats().FallbackMessagesOut
 		switch {
 		case free && fb != 0:
 			t.Errorf("a slice freed during the wait: %d fallback messages, want none", fb)

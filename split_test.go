@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -194,5 +195,72 @@ func TestSplitEchoesStayInSharedMemory(t *testing.T) {
 		if strings.HasPrefix(line, "write:") {
 			t.Errorf("echo server: %s", line)
 		}
+	}
+}
+
+// A writer that holds nothing begins a message that needs several slices
+// only when the lists it may split it over have room for all of it beyond
+// their reserves; once it holds the first slice it may take the reserves.
+func TestAllocBeginsSplitMessageOnlyWithRoomForAll(t *testing.T) {
+	const small, big = 128 << 10, 1 << 20
+	conf := DefaultConfig()
+	conf.ShareMemoryBufferCap = 16 << 20
+	conf.BufferSliceSizes = []SizePercentPair{{Size: small, Percent: 50}, {Size: big, Percent: 50}}
+	sess, _ := bpPair(t, conf)
+	m := sess.buf
+	if m.circ == nil {
+		t.Fatal("the dialling side did not create the region")
+	}
+	sl, bl := m.bySize[0], m.bySize[1]
+	spare := func() int32 {
+		l := &m.lists[sl]
+		return atomic.LoadInt32(m.i32(l.header+listFreeOff)) + m.circ.lists[sl].parked.Load() - l.reserve - 1
+	}
+	type held struct {
+		li  int
+		off uint32
+	}
+	var taken []held
+	t.Cleanup(func() {
+		for _, h := range taken {
+			if err := m.push(h.li, h.off); err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	take := func(n int, split bool) int {
+		li, off, err := m.alloc(n, split, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if li >= 0 {
+			taken = append(taken, held{li, off})
+		}
+		return li
+	}
+	for take(big, false) == bl { // every big slice
+	}
+	for spare() > 4 {
+		if take(small, false) != sl {
+			t.Fatal("no small slice left")
+		}
+	}
+	// Room for 4 small slices: half of a big message.
+	li, off, err := m.alloc(big, true, true)
+	if err != nil || li >= 0 {
+		if li >= 0 {
+			taken = append(taken, held{li, off})
+		}
+		t.Fatalf("a writer holding nothing began a %d-byte message with room for %d: list %d, %v", big, 4*m.lists[sl].sliceCap, li, err)
+	}
+	if li, off, err = m.alloc(4*int(m.lists[sl].sliceCap), true, true); err != nil || li != sl {
+		t.Fatalf("a message that fits the room: list %d, %v", li, err)
+	}
+	taken = append(taken, held{li, off})
+	// A writer that holds slices takes the rest, reserve included.
+	for take(big, true) == sl {
+	}
+	if got, want := spare(), -m.lists[sl].reserve; got != want {
+		t.Fatalf("a writer holding slices left %d spare slices, want %d (none of the reserve)", got, want)
 	}
 }
