@@ -112,7 +112,8 @@ type Config struct {
 	// implementations' behaviour). A stream that has sent fallback data
 	// keeps doing so. Messages that can never fit in shared memory (a
 	// Reserve larger than the largest slice, or a message larger than half
-	// the region) always go as fallback data.
+	// the region, or than half of what its slices of an eighth of the
+	// largest size or more can hold) always go as fallback data.
 	FallbackWhenFull bool
 
 	// RequireSealedMemory makes a server refuse regions that the client
