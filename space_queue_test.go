@@ -147,12 +147,15 @@ func sqDialChild(t *testing.T, test, role string, conf *Config) (*proctest.Child
 const sqEchoRole = "space-queue-echo"
 
 // TestSpaceQueueEchoChild is the child process of
-// TestOverflowingEchoesStayInSharedMemory: an echo server that reserves
-// each reply before it releases the request it answers, until the parent
+// TestOverflowingEchoesStayInSharedMemory and
+// TestSplitEchoesStayInSharedMemory: an echo server that reserves each
+// reply (or, as splitEchoRole, appends a copy of the request with
+// WriteBytes) before it releases the request it answers, until the parent
 // closes stdin; it then prints how many messages it sent as fallback data.
 func TestSpaceQueueEchoChild(t *testing.T) {
-	if proctest.Role() != sqEchoRole {
-		t.Skip("runs only as the child process of TestOverflowingEchoesStayInSharedMemory")
+	role := proctest.Role()
+	if role != sqEchoRole && role != splitEchoRole {
+		t.Skip("runs only as the child process of TestOverflowingEchoesStayInSharedMemory and TestSplitEchoesStayInSharedMemory")
 	}
 	ln, err := Listen("unix", proctest.MustArg(t, "SOCK"), sqRegion())
 	if err != nil {
@@ -179,12 +182,20 @@ func TestSpaceQueueEchoChild(t *testing.T) {
 					if err != nil {
 						return
 					}
-					p, err := w.Reserve(sqSize)
-					if err != nil {
-						proctest.Println("reserve:", err)
-						return
+					if role == splitEchoRole {
+						// WriteBytes, which may split the reply over slices.
+						if _, err := w.WriteBytes(req); err != nil {
+							proctest.Println("echo error:", err)
+							return
+						}
+					} else {
+						p, err := w.Reserve(sqSize)
+						if err != nil {
+							proctest.Println("echo error:", err)
+							return
+						}
+						copy(p, req)
 					}
-					copy(p, req)
 					r.ReleasePreviousRead()
 					if err := st.Flush(false); err != nil {
 						return
@@ -257,6 +268,13 @@ func TestOverflowingEchoesStayInSharedMemory(t *testing.T) {
 	if fb := sess.Stats().FallbackMessagesOut; fb != 0 {
 		t.Errorf("the client sent %d messages as fallback data, want 0", fb)
 	}
+	sqCheckServerFallbacks(t, c)
+}
+
+// sqCheckServerFallbacks stops the echo server c and checks that it sent
+// no reply as fallback data and met no error.
+func sqCheckServerFallbacks(t *testing.T, c *proctest.Child) {
+	t.Helper()
 	if err := c.CloseStdin(); err != nil {
 		t.Fatal(err)
 	}
@@ -269,9 +287,9 @@ func TestOverflowingEchoesStayInSharedMemory(t *testing.T) {
 			if rest != "0" {
 				t.Errorf("the echo server sent %s replies as fallback data, want 0", rest)
 			}
-			break
+			return
 		}
-		if strings.HasPrefix(line, "reserve:") {
+		if strings.HasPrefix(line, "echo error:") {
 			t.Errorf("echo server: %s", line)
 		}
 	}

@@ -2,14 +2,9 @@ package shmipc
 
 import (
 	"bytes"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
-
-	"github.com/goshm/shmipc/internal/proctest"
 )
 
 // A writer that finds the large lists empty splits its message over
@@ -68,64 +63,6 @@ func TestAllocSplitsNoFinerThanAnEighth(t *testing.T) {
 
 const splitEchoRole = "split-echo"
 
-// TestSplitEchoChild is the child process of
-// TestSplitEchoesStayInSharedMemory: an echo server that appends a copy of
-// each request to its reply (WriteBytes, which may split it over slices)
-// before it releases the request, until the parent closes stdin; it then
-// prints how many messages it sent as fallback data.
-func TestSplitEchoChild(t *testing.T) {
-	if proctest.Role() != splitEchoRole {
-		t.Skip("runs only as the child process of TestSplitEchoesStayInSharedMemory")
-	}
-	ln, err := Listen("unix", proctest.MustArg(t, "SOCK"), sqRegion())
-	if err != nil {
-		t.Fatal(err)
-	}
-	var (
-		mu   sync.Mutex
-		sess *Session
-	)
-	go func() {
-		for {
-			st, err := ln.AcceptStream()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			sess = st.Session()
-			mu.Unlock()
-			go func() {
-				defer st.Close()
-				r, w := st.BufferReader(), st.BufferWriter()
-				for {
-					req, err := r.ReadBytes(sqSize)
-					if err != nil {
-						return
-					}
-					if _, err := w.WriteBytes(req); err != nil {
-						proctest.Println("write:", err)
-						return
-					}
-					r.ReleasePreviousRead()
-					if err := st.Flush(false); err != nil {
-						return
-					}
-				}
-			}()
-		}
-	}()
-	proctest.Ready()
-	<-proctest.StdinClosed()
-	mu.Lock()
-	defer mu.Unlock()
-	var fallbacks uint64
-	if sess != nil {
-		fallbacks = sess.Stats().FallbackMessagesOut
-	}
-	proctest.Println("fallbacks " + strconv.FormatUint(fallbacks, 10))
-	ln.Close()
-}
-
 // Echoes between two processes that need more large slices than the
 // region has, written with WriteBytes, which may split a message over
 // smaller slices. Split into 4 KiB slices (64 per message), the messages
@@ -134,7 +71,7 @@ func TestSplitEchoChild(t *testing.T) {
 // finer than an eighth, a writer waits for a large slice instead, and
 // every exchange stays in shared memory.
 func TestSplitEchoesStayInSharedMemory(t *testing.T) {
-	c, sess := sqDialChild(t, "TestSplitEchoChild", splitEchoRole, sqRegion())
+	c, sess := sqDialChild(t, "TestSpaceQueueEchoChild", splitEchoRole, sqRegion())
 	const (
 		streams = 16
 		rounds  = 30
@@ -178,24 +115,7 @@ func TestSplitEchoesStayInSharedMemory(t *testing.T) {
 	if fb := sess.Stats().FallbackMessagesOut; fb != 0 {
 		t.Errorf("the client sent %d messages as fallback data, want 0", fb)
 	}
-	if err := c.CloseStdin(); err != nil {
-		t.Fatal(err)
-	}
-	for {
-		line, err := c.ReadLine(30 * time.Second)
-		if err != nil {
-			t.Fatalf("no report from the echo server: %v\n%s", err, c.Output())
-		}
-		if rest, ok := strings.CutPrefix(line, "fallbacks "); ok {
-			if rest != "0" {
-				t.Errorf("the echo server sent %s replies as fallback data, want 0", rest)
-			}
-			break
-		}
-		if strings.HasPrefix(line, "write:") {
-			t.Errorf("echo server: %s", line)
-		}
-	}
+	sqCheckServerFallbacks(t, c)
 }
 
 // A writer that holds nothing begins a message that needs several slices
