@@ -90,8 +90,8 @@ type bufferManager struct {
 	slices   uint32      // total slices in all lists: the longest possible chain
 	capacity uint64      // data bytes of all slices that can be handed out
 	// splitCapacity is what a message larger than the largest slice can
-	// have of the region when it is empty: the slices of an eighth of the
-	// largest or more (maxSplitPieces), less the reserves (alloc, roomFor).
+	// have of the region when it is empty: the slices of an eighth of
+	// usable or more (maxSplitPieces), less the reserves (alloc, roomFor).
 	splitCapacity uint64
 	usable        uint32       // the largest slice size that can be handed out
 	counter       uint32       // offset of our counter word in a list header
@@ -219,9 +219,8 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 			return nil, fmt.Errorf("two lists have slice size %d", m.lists[m.bySize[i]].sliceCap)
 		}
 	}
-	largest := m.lists[m.bySize[n-1]].sliceCap
 	for _, l := range m.lists {
-		if l.sliceCap >= largest/maxSplitPieces && int32(l.count)-1 > l.reserve {
+		if l.sliceCap >= m.usable/maxSplitPieces && int32(l.count)-1 > l.reserve {
 			m.splitCapacity += uint64(int32(l.count)-1-l.reserve) * uint64(l.sliceCap)
 		}
 	}
@@ -377,8 +376,8 @@ func (m *bufferManager) locate(off uint32) (int, error) {
 // slices hold n, falling back to larger lists when it is empty. When split
 // is set the bytes need not be contiguous, so after those it takes the
 // largest smaller slice that is left, of at least an eighth of n (or of the
-// largest slices, for n beyond them; maxSplitPieces). It returns li = -1
-// when no list can give a slice.
+// largest slice that can be handed out, for n beyond it; maxSplitPieces).
+// It returns li = -1 when no list can give a slice.
 //
 // With leave, the writer holds no slice of the region, and it leaves the
 // reserve (maxReserve slices) of the lists it takes as a last resort: the
@@ -412,7 +411,7 @@ func (m *bufferManager) alloc(n int, split, leave bool) (li int, off uint32, err
 	if !split {
 		return -1, 0, nil
 	}
-	floor := min(n, int(m.lists[largest].sliceCap)) / maxSplitPieces
+	floor := min(n, int(m.usable)) / maxSplitPieces
 	if leave && !m.roomFor(n, start, floor) {
 		return -1, 0, nil
 	}

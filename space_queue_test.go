@@ -228,6 +228,22 @@ func TestOverflowingEchoesStayInSharedMemory(t *testing.T) {
 		streams = 16 // each needs two large slices in flight; 6 can be handed out
 		rounds  = 30
 	)
+	sqEchoStreams(t, sess, streams, rounds, func(st *Stream, msg []byte) error {
+		p, err := st.BufferWriter().Reserve(len(msg)) // one slice, contiguous
+		copy(p, msg)
+		return err
+	})
+	if fb := sess.Stats().FallbackMessagesOut; fb != 0 {
+		t.Errorf("the client sent %d messages as fallback data, want 0", fb)
+	}
+	sqCheckServerFallbacks(t, c)
+}
+
+// sqEchoStreams runs rounds echoes of sqSize bytes on each of streams
+// new streams of sess at once, each request written by write, and checks
+// every echo.
+func sqEchoStreams(t *testing.T, sess *Session, streams, rounds int, write func(st *Stream, msg []byte) error) {
+	t.Helper()
 	var wg sync.WaitGroup
 	for i := range streams {
 		st, err := sess.OpenStream()
@@ -238,15 +254,14 @@ func TestOverflowingEchoesStayInSharedMemory(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			msg := make([]byte, sqSize)
 			for n := range rounds {
-				p, err := st.BufferWriter().Reserve(sqSize)
-				if err != nil {
+				for k := range msg {
+					msg[k] = byte(i*rounds + n + k)
+				}
+				if err := write(st, msg); err != nil {
 					t.Errorf("stream %d round %d: %v", i, n, err)
 					return
-				}
-				fill := byte(i*rounds + n)
-				for k := range p {
-					p[k] = fill
 				}
 				if err := st.Flush(false); err != nil {
 					t.Errorf("stream %d round %d: flush: %v", i, n, err)
@@ -257,7 +272,7 @@ func TestOverflowingEchoesStayInSharedMemory(t *testing.T) {
 					t.Errorf("stream %d round %d: read: %v", i, n, err)
 					return
 				}
-				if !bytes.Equal(got, bytes.Repeat([]byte{fill}, sqSize)) {
+				if !bytes.Equal(got, msg) {
 					t.Errorf("stream %d round %d: the echo differs", i, n)
 				}
 				st.BufferReader().ReleasePreviousRead()
@@ -265,10 +280,6 @@ func TestOverflowingEchoesStayInSharedMemory(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	if fb := sess.Stats().FallbackMessagesOut; fb != 0 {
-		t.Errorf("the client sent %d messages as fallback data, want 0", fb)
-	}
-	sqCheckServerFallbacks(t, c)
 }
 
 // sqCheckServerFallbacks stops the echo server c and checks that it sent

@@ -2,7 +2,6 @@ package shmipc
 
 import (
 	"bytes"
-	"sync"
 	"sync/atomic"
 	"testing"
 )
@@ -76,42 +75,10 @@ func TestSplitEchoesStayInSharedMemory(t *testing.T) {
 		streams = 16
 		rounds  = 30
 	)
-	var wg sync.WaitGroup
-	for i := range streams {
-		st, err := sess.OpenStream()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer st.Close()
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			msg := make([]byte, sqSize)
-			for n := range rounds {
-				for k := range msg {
-					msg[k] = byte(i*rounds + n + k)
-				}
-				if _, err := st.BufferWriter().WriteBytes(msg); err != nil {
-					t.Errorf("stream %d round %d: %v", i, n, err)
-					return
-				}
-				if err := st.Flush(false); err != nil {
-					t.Errorf("stream %d round %d: flush: %v", i, n, err)
-					return
-				}
-				got, err := st.BufferReader().ReadBytes(sqSize)
-				if err != nil {
-					t.Errorf("stream %d round %d: read: %v", i, n, err)
-					return
-				}
-				if !bytes.Equal(got, msg) {
-					t.Errorf("stream %d round %d: the echo differs", i, n)
-				}
-				st.BufferReader().ReleasePreviousRead()
-			}
-		}()
-	}
-	wg.Wait()
+	sqEchoStreams(t, sess, streams, rounds, func(st *Stream, msg []byte) error {
+		_, err := st.BufferWriter().WriteBytes(msg) // may split it over slices
+		return err
+	})
 	if fb := sess.Stats().FallbackMessagesOut; fb != 0 {
 		t.Errorf("the client sent %d messages as fallback data, want 0", fb)
 	}
@@ -182,5 +149,40 @@ func TestAllocBeginsSplitMessageOnlyWithRoomForAll(t *testing.T) {
 	}
 	if got, want := spare(), -m.lists[sl].reserve; got != want {
 		t.Fatalf("a writer holding slices left %d spare slices, want %d (none of the reserve)", got, want)
+	}
+}
+
+// A message that fits one slice of the largest size is never sent as
+// fallback data for being too large to split, even when the region has
+// only two slices of that size.
+func TestMessageWithinLargestSliceStaysInSharedMemory(t *testing.T) {
+	const big = 256 << 10
+	conf := DefaultConfig()
+	conf.ShareMemoryBufferCap = 2 << 20
+	conf.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 70}, {Size: big, Percent: 30}}
+	sess, accepted := bpPair(t, conf)
+	if l := sess.Stats().Lists; len(l) != 2 || l[1].Slices != 2 {
+		t.Fatalf("lists %+v: want 2 slices of %d bytes", l, big)
+	}
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	msg := bytes.Repeat([]byte("w"), big*6/10)
+	if _, err := st.BufferWriter().WriteBytes(msg); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Flush(false); err != nil {
+		t.Fatal(err)
+	}
+	srv := <-accepted
+	defer srv.Close()
+	got, err := srv.BufferReader().ReadBytes(len(msg))
+	if err != nil || !bytes.Equal(got, msg) {
+		t.Fatalf("the message arrived as %d bytes, %v", len(got), err)
+	}
+	if fb := sess.Stats().FallbackMessagesOut; fb != 0 {
+		t.Errorf("%d messages went as fallback data, want 0", fb)
 	}
 }

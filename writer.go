@@ -181,12 +181,17 @@ const heldSpaceWait = 50 * time.Millisecond
 
 // neverFits reports whether want more bytes cannot be had from shared
 // memory however long the writer waits: one contiguous piece larger than any
-// slice that can be handed out, or a message that would take more than half
-// of what the region can hand out, or can hand out to one message in pieces
+// slice that can be handed out, a message that would take more than half
+// of what the region can hand out, or one larger than any slice that would
+// take more than half of what the region can hand out to it in pieces
 // (splitCapacity).
 func (w *streamWriter) neverFits(want int, contiguous bool) bool {
 	buf := w.st.s.buf
-	return contiguous && want > int(buf.usable) || uint64(w.size+want) > min(buf.capacity, buf.splitCapacity)/2
+	size := uint64(w.size + want)
+	if contiguous {
+		return want > int(buf.usable) || size > buf.capacity/2
+	}
+	return size > buf.capacity/2 || size > uint64(buf.usable) && size > buf.splitCapacity/2
 }
 
 func (w *streamWriter) appendHeap(want int) {
