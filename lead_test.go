@@ -247,3 +247,114 @@ func TestSocketGoesBackToLoop(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestLendPeriodGrowsWhileTaken: each time the lend timer finds the socket
+// taken again since it was set, the next period is twice as long, up to
+// maxSocketLendTime; once it finds the socket left alone for a whole
+// period, it wakes the receive loop and the period starts over.
+func TestLendPeriodGrowsWhileTaken(t *testing.T) {
+	var turn socketTurn
+	turn.init()
+	defer turn.timer.Stop()
+	period := func() time.Duration { return time.Duration(turn.period.Load()) }
+	if period() != socketLendTime {
+		t.Fatalf("period %v at the start, want %v", period(), socketLendTime)
+	}
+	want := socketLendTime
+	for range 10 {
+		turn.free() // a leader got its data
+		turn.held.Store(true)
+		turn.free() // and again, within the period
+		turn.timer.Stop()
+		turn.check()
+		turn.timer.Stop()
+		want = min(2*want, maxSocketLendTime)
+		if period() != want {
+			t.Fatalf("period %v after the socket was taken again, want %v", period(), want)
+		}
+		select {
+		case <-turn.back:
+			t.Fatal("the receive loop was woken while readers kept taking the socket")
+		default:
+		}
+	}
+	if want != maxSocketLendTime {
+		t.Fatalf("period stopped at %v, want it to reach %v", want, maxSocketLendTime)
+	}
+	// A reader in a socket read when the timer fires also counts as taken.
+	turn.held.Store(true)
+	turn.armed.Store(true)
+	turn.check()
+	if period() != maxSocketLendTime {
+		t.Fatalf("period %v, want it to stay at %v", period(), maxSocketLendTime)
+	}
+	// Left alone for a whole period: the loop is woken, the period starts over.
+	turn.free()
+	turn.timer.Stop()
+	turn.check()
+	select {
+	case <-turn.back:
+	default:
+		t.Fatal("the receive loop was not woken for a socket left free for a whole period")
+	}
+	if period() != socketLendTime {
+		t.Fatalf("period %v after the loop took the socket back, want %v", period(), socketLendTime)
+	}
+}
+
+// TestSocketGoesBackAfterLongExchange: after many request-reply rounds
+// with a leading reader (the lend period at its longest), a stream the
+// peer opens once the exchange stops is still accepted: the receive loop
+// takes the free socket back within two periods.
+func TestSocketGoesBackAfterLongExchange(t *testing.T) {
+	p, cli, srv := leadPair(t)
+	done := leadingRead(t, srv, cli, 1)
+	buf := make([]byte, 1)
+	// Rounds until the lend period has grown to its longest (it doubles
+	// from socketLendTime at each of the timer's checks) and a period more.
+	period := func() time.Duration { return time.Duration(p.server.sock.period.Load()) }
+	var end time.Time
+	giveUp := time.Now().Add(10 * time.Second)
+	for i := 0; ; i++ {
+		if end.IsZero() && period() == maxSocketLendTime {
+			end = time.Now().Add(maxSocketLendTime)
+		}
+		if end.IsZero() && time.Now().After(giveUp) {
+			t.Fatalf("lend period %v after 10 s of exchanges, want %v", period(), maxSocketLendTime)
+		}
+		if _, err := cli.Write([]byte{byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+		if err := waitResult(t, done, "the server's read"); err != nil {
+			t.Fatal(err)
+		}
+		if !end.IsZero() && time.Now().After(end) {
+			break
+		}
+		done = readAsync(srv, 1)
+		if _, err := srv.Write(buf); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(cli, buf); err != nil {
+			t.Fatal(err)
+		}
+	}
+	accepted := make(chan error, 1)
+	go func() {
+		st, err := p.server.AcceptStream()
+		if err == nil {
+			_, err = io.ReadFull(st, make([]byte, 2))
+		}
+		accepted <- err
+	}()
+	st, err := p.client.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Write([]byte("hi")); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitResult(t, accepted, "accepting a new stream"); err != nil {
+		t.Fatal(err)
+	}
+}
