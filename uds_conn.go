@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/goshm/shmipc/internal/wire"
 	"golang.org/x/sys/unix"
@@ -43,7 +45,27 @@ type eventConn struct {
 	wb   []byte
 	wn   int
 	wErr error
+
+	// Reads through wraw (readSome); only the socket's holder reads.
+	rfn  func(fd uintptr) bool
+	rb   []byte
+	rn   int
+	rErr error
 }
+
+// Frames go through the socket with raw system calls (readOnce, writeOnce)
+// rather than the net package's Read and Write: the socket is non-blocking,
+// so a read or write returns at once, and the runtime need not be told of
+// it. Told, it wakes its monitor thread whenever it went to sleep while
+// every processor was idle, which is the case each time a process that
+// waits for the peer is woken by a frame: a thread wake-up per frame.
+// Between two processes with spinning off (example/pingpong -spin 0, 64 B
+// and 4 KiB, three alternating pairs of runs), raw calls took the CPU per
+// round trip from 14–20 µs to 10–12.5 µs per side and p99 from 146–168 µs
+// to 125–142 µs; with two CPU hogs, the CPU from 10–14.5 µs to 7–9.5 µs.
+// Waiting for the socket to be readable or writable still goes through the
+// runtime's network poller (syscall.RawConn), with the connection's
+// deadlines.
 
 // readBufSize is the initial receive buffer: many wake-up frames per read.
 const readBufSize = 64 << 10
@@ -53,7 +75,7 @@ func newEventConn(conn net.Conn, writeTimeout time.Duration) *eventConn {
 	c.unix, _ = conn.(*net.UnixConn)
 	if sc, ok := conn.(syscall.Conn); ok {
 		if raw, err := sc.SyscallConn(); err == nil {
-			c.wraw, c.wfn = raw, c.writeOnce
+			c.wraw, c.wfn, c.rfn = raw, c.writeOnce, c.readOnce
 		}
 	}
 	return c
@@ -166,7 +188,7 @@ func (c *eventConn) fill(n int) error {
 		c.r = 0
 	}
 	for c.w-c.r < n {
-		m, err := c.conn.Read(c.rbuf[c.w:])
+		m, err := c.readSome(c.rbuf[c.w:])
 		c.w += m
 		c.read += uint64(m)
 		if err != nil {
@@ -257,8 +279,60 @@ func (c *eventConn) tryWrite(b []byte) int {
 
 // writeOnce is tryWrite's callback: it never waits for the socket.
 func (c *eventConn) writeOnce(fd uintptr) bool {
-	c.wn, c.wErr = unix.Write(int(fd), c.wb)
-	return true
+	raceReleaseIO()
+	for {
+		n, _, e := unix.RawSyscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(unsafe.SliceData(c.wb))), uintptr(len(c.wb)))
+		switch e {
+		case 0:
+			c.wn, c.wErr = int(n), nil
+		case unix.EINTR:
+			continue
+		default:
+			c.wn, c.wErr = -1, e
+		}
+		return true
+	}
+}
+
+// readSome reads what the socket holds into b, waiting (in the runtime's
+// network poller, with the read deadline) until it holds something. It
+// returns io.EOF once the peer has closed its end.
+func (c *eventConn) readSome(b []byte) (int, error) {
+	if c.rfn == nil || len(b) == 0 {
+		return c.conn.Read(b)
+	}
+	c.rb = b
+	err := c.wraw.Read(c.rfn)
+	c.rb = nil
+	if err != nil {
+		return 0, err
+	}
+	if c.rn > 0 {
+		raceAcquireIO()
+	}
+	return c.rn, c.rErr
+}
+
+// readOnce is readSome's callback: one non-blocking read(2). It reports
+// false when the socket holds nothing, to wait for it to be readable.
+func (c *eventConn) readOnce(fd uintptr) bool {
+	for {
+		n, _, e := unix.RawSyscall(unix.SYS_READ, fd, uintptr(unsafe.Pointer(unsafe.SliceData(c.rb))), uintptr(len(c.rb)))
+		switch e {
+		case 0:
+			c.rn, c.rErr = int(n), nil
+			if n == 0 {
+				c.rErr = io.EOF
+			}
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			return false
+		default:
+			c.rn, c.rErr = 0, os.NewSyscallError("read", e)
+		}
+		return true
+	}
 }
 
 // writeEvent sends a frame without payload.
