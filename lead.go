@@ -202,14 +202,21 @@ func (s *Session) lendSocket() (wire.Header, []byte, error) {
 // the socket is free. It reports false, and leaves the reader to sleep, if
 // not. Otherwise it returns once st was notified or the socket went back to
 // the receive loop.
+//
+// A free socket is taken even when spinning pays: the receive loop, which
+// would spin, waits for the socket to come back, so a reader that slept
+// instead would wait for the lend timer (up to two lend periods) whenever
+// its data came with a wake-up. gRPC's reader, waiting between the pieces of
+// a large message, did so: with the lend period at 8 ms, 256 KiB – 1 MiB
+// calls had a p99 of 7–14 ms instead of 2–3 ms.
 func (s *Session) lead(st *Stream) bool {
 	t := &s.sock
-	if s.mayPoll() {
-		// Spinning pays now: the receive loop, spinning after what it
-		// harvests, catches the next message without a wake-up at all.
-		return false
-	}
 	if !t.held.CompareAndSwap(false, true) {
+		if s.mayPoll() {
+			// Spinning pays now: the receive loop, spinning after what it
+			// harvests, catches the next message without a wake-up at all.
+			return false
+		}
 		if s.sleepers.Load() == 1 {
 			t.wantSeq.Store(st.delivered.Load())
 			t.wanted.Store(st)

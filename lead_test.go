@@ -358,3 +358,45 @@ func TestSocketGoesBackAfterLongExchange(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestFreeSocketTakenWhenSpinningPays: a reader that waits for data while
+// the socket is free reads the socket itself even when spinning would pay,
+// since the receive loop that would spin is waiting for the socket to come
+// back. Before, such a reader slept, and its data, announced by a wake-up
+// on the socket, waited for the lend timer to give the socket back.
+func TestFreeSocketTakenWhenSpinningPays(t *testing.T) {
+	p, cli, srv := leadPair(t)
+	// The lend timer must not give the socket back during the test.
+	p.server.sock.period.Store(int64(time.Hour))
+	done := leadingRead(t, srv, cli, 1)
+	if _, err := cli.Write([]byte("q")); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitResult(t, done, "the server's leading read"); err != nil {
+		t.Fatal(err)
+	}
+	if p.server.sock.held.Load() {
+		t.Fatal("the server's socket is held after its leader got its data")
+	}
+	// Spinning pays now: a budget, and a spinning slot free.
+	p.server.cons.budget.Store(int64(time.Millisecond))
+	deadline := time.Now().Add(5 * time.Second)
+	for !p.server.mayPoll() {
+		if time.Now().After(deadline) {
+			t.Fatal("no spinning slot came free")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	// The server waits for the next request (it sent nothing since its
+	// last data, so it does not poll for a reply).
+	done = readAsync(srv, 1)
+	if !waitLeading(srv, 5*time.Second) {
+		t.Fatal("the reader did not take the free socket")
+	}
+	if _, err := cli.Write([]byte("r")); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitResult(t, done, "a read while the socket was free"); err != nil {
+		t.Fatal(err)
+	}
+}
