@@ -228,24 +228,7 @@ func TestSocketGoesBackToLoop(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 
-	accepted := make(chan error, 1)
-	go func() {
-		st, err := p.server.AcceptStream()
-		if err == nil {
-			_, err = io.ReadFull(st, make([]byte, 2))
-		}
-		accepted <- err
-	}()
-	st, err := p.client.OpenStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := st.Write([]byte("hi")); err != nil {
-		t.Fatal(err)
-	}
-	if err := waitResult(t, accepted, "accepting a new stream"); err != nil {
-		t.Fatal(err)
-	}
+	checkAcceptsNewStream(t, p)
 }
 
 // TestLendPeriodGrowsWhileTaken: each time the lend timer finds the socket
@@ -339,24 +322,7 @@ func TestSocketGoesBackAfterLongExchange(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	accepted := make(chan error, 1)
-	go func() {
-		st, err := p.server.AcceptStream()
-		if err == nil {
-			_, err = io.ReadFull(st, make([]byte, 2))
-		}
-		accepted <- err
-	}()
-	st, err := p.client.OpenStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := st.Write([]byte("hi")); err != nil {
-		t.Fatal(err)
-	}
-	if err := waitResult(t, accepted, "accepting a new stream"); err != nil {
-		t.Fatal(err)
-	}
+	checkAcceptsNewStream(t, p)
 }
 
 // TestFreeSocketTakenWhenSpinningPays: a reader that waits for data while
@@ -397,6 +363,30 @@ func TestFreeSocketTakenWhenSpinningPays(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := waitResult(t, done, "a read while the socket was free"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkAcceptsNewStream opens a stream on p's client, writes on it, and
+// checks that the server accepts it and reads what was written.
+func checkAcceptsNewStream(t *testing.T, p *streamTestPair) {
+	t.Helper()
+	accepted := make(chan error, 1)
+	go func() {
+		st, err := p.server.AcceptStream()
+		if err == nil {
+			_, err = io.ReadFull(st, make([]byte, 2))
+		}
+		accepted <- err
+	}()
+	st, err := p.client.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Write([]byte("hi")); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitResult(t, accepted, "accepting a new stream"); err != nil {
 		t.Fatal(err)
 	}
 }
