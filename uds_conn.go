@@ -26,8 +26,11 @@ type eventConn struct {
 	r, w int
 	read uint64 // bytes read into rbuf so far (the running phase)
 
+	// The connection's file descriptor, for raw reads and writes and
+	// SIOCINQ; nil when it has none.
+	raw syscall.RawConn
+
 	// SIOCINQ, set up on first use (uds_inq.go); receive loop only.
-	raw    syscall.RawConn
 	inqFn  func(fd uintptr)
 	inqN   int
 	inqErr error
@@ -38,15 +41,13 @@ type eventConn struct {
 	wvec         net.Buffers // scratch for fallback writes; guarded by wmu
 	deadline     time.Time   // the write deadline set on conn (zero: none); guarded by wmu
 
-	// One non-blocking write (tryWrite); guarded by wmu. wraw is nil when
-	// the connection has no file descriptor.
-	wraw syscall.RawConn
+	// One non-blocking write (tryWrite); guarded by wmu.
 	wfn  func(fd uintptr) bool
 	wb   []byte
 	wn   int
 	wErr error
 
-	// Reads through wraw (readSome); only the socket's holder reads.
+	// Reads (readSome); only the socket's holder reads.
 	rfn  func(fd uintptr) bool
 	rb   []byte
 	rn   int
@@ -75,7 +76,7 @@ func newEventConn(conn net.Conn, writeTimeout time.Duration) *eventConn {
 	c.unix, _ = conn.(*net.UnixConn)
 	if sc, ok := conn.(syscall.Conn); ok {
 		if raw, err := sc.SyscallConn(); err == nil {
-			c.wraw, c.wfn, c.rfn = raw, c.writeOnce, c.readOnce
+			c.raw, c.wfn, c.rfn = raw, c.writeOnce, c.readOnce
 		}
 	}
 	return c
@@ -265,11 +266,11 @@ func (c *eventConn) writeLocked(b []byte) error {
 // tryWrite makes one non-blocking write(2) of b and returns how much of it
 // went out (0 when the socket is full, or has no file descriptor).
 func (c *eventConn) tryWrite(b []byte) int {
-	if c.wraw == nil {
+	if c.raw == nil {
 		return 0
 	}
 	c.wb = b
-	err := c.wraw.Write(c.wfn)
+	err := c.raw.Write(c.wfn)
 	c.wb = nil
 	if err != nil || c.wErr != nil || c.wn < 0 {
 		return 0
@@ -298,11 +299,11 @@ func (c *eventConn) writeOnce(fd uintptr) bool {
 // network poller, with the read deadline) until it holds something. It
 // returns io.EOF once the peer has closed its end.
 func (c *eventConn) readSome(b []byte) (int, error) {
-	if c.rfn == nil || len(b) == 0 {
+	if c.raw == nil || len(b) == 0 {
 		return c.conn.Read(b)
 	}
 	c.rb = b
-	err := c.wraw.Read(c.rfn)
+	err := c.raw.Read(c.rfn)
 	c.rb = nil
 	if err != nil {
 		return 0, err

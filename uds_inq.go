@@ -2,7 +2,6 @@ package shmipc
 
 import (
 	"fmt"
-	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -11,16 +10,10 @@ import (
 // (SIOCINQ). Connections that are not sockets report 0. Only the receive
 // loop calls it; it allocates nothing after the first call.
 func (c *eventConn) inq() (int, error) {
+	if c.raw == nil {
+		return 0, nil
+	}
 	if c.inqFn == nil {
-		sc, ok := c.conn.(syscall.Conn)
-		if !ok {
-			return 0, nil
-		}
-		raw, err := sc.SyscallConn()
-		if err != nil {
-			return 0, err
-		}
-		c.raw = raw
 		c.inqFn = func(fd uintptr) { c.inqN, c.inqErr = unix.IoctlGetInt(int(fd), unix.SIOCINQ) }
 	}
 	if err := c.raw.Control(c.inqFn); err != nil {
