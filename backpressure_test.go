@@ -38,6 +38,25 @@ func bpPair(t *testing.T, conf *Config) (*Session, <-chan *Stream) {
 	return sess, accepted
 }
 
+// twoClassPair is bpPair over a 2 MiB region of two lists, 4 KiB slices and
+// big ones (bigPercent of the region), after edit (if not nil) changes the
+// configuration further. It checks that the list of big slices has
+// bigSlices of them.
+func twoClassPair(t *testing.T, big, bigPercent, bigSlices uint32, edit func(*Config)) (*Session, <-chan *Stream) {
+	t.Helper()
+	conf := DefaultConfig()
+	conf.ShareMemoryBufferCap = 2 << 20
+	conf.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 100 - bigPercent}, {Size: big, Percent: bigPercent}}
+	if edit != nil {
+		edit(conf)
+	}
+	sess, accepted := bpPair(t, conf)
+	if l := sess.Stats().Lists; len(l) != 2 || l[1].Slices != bigSlices {
+		t.Fatalf("lists %+v: want %d slices of %d bytes", l, bigSlices, big)
+	}
+	return sess, accepted
+}
+
 func smallRegion() *Config {
 	conf := DefaultConfig()
 	conf.ShareMemoryBufferCap = 1 << 20

@@ -16,15 +16,8 @@ const hwSize = 256 << 10
 // st. It returns the server's stream with the request.
 func hwRequest(t *testing.T, writeTimeout time.Duration) (st, other, srv *Stream, req []byte) {
 	t.Helper()
-	conf := DefaultConfig()
-	conf.ShareMemoryBufferCap = 2 << 20
-	conf.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 50}, {Size: hwSize, Percent: 50}}
-	conf.WriteSpaceTimeout = writeTimeout
-	sess, accepted := bpPair(t, conf)
 	// The last slice of a list is never handed out: of three, two can be.
-	if l := sess.Stats().Lists; len(l) != 2 || l[1].Slices != 3 {
-		t.Fatalf("lists %+v: want three slices of %d bytes", l, hwSize)
-	}
+	sess, accepted := twoClassPair(t, hwSize, 50, 3, func(c *Config) { c.WriteSpaceTimeout = writeTimeout })
 	st, err := sess.OpenStream()
 	if err != nil {
 		t.Fatal(err)

@@ -157,13 +157,7 @@ func TestAllocBeginsSplitMessageOnlyWithRoomForAll(t *testing.T) {
 // only two slices of that size.
 func TestMessageWithinLargestSliceStaysInSharedMemory(t *testing.T) {
 	const big = 256 << 10
-	conf := DefaultConfig()
-	conf.ShareMemoryBufferCap = 2 << 20
-	conf.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 70}, {Size: big, Percent: 30}}
-	sess, accepted := bpPair(t, conf)
-	if l := sess.Stats().Lists; len(l) != 2 || l[1].Slices != 2 {
-		t.Fatalf("lists %+v: want 2 slices of %d bytes", l, big)
-	}
+	sess, accepted := twoClassPair(t, big, 30, 2, nil)
 	st, err := sess.OpenStream()
 	if err != nil {
 		t.Fatal(err)
