@@ -30,6 +30,8 @@ type Stream struct {
 	reader     streamReader
 	readNotify chan struct{} // signalled on new data, close and deadline changes
 	sleeping   atomic.Bool   // the reader sleeps on readNotify (lead.go)
+	notified   atomic.Uint64 // notify calls, each counted before it signals
+	sleptAt    atomic.Uint64 // notified when the reader last began to sleep
 	delivered  atomic.Uint64 // messages handed to the stream (lead.go)
 	rDeadline  time.Time
 	closed     bool // Close was called
@@ -73,6 +75,7 @@ func (st *Stream) BufferReader() BufferReader { return (*bufferReader)(st) }
 func (st *Stream) BufferWriter() BufferWriter { return (*bufferWriter)(st) }
 
 func (st *Stream) notify() {
+	st.notified.Add(1)
 	select {
 	case st.readNotify <- struct{}{}:
 	default:
@@ -149,6 +152,7 @@ func (st *Stream) waitReadable(n int) error {
 		if !polled {
 			s.sleepers.Add(1)
 			if !deadline.IsZero() || !s.lead(st) {
+				st.sleptAt.Store(st.notified.Load())
 				st.sleeping.Store(true)
 				s.wait(st.readNotify, deadline)
 				st.sleeping.Store(false)
