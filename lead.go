@@ -158,9 +158,9 @@ func (t *socketTurn) signal() {
 // acts on can be stale: st's reader, handed data, woke and came back for
 // more while the loop still held the socket, and went to sleep without
 // renewing its request (lead). Lent then, the socket went unread for up to
-// two lend periods: gRPC calls of 1 MiB had a p99 of 8–9 ms in about half
-// the benchmark runs. A reader that begins to sleep after the loop freed
-// the socket takes it instead.
+// two lend periods: gRPC calls of 1 MiB had a p99 of 8.9–9 ms in two of
+// eight benchmark runs (docs/bench/results-2026-11-23e). A reader that
+// begins to sleep after the loop freed the socket takes it instead.
 func (s *Session) othersSleep(st *Stream) bool {
 	n := s.sleepers.Load()
 	if st != nil && st.sleeping.Load() && st.notified.Load() != st.sleptAt.Load() {

@@ -424,9 +424,9 @@ func lendAsync(s *Session) <-chan struct{} {
 // reader only if that reader will come back for it, and keeps reading it
 // otherwise: lent to a reader asleep for data that nothing has handed it,
 // the socket would go unread until the lend timer gave it back, up to two
-// lend periods (16 ms) later. gRPC calls of 1 MiB had a p99 of 8–9 ms from
-// this in about half the benchmark runs: the loop acted on a request that
-// was already stale.
+// lend periods (16 ms) later. gRPC calls of 1 MiB had a p99 of 8.9–9 ms
+// from this in two of eight benchmark runs: the loop acted on a request
+// that was already stale.
 func TestNoLendToSleepingReader(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
