@@ -67,6 +67,7 @@ type sliceList struct {
 	stride   uint32 // sliceCap + sliceHeaderSize
 	sliceCap uint32
 	count    uint32
+	first    uint32 // the index of its first slice among all the region's (held)
 	// reserve is how many free slices a writer that holds no slice of the
 	// region leaves on the list for writers that do (see alloc).
 	reserve int32
@@ -97,6 +98,18 @@ type bufferManager struct {
 	counter       uint32       // offset of our counter word in a list header
 	sessions      atomic.Int32 // sessions of this process using the region
 	circ          *circulation // slices taken out of circulation (creator only)
+
+	// held has a bit per slice of the region, set while the slice is in
+	// this process's hands as part of a message it received: from readChain
+	// until it is pushed back on its free list or a writer of this process
+	// takes it for a message of its own (a kept slice, reuse.go). A slice
+	// the peer publishes while its bit is set was published twice, or
+	// twice in one message: a correct peer publishes only slices it
+	// allocated, and it cannot allocate one this process has not freed.
+	// Without the check a peer could publish one slice again and again, and
+	// every copy was delivered to a stream, which held it until read: heap
+	// without bound, and each copy freed once more when read.
+	held []atomic.Uint64
 
 	keepers   atomic.Int32 // streams of this process that may keep a slice (reuse.go)
 	keepLimit int32        // the most that may
@@ -198,6 +211,7 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 			stride:   uint32(stride),
 			sliceCap: uint32(sliceCap),
 			count:    uint32(count),
+			first:    uint32(total),
 			reserve:  int32(min(count/4, maxReserve)),
 		}
 		total += count
@@ -209,6 +223,7 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 		cur = end
 	}
 	m.slices = uint32(total)
+	m.held = make([]atomic.Uint64, (total+63)/64)
 	m.bySize = make([]int, n)
 	for i := range m.bySize {
 		m.bySize[i] = i
@@ -231,6 +246,15 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 
 func (m *bufferManager) i32(off uint32) *int32 {
 	return (*int32)(unsafe.Pointer(&m.mem[off]))
+}
+
+// freeCount is list li's free count. The peer writes it too, so it is
+// clamped to [0, count]: arithmetic on it cannot overflow, and a loop it
+// bounds cannot run past the number of slices the list has.
+func (m *bufferManager) freeCount(li int) int32 {
+	l := &m.lists[li]
+	n := atomic.LoadInt32(m.i32(l.header + listFreeOff))
+	return min(max(n, 0), int32(l.count))
 }
 
 func (m *bufferManager) u32(off uint32) *uint32 {
@@ -335,6 +359,9 @@ func (m *bufferManager) push(li int, off uint32) error {
 // free count the list was left with.
 func (m *bufferManager) pushList(li int, off uint32) (int32, error) {
 	l := &m.lists[li]
+	// Before the slice is on the list: from then on the peer may allocate
+	// it and publish it again.
+	m.unhold(li, off)
 	binary.LittleEndian.PutUint32(m.mem[off+sliceSizeOff:], 0)
 	binary.LittleEndian.PutUint32(m.mem[off+sliceStartOff:], 0)
 	m.setFlags(off, 0)
@@ -370,6 +397,30 @@ func (m *bufferManager) locate(off uint32) (int, error) {
 		return 0, corrupt("offset %d is not the start of a slice", off)
 	}
 	return i, nil
+}
+
+// hold marks the slice at off of list li as received and held by this
+// process. It reports false when it was held already.
+func (m *bufferManager) hold(li int, off uint32) bool {
+	w, bit := m.heldBit(li, off)
+	return w.Or(bit)&bit == 0
+}
+
+// unhold clears the mark of hold: the slice leaves this process's hands as
+// received data.
+func (m *bufferManager) unhold(li int, off uint32) {
+	w, bit := m.heldBit(li, off)
+	if w.Load()&bit != 0 {
+		w.And(^bit)
+	}
+}
+
+// heldBit locates the bit of held for the slice at off of list li, which
+// locate has checked.
+func (m *bufferManager) heldBit(li int, off uint32) (*atomic.Uint64, uint64) {
+	l := &m.lists[li]
+	i := l.first + (off-l.area)/l.stride
+	return &m.held[i/64], 1 << (i % 64)
 }
 
 // alloc pops one slice for n more bytes: from the smallest list whose
@@ -441,7 +492,7 @@ func (m *bufferManager) roomFor(n, start, floor int) bool {
 		if int(l.sliceCap) < floor {
 			break
 		}
-		spare := atomic.LoadInt32(m.i32(l.header+listFreeOff)) + m.circ.lists[li].parked.Load() - l.reserve - 1
+		spare := m.freeCount(li) + m.circ.lists[li].parked.Load() - l.reserve - 1
 		if spare > 0 {
 			room += int(spare) * int(l.sliceCap)
 		}
@@ -484,7 +535,7 @@ func (m *bufferManager) take(li int, leave bool) (uint32, error) {
 	if off != 0 || err != nil || m.circ == nil {
 		return off, err
 	}
-	if leave && atomic.LoadInt32(m.i32(l.header+listFreeOff))+parked-1 < l.reserve+1 {
+	if leave && m.freeCount(li)+parked-1 < l.reserve+1 {
 		return 0, nil
 	}
 	return m.circ.unparkOne(m, li)
@@ -510,19 +561,29 @@ func (m *bufferManager) linkSlice(off uint32, size int, next uint32) {
 }
 
 // readChain walks the message that starts at the slice header at root and
-// appends its slices to dst. Every header is read once and checked: the
-// offset must be a slice of a list, cap must match that list, start+size
-// must fit in cap, and no slice may appear twice (a cycle, or two links to
-// one slice). Empty slices are freed once the whole chain has been checked
-// and are not returned. On error nothing is freed (a corrupt chain may name
-// slices that are free, or another message's: freeing them would hand them
-// out twice; the session ends) and dst is returned unchanged.
+// appends its slices to dst, marking them held (bufferManager.held). Every
+// header is read once and checked: the offset must be a slice of a list,
+// cap must match that list, start+size must fit in cap, and no slice may
+// be held already: by another message this process received and has not
+// freed (the peer published it again), or by this one (a cycle, or two
+// links to one slice). Empty slices are freed once the whole chain has been
+// checked and are not returned. On error nothing is freed (a corrupt chain
+// may name slices that are free, or another message's: freeing them would
+// hand them out twice; the session ends), the slices marked by this call
+// are unmarked, and dst is returned unchanged.
 func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error) {
 	first := len(dst)
 	var empty [4]segment
 	empties := empty[:0]
-	var long map[uint32]struct{} // the slices seen, once the chain is long
-	fail := func(err error) ([]segment, error) { return dst[:first], err }
+	fail := func(err error) ([]segment, error) {
+		for _, sl := range dst[first:] {
+			m.unhold(int(sl.list), sl.off)
+		}
+		for _, sl := range empties {
+			m.unhold(int(sl.list), sl.off)
+		}
+		return dst[:first], err
+	}
 	off := root
 	for n := uint32(0); ; n++ {
 		if n == m.slices {
@@ -532,24 +593,11 @@ func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error)
 		if err != nil {
 			return fail(fmt.Errorf("message at %d: %w", root, err))
 		}
-		if n < shortChain {
-			if seen(dst[first:], off) || seen(empties, off) {
+		if !m.hold(li, off) {
+			if n > 0 && (seen(dst[first:], off) || seen(empties, off)) {
 				return fail(corrupt("message at %d links the slice at %d twice (a cycle?)", root, off))
 			}
-		} else {
-			if long == nil {
-				long = make(map[uint32]struct{}, 2*shortChain)
-				for _, sl := range dst[first:] {
-					long[sl.off] = struct{}{}
-				}
-				for _, sl := range empties {
-					long[sl.off] = struct{}{}
-				}
-			}
-			if _, dup := long[off]; dup {
-				return fail(corrupt("message at %d links the slice at %d twice (a cycle?)", root, off))
-			}
-			long[off] = struct{}{}
+			return fail(corrupt("message at %d: the slice at %d was received before and not freed (published twice)", root, off))
 		}
 		sliceCap := binary.LittleEndian.Uint32(m.mem[off+sliceCapOff:])
 		size := binary.LittleEndian.Uint32(m.mem[off+sliceSizeOff:])
@@ -557,13 +605,15 @@ func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error)
 		next := atomic.LoadUint32(m.u32(off + sliceNextOff))
 		flags := m.flags(off)
 		want := m.lists[li].sliceCap
+		sl := segment{list: int32(li), off: off}
 		if sliceCap != want {
+			m.unhold(li, off)
 			return fail(corrupt("slice at %d has cap %d, its list has %d", off, sliceCap, want))
 		}
 		if uint64(start)+uint64(size) > uint64(want) {
+			m.unhold(li, off)
 			return fail(corrupt("slice at %d has start %d and size %d beyond its cap %d", off, start, size, want))
 		}
-		sl := segment{list: int32(li), off: off}
 		if size == 0 {
 			empties = append(empties, sl)
 		} else {
@@ -584,12 +634,8 @@ func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error)
 	return dst, nil
 }
 
-// shortChain is how long a chain is checked for repeats by scanning; longer
-// ones use a set, so a hostile chain costs linear time.
-const shortChain = 32
-
-// seen reports whether a slice at off is among slices. A message takes one
-// slice unless it is larger than the largest, so a scan is usually cheapest.
+// seen reports whether a slice at off is among slices: only to word the
+// error when a slice is found held.
 func seen(slices []segment, off uint32) bool {
 	for i := range slices {
 		if slices[i].off == off {
@@ -618,7 +664,7 @@ func (m *bufferManager) counts() (free, parked []int32) {
 		defer c.mu.Unlock()
 	}
 	for i := range m.lists {
-		free[i] = atomic.LoadInt32(m.i32(m.lists[i].header + listFreeOff))
+		free[i] = m.freeCount(i)
 		if c != nil {
 			parked[i] = int32(len(c.parked[i]))
 			free[i] += parked[i]

@@ -210,6 +210,45 @@ func TestBufferExhaustion(t *testing.T) {
 	}
 }
 
+// TestBufferReadChainHeld: the slices of a message read and not yet freed
+// are held; the same message read again is rejected (the peer published it
+// twice), and so is another message that links to one of them, without
+// releasing the first message's slices. Once freed, and once a writer takes
+// a kept slice, the slices can come back in a message.
+func TestBufferReadChainHeld(t *testing.T) {
+	m, peer := newHeapBuffer(t, listPlan{sliceCap: 16, count: 8})
+	root, offs := bufTestMsg(t, m, "ab", "cd", "ef")
+	got, err := peer.readChain(nil, root)
+	if err != nil || chainText(got) != "abcdef" {
+		t.Fatalf("first read: %q, %v", chainText(got), err)
+	}
+	checkRejected(t, peer, root, "published twice")
+	other, _ := bufTestMsg(t, m, "gh")
+	m.linkSlice(other, 2, offs[1])
+	checkRejected(t, peer, other, "published twice")
+	if _, err := peer.readChain(nil, root); err == nil {
+		t.Fatal("a rejected read released the first message's slices")
+	}
+	for _, sl := range got {
+		if err := peer.push(int(sl.list), sl.off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	again, _ := bufTestMsg(t, m, "ij", "kl", "mn", "op", "qr")
+	if got, err := peer.readChain(nil, again); err != nil || chainText(got) != "ijklmnopqr" {
+		t.Fatalf("a message in freed slices: %q, %v", chainText(got), err)
+	}
+	st := &Stream{s: &Session{buf: peer}}
+	st.kept.Store(keptValue(int(got[0].list), got[0].off))
+	if li, off, ok := st.takeKept(8); !ok || li != int(got[0].list) || off != got[0].off {
+		t.Fatalf("takeKept: %d %d %v", li, off, ok)
+	}
+	peer.linkSlice(got[0].off, 2, 0)
+	if back, err := peer.readChain(nil, got[0].off); err != nil || len(back) != 1 {
+		t.Errorf("a kept slice sent and published back: %d slices, %v", len(back), err)
+	}
+}
+
 // bufTestMsg builds a message of parts, one slice per part, each from the
 // smallest list that holds it, and returns the offset of its first slice.
 func bufTestMsg(t *testing.T, m *bufferManager, parts ...string) (root uint32, offs []uint32) {
@@ -371,19 +410,24 @@ func checkRejected(t *testing.T, m *bufferManager, root uint32, want string) {
 	}
 }
 
-// TestBufferReadChainLongCycle: a chain longer than the scan for repeats
-// that links back to an earlier slice is a cycle too.
+// TestBufferReadChainLongCycle: a long chain that links back to an earlier
+// slice is a cycle.
 func TestBufferReadChainLongCycle(t *testing.T) {
-	for _, back := range []int{0, shortChain - 1, shortChain + 5} {
+	const length = 64
+	for _, back := range []int{0, 31, 37} {
 		t.Run(fmt.Sprint("back to slice ", back), func(t *testing.T) {
-			m, peer := newHeapBuffer(t, listPlan{sliceCap: 16, count: 3 * shortChain})
-			parts := make([]string, 2*shortChain)
+			m, peer := newHeapBuffer(t, listPlan{sliceCap: 16, count: 3 * length / 2})
+			parts := make([]string, length)
 			for i := range parts {
 				parts[i] = fmt.Sprintf("%02d", i)
 			}
 			root, offs := bufTestMsg(t, m, parts...)
-			if got, err := peer.readChain(nil, root); err != nil || len(got) != len(parts) {
+			got, err := peer.readChain(nil, root)
+			if err != nil || len(got) != len(parts) {
 				t.Fatalf("the intact chain: %d slices, %v", len(got), err)
+			}
+			for _, sl := range got { // read and handed back, as by a writer taking them
+				peer.unhold(int(sl.list), sl.off)
 			}
 			le := binary.LittleEndian
 			le.PutUint32(m.mem[offs[len(offs)-1]+sliceNextOff:], offs[back])

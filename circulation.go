@@ -215,7 +215,7 @@ func (c *circulation) unparkOne(m *bufferManager, li int) (uint32, error) {
 		return 0, nil
 	}
 	// The list ran dry: every slice not parked is in flight.
-	c.noteInFlight(m, li, atomic.LoadInt32(m.i32(m.lists[li].header+listFreeOff)))
+	c.noteInFlight(m, li, m.freeCount(li))
 	off := p[len(p)-1]
 	c.setParkedLocked(li, p[:len(p)-1])
 	return off, c.refillLocked(m, li)
@@ -343,7 +343,7 @@ func (c *circulation) parkOne(m *bufferManager, li int, keep int32) bool {
 		return false // no session, or unparkAll ran less than parkHold ago
 	}
 	circulating := int32(l.count) - int32(len(c.parked[li]))
-	if circulating <= keep || atomic.LoadInt32(m.i32(l.header+listFreeOff)) <= c.spare[li] {
+	if circulating <= keep || m.freeCount(li) <= c.spare[li] {
 		return false
 	}
 	off, _, err := m.popList(li, 0)

@@ -45,7 +45,7 @@ type listSample struct {
 func (m *bufferManager) sample(li int) listSample {
 	h := m.lists[li].header
 	return listSample{
-		free:    atomic.LoadInt32(m.i32(h + listFreeOff)),
+		free:    m.freeCount(li),
 		creator: atomic.LoadInt32(m.i32(h + creatorCounter)),
 		mapper:  atomic.LoadInt32(m.i32(h + mapperCounter)),
 		head:    atomic.LoadUint32(m.u32(h + listHeadOff)),
@@ -99,7 +99,7 @@ func (m *bufferManager) giveBackList(li int, resident []byte) bool {
 	if !found {
 		return false
 	}
-	n := atomic.LoadInt32(m.i32(l.header + listFreeOff))
+	n := m.freeCount(li)
 	for range n {
 		off, _, err := m.popList(li, 0)
 		if err != nil || off == 0 {

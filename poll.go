@@ -222,6 +222,12 @@ func (s *Session) drainHeld(closes, pause bool) (n int, stopped bool, err error)
 		if pause && s.closesPending.Load() {
 			return n, true, nil
 		}
+		if s.IsClosed() {
+			// Nothing is delivered after the end, and a peer that keeps
+			// the queue full must not keep the drain, which teardown
+			// waits for, going.
+			return n, false, nil
+		}
 		e, ok, err := s.recvQ.peek()
 		if err != nil || !ok {
 			return n, false, err

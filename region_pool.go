@@ -213,11 +213,12 @@ func (s *Session) sweepLater(i int) {
 	})
 }
 
-// freeUnconsumed pops every element left on the receive queue and frees
-// the messages they name. It runs inside an access, never concurrently with
-// another consumer of the queue.
+// freeUnconsumed pops the elements left on the receive queue and frees
+// the messages they name: at most as many as the queue holds, so that a
+// peer that keeps publishing cannot keep it going. It runs inside an
+// access, never concurrently with another consumer of the queue.
 func (s *Session) freeUnconsumed() error {
-	for {
+	for range s.recvQ.cap {
 		e, ok, err := s.recvQ.pop()
 		if err != nil || !ok {
 			return err
@@ -234,4 +235,5 @@ func (s *Session) freeUnconsumed() error {
 			return err
 		}
 	}
+	return nil
 }

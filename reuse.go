@@ -107,6 +107,7 @@ func (st *Stream) takeKept(want int) (li int, off uint32, ok bool) {
 	if want > int(st.s.buf.lists[li].sliceCap) || !st.kept.CompareAndSwap(v, keptFree) {
 		return 0, 0, false
 	}
+	st.s.buf.unhold(li, off) // now this process's own, to be sent
 	return li, off, true
 }
 
