@@ -116,7 +116,20 @@ func (st *Stream) Read(p []byte) (int, error) {
 
 // waitReadable blocks until n bytes are unread. It is called and returns
 // with st.mu held, which it does not hold while it waits or polls.
+//
+// Several goroutines may wait on one stream, and a wake-up goes to one of
+// them: one that returns with an error (the stream or session closed, the
+// data ended, the deadline passed) passes it on, as the same cause ends
+// the others' waits.
 func (st *Stream) waitReadable(n int) error {
+	err := st.awaitReadable(n)
+	if err != nil {
+		st.notify()
+	}
+	return err
+}
+
+func (st *Stream) awaitReadable(n int) error {
 	r := &st.reader
 	for r.unread < n {
 		if st.closed {

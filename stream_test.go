@@ -1159,3 +1159,57 @@ func TestStreamBufferReader(t *testing.T) {
 		waitFreeListsFull(t, p.client)
 	})
 }
+
+// TestStreamWakesEveryBlockedReader: with several goroutines blocked
+// reading one stream, whatever ends the reads ends all of them, as
+// net.Conn promises ("any blocked Read or Write operations will be
+// unblocked"; a read deadline applies to "any currently-blocked Read
+// call"): Close, a deadline set in the past, the peer closing the stream,
+// the session closing. Before, the wake-up went to one of them, and the
+// others stayed blocked.
+func TestStreamWakesEveryBlockedReader(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		end    func(cli, srv *Stream, p *streamTestPair)
+		server bool // the readers read the server's end
+	}{
+		{"Close", func(cli, _ *Stream, _ *streamTestPair) { cli.Close() }, false},
+		{"SetReadDeadline", func(cli, _ *Stream, _ *streamTestPair) { cli.SetReadDeadline(time.Now()) }, false},
+		{"peer closes the stream", func(_, srv *Stream, _ *streamTestPair) { srv.Close() }, false},
+		{"Session.Close", func(_, _ *Stream, p *streamTestPair) { p.client.Close() }, false},
+		{"server side Close", func(_, srv *Stream, _ *streamTestPair) { srv.Close() }, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, cli, srv := leadPair(t)
+			st := cli
+			if tc.server {
+				st = srv
+			}
+			const readers = 4
+			done := make(chan error, readers)
+			for i := range readers {
+				go func() {
+					if i%2 == 0 {
+						_, err := st.Read(make([]byte, 8))
+						done <- err
+					} else {
+						_, err := st.BufferReader().ReadBytes(8)
+						done <- err
+					}
+				}()
+			}
+			time.Sleep(100 * time.Millisecond) // let them block
+			tc.end(cli, srv, p)
+			for i := range readers {
+				select {
+				case err := <-done:
+					if err == nil {
+						t.Errorf("a read returned no error")
+					}
+				case <-time.After(peerTimeout):
+					t.Fatalf("%d of %d blocked readers still blocked after %v", readers-i, readers, peerTimeout)
+				}
+			}
+		})
+	}
+}
