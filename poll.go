@@ -367,7 +367,11 @@ func (st *Stream) pollTurn() bool {
 	if !s.localPeer {
 		return s.sleepers.Load() == 0
 	}
-	return turnDue(st.id, s.contenders.Load(), time.Now())
+	c := s.contenders.Load()
+	if c <= 1 {
+		return true // alone: no turns, and no clock to read
+	}
+	return turnDue(st.id, c, time.Now())
 }
 
 // pollTurnSlice is how long one turn at polling lasts in a session whose
@@ -450,7 +454,7 @@ func (s *Session) spin() int {
 	defer s.cons.loopSpins.Store(false) // after exit: a reader that sees it false finds the slot free
 	defer spinning.exit()
 	var w spinWatch
-	w.start()
+	w.start(yieldOSAfter)
 	for {
 		for range pollCheckEvery {
 			if !s.recvQ.isEmpty() {
@@ -478,7 +482,7 @@ func (s *Session) spin() int {
 // next in the queue (kick: the receive loop must apply it).
 func (s *Session) spinReader(ready <-chan struct{}) (got, kick bool) {
 	var w spinWatch
-	w.start()
+	w.start(readerYieldOSAfter)
 	for {
 		for range pollCheckEvery {
 			n, closeAhead, err := s.tryDrain()
