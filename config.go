@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"sort"
 	"time"
 )
@@ -283,6 +284,10 @@ func (c *Config) Verify() error {
 	}
 	if c.ShareMemoryPathPrefix == "" {
 		return bad("empty ShareMemoryPathPrefix")
+	}
+	if p := c.ShareMemoryPathPrefix + "_x"; c.MemMapType == MemMapTypeDevShmFile && (!filepath.IsAbs(p) || filepath.Clean(p) != p) {
+		// The server maps only a file named by a clean absolute path.
+		return bad("ShareMemoryPathPrefix %q must be an absolute path without . or .. elements in file mode", c.ShareMemoryPathPrefix)
 	}
 	if c.MemMapType == MemMapTypeDevShmFile && len(c.ShareMemoryPathPrefix)+len(pathUniquePart) > maxPathBudget {
 		return bad("ShareMemoryPathPrefix %q is too long for file mode (at most %d bytes)", c.ShareMemoryPathPrefix, maxPathBudget-len(pathUniquePart))

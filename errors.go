@@ -2,6 +2,7 @@ package shmipc
 
 import (
 	"errors"
+	"net"
 	"os"
 )
 
@@ -54,7 +55,9 @@ var (
 	ErrNotSupported = errors.New("shmipc: not supported in this role")
 
 	// ErrListenerClosed is returned by Accept after the listener was closed.
-	ErrListenerClosed = errors.New("shmipc: listener closed")
+	// It matches net.ErrClosed under errors.Is, as the error of a closed
+	// net.Listener does, so accept loops written for those stop on it too.
+	ErrListenerClosed error = &closedError{"shmipc: listener closed"}
 
 	// ErrTimeout is returned when a deadline or timeout passes. It satisfies
 	// net.Error with Timeout() == true and matches os.ErrDeadlineExceeded
@@ -117,3 +120,10 @@ func (e *spaceTimeout) Unwrap() []error {
 	}
 	return []error{ErrTimeout}
 }
+
+// closedError is a sentinel that also matches net.ErrClosed.
+type closedError struct{ msg string }
+
+func (e *closedError) Error() string { return e.msg }
+
+func (e *closedError) Unwrap() error { return net.ErrClosed }

@@ -943,6 +943,14 @@ func TestConfigVerify(t *testing.T) {
 		{"ConnectionWriteTimeout 0", func(c *Config) { c.ConnectionWriteTimeout = 0 }},
 		{"unknown MemMapType", func(c *Config) { c.MemMapType = 7 }},
 		{"empty prefix", func(c *Config) { c.ShareMemoryPathPrefix = "" }},
+		{"file-mode prefix relative", func(c *Config) {
+			c.MemMapType = MemMapTypeDevShmFile
+			c.ShareMemoryPathPrefix = "shmipc_relative"
+		}},
+		{"file-mode prefix with ..", func(c *Config) {
+			c.MemMapType = MemMapTypeDevShmFile
+			c.ShareMemoryPathPrefix = "/dev/shm/../tmp/shmipc"
+		}},
 		{"file-mode prefix too long", func(c *Config) {
 			c.MemMapType = MemMapTypeDevShmFile
 			c.ShareMemoryPathPrefix = "/dev/shm/" + strings.Repeat("p", 200)

@@ -315,8 +315,8 @@ func TestListenerCloseStopsAcceptingOnly(t *testing.T) {
 	if _, ok := <-accepted; ok {
 		t.Error("a stream was accepted after Close")
 	}
-	if _, err := ln.Accept(); !errors.Is(err, ErrListenerClosed) {
-		t.Errorf("Accept after Close: %v, want ErrListenerClosed", err)
+	if _, err := ln.Accept(); !errors.Is(err, ErrListenerClosed) || !errors.Is(err, net.ErrClosed) {
+		t.Errorf("Accept after Close: %v, want ErrListenerClosed, matching net.ErrClosed", err)
 	}
 	if _, err := os.Lstat(sock); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("socket file after Close: %v, want it removed", err)

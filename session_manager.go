@@ -248,7 +248,7 @@ func (m *SessionManager) GetStreamContext(ctx context.Context) (*Stream, error) 
 // Only a stream that is ready for the next request is pooled: a stream that
 // is closed (by either side), in fallback mode, holds unread data or an
 // unflushed message, belongs to a session that has died, or does not fit
-// into the pool is closed instead.
+// into the pool is closed instead. A stream put back twice is pooled once.
 func (m *SessionManager) PutBack(st *Stream) {
 	if st == nil {
 		return

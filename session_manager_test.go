@@ -269,6 +269,20 @@ func TestSessionManagerReuse(t *testing.T) {
 		t.Errorf("the server accepted %d streams for two requests, want 1", n)
 	}
 
+	// Put back twice, a stream is pooled once: handing it out twice would
+	// give two users one stream.
+	m.PutBack(st2)
+	m.PutBack(st2)
+	if n := m.IdleStreams(); n != 1 {
+		t.Fatalf("%d idle streams after putting one stream back twice, want 1", n)
+	}
+	if a, b := get(), get(); a == b {
+		t.Fatal("GetStream handed out one pooled stream twice")
+	} else {
+		b.Close()
+		st2 = a
+	}
+
 	// A deadline set by one user does not stay for the next.
 	st2.SetReadDeadline(time.Now().Add(-time.Second))
 	m.PutBack(st2)

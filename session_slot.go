@@ -40,6 +40,7 @@ func (sl *smSlot) popIdle() *Stream {
 		is := sl.idle[len(sl.idle)-1]
 		sl.idle[len(sl.idle)-1] = idleStream{}
 		sl.idle = sl.idle[:len(sl.idle)-1]
+		is.st.pooled = false
 		// The server may have closed the stream while it was idle, or sent
 		// something it should not have.
 		if poolable(is.st) {
@@ -73,11 +74,16 @@ func (sl *smSlot) putBack(st *Stream) bool {
 		sl.mu.Unlock()
 		return false
 	}
+	if st.pooled { // put back twice: pooling it again would hand it out twice
+		sl.mu.Unlock()
+		return true
+	}
 	if len(sl.idle) >= sl.m.conf.MaxIdleStreams {
 		sl.mu.Unlock()
 		st.Close()
 		return true
 	}
+	st.pooled = true
 	sl.idle = append(sl.idle, idleStream{st: st, since: time.Now()})
 	sl.mu.Unlock()
 	return true

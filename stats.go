@@ -13,7 +13,7 @@ import (
 type Stats struct {
 	MessagesOut uint64 // messages sent, through shared memory or as fallback data
 	BytesOut    uint64 // their payload bytes
-	MessagesIn  uint64 // messages received
+	MessagesIn  uint64 // messages received: IO queue elements and FallbackData frames (a large fallback message may come in several)
 	BytesIn     uint64 // their payload bytes
 
 	FallbackMessagesOut uint64 // messages sent as FallbackData frames
@@ -55,7 +55,9 @@ type RegionStats struct {
 	Committed uint64
 	// InUse is the data capacity of the slices handed out and not yet
 	// freed, by either process (buffer regions only; parked slices are
-	// free). What one session holds of a shared region is not told apart
+	// free, but only the region's creator, the client, knows which are
+	// parked: a server counts them in use, as ListStats.Free does). What
+	// one session holds of a shared region is not told apart
 	// from what the others hold. An open stream that has read a message
 	// may keep one slice of the smallest class for its next message, so a
 	// region at rest shows up to one such slice per open stream in use.

@@ -34,6 +34,7 @@ type Stream struct {
 	sleptAt    atomic.Uint64 // notified when the reader last began to sleep
 	delivered  atomic.Uint64 // messages handed to the stream (lead.go)
 	rDeadline  time.Time
+	pooled     bool // in a SessionManager's idle pool; guarded by that pool's lock
 	closed     bool // Close was called
 	peerClosed bool // the peer closed its side
 
