@@ -4,8 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"time"
-
-	"github.com/goshm/shmipc/internal/wire"
 )
 
 // Sending: publishing queue elements, waiting for room in shared memory or
@@ -41,7 +39,7 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 		if ok {
 			if s.sendQ.markWorking() {
 				s.counters.wakeupsSent.Add(1)
-				if err := s.ec.writeEvent(s.version, wire.TypePolling); err != nil {
+				if err := s.ec.writePolling(s.version); err != nil {
 					s.closeWithError(fmt.Errorf("send wake-up: %w", err))
 					return true, s.closedErr()
 				}
@@ -157,7 +155,7 @@ func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 		}
 		ok, err := s.sendQ.put(queueElem{id: id, status: statusClosed})
 		if ok && s.sendQ.markWorking() {
-			err = s.ec.writeEvent(s.version, wire.TypePolling)
+			err = s.ec.writePolling(s.version)
 		}
 		s.queueRegion.release()
 		if err != nil {

@@ -86,6 +86,7 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 	s.cons.init(conf.ConsumerSpinTime)
 	s.sock.init()
 	s.accepted.init()
+	s.ec.onAsyncErr = func(err error) { s.closeWithError(fmt.Errorf("send wake-up: %w", err)) }
 	return s
 }
 

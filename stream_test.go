@@ -1213,3 +1213,78 @@ func TestStreamWakesEveryBlockedReader(t *testing.T) {
 		})
 	}
 }
+
+// TestStreamWakeupNotBehindFallback: while one stream's fallback frame
+// waits for the peer to read it (its reader does not read), a write on
+// another stream of the session returns at once, and its data arrives once
+// the peer reads the socket again. The other stream's wake-up used to wait
+// behind the frame for the socket, past its write deadline, up to
+// ConnectionWriteTimeout.
+func TestStreamWakeupNotBehindFallback(t *testing.T) {
+	p := newStreamTestPair(t, MemMapTypeMemFd, noSpin)
+	open := func(b byte) (cli, srv *Stream) {
+		t.Helper()
+		cli, err := p.client.OpenStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cli.Write([]byte{b}); err != nil {
+			t.Fatal(err)
+		}
+		if srv, err = p.server.AcceptStream(); err != nil {
+			t.Fatal(err)
+		}
+		one := make([]byte, 1)
+		if _, err := io.ReadFull(srv, one); err != nil || one[0] != b {
+			t.Fatalf("first byte: %q, %v", one, err)
+		}
+		return cli, srv
+	}
+	bigCli, bigSrv := open('a')
+	cli, srv := open('b')
+	// More than the region holds goes over the socket, in frames of up to
+	// 32 MiB; the server's receive loop stops reading its socket once it
+	// holds more than MaxFallbackBufferedPerStream of it unread.
+	big := make([]byte, 100<<20)
+	bigDone := make(chan error, 1)
+	go func() { _, err := bigCli.Write(big); bigDone <- err }()
+	deadline := time.Now().Add(peerTimeout)
+	for p.server.Stats().FallbackBytesIn < 16<<20 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the server got %d bytes of fallback data", p.server.Stats().FallbackBytesIn)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond) // the client is in its next frame's write
+	wrote := make(chan error, 1)
+	go func() {
+		cli.SetWriteDeadline(time.Now().Add(time.Second))
+		_, err := cli.Write([]byte("q"))
+		wrote <- err
+	}()
+	select {
+	case err := <-wrote:
+		if err != nil {
+			t.Fatalf("write on the other stream: %v", err)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("a 1-byte write on another stream still blocked after 3 s behind a fallback frame")
+	}
+	go io.Copy(io.Discard, bigSrv) // the server reads the socket again
+	got := make(chan error, 1)
+	go func() {
+		b := make([]byte, 1)
+		srv.SetReadDeadline(time.Now().Add(peerTimeout))
+		_, err := io.ReadFull(srv, b)
+		if err == nil && b[0] != 'q' {
+			err = fmt.Errorf("got %q, want \"q\"", b)
+		}
+		got <- err
+	}()
+	if err := <-got; err != nil {
+		t.Errorf("the other stream's data after the server read the socket again: %v", err)
+	}
+	if err := <-bigDone; err != nil {
+		t.Errorf("the large write: %v", err)
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -37,9 +38,16 @@ type eventConn struct {
 
 	wmu          sync.Mutex
 	writeTimeout time.Duration
-	wbuf         []byte      // scratch for small frames; guarded by wmu
-	wvec         net.Buffers // scratch for fallback writes; guarded by wmu
-	deadline     time.Time   // the write deadline set on conn (zero: none); guarded by wmu
+	// pollOwed: a Polling frame is owed to the peer, not yet written
+	// because another frame held the socket (writePolling); whoever holds
+	// wmu writes it as it lets go (unlockW). onAsyncErr gets the error of
+	// such a write, for the session to end.
+	pollOwed    atomic.Bool
+	pollVersion atomic.Uint32
+	onAsyncErr  func(error)
+	wbuf        []byte      // scratch for small frames; guarded by wmu
+	wvec        net.Buffers // scratch for fallback writes; guarded by wmu
+	deadline    time.Time   // the write deadline set on conn (zero: none); guarded by wmu
 
 	// One non-blocking write (tryWrite); guarded by wmu.
 	wfn  func(fd uintptr) bool
@@ -215,7 +223,10 @@ func (c *eventConn) shrink() {
 // write sends one or more whole frames with a single write.
 func (c *eventConn) write(b []byte) error {
 	c.wmu.Lock()
-	defer c.wmu.Unlock()
+	defer c.unlockW()
+	if err := c.payPolling(); err != nil {
+		return err
+	}
 	return c.writeLocked(b)
 }
 
@@ -224,7 +235,7 @@ func (c *eventConn) write(b []byte) error {
 // first write after the handshake sets a fresh one.
 func (c *eventConn) clearDeadlines() error {
 	c.wmu.Lock()
-	defer c.wmu.Unlock()
+	defer c.unlockW()
 	c.deadline = time.Time{}
 	return c.conn.SetDeadline(time.Time{})
 }
@@ -336,10 +347,70 @@ func (c *eventConn) readOnce(fd uintptr) bool {
 	}
 }
 
+// writePolling sends a Polling frame, or leaves it to the writer of the
+// frame being written, if any: a wake-up never waits behind another frame,
+// which can take as long as ConnectionWriteTimeout (fallback data the peer
+// is slow to read). The frame goes out right after that one, which is as
+// early as it could go anyway, and one frame answers any number of
+// wake-ups owed meanwhile, as it follows every element they announce.
+func (c *eventConn) writePolling(version uint8) error {
+	c.pollVersion.Store(uint32(version))
+	c.pollOwed.Store(true)
+	return c.flushPolling()
+}
+
+// flushPolling writes the owed Polling frame unless another goroutine holds
+// wmu; that one writes it when it lets go. A failed TryLock is ordered
+// before that goroutine's Unlock, so its look at pollOwed after the Unlock
+// sees the debt.
+func (c *eventConn) flushPolling() error {
+	for c.pollOwed.Load() {
+		if !c.wmu.TryLock() {
+			return nil
+		}
+		var err error
+		if c.pollOwed.Swap(false) {
+			c.wbuf = wire.AppendEvent(c.wbuf[:0], uint8(c.pollVersion.Load()), wire.TypePolling)
+			err = c.writeLocked(c.wbuf)
+		}
+		c.wmu.Unlock()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// unlockW releases wmu and writes a Polling frame owed meanwhile. Its error
+// is not the caller's: it goes to onAsyncErr.
+func (c *eventConn) unlockW() {
+	c.wmu.Unlock()
+	if c.pollOwed.Load() {
+		if err := c.flushPolling(); err != nil && c.onAsyncErr != nil {
+			go c.onAsyncErr(err) // not under the caller's locks
+		}
+	}
+}
+
+// payPolling writes an owed Polling frame before the frame the caller,
+// which holds wmu, is about to write: a frame written later must not
+// overtake the wake-up for elements published before it (a StreamClose or
+// FallbackData frame of the stream that published them).
+func (c *eventConn) payPolling() error {
+	if !c.pollOwed.Load() || !c.pollOwed.Swap(false) {
+		return nil
+	}
+	c.wbuf = wire.AppendEvent(c.wbuf[:0], uint8(c.pollVersion.Load()), wire.TypePolling)
+	return c.writeLocked(c.wbuf)
+}
+
 // writeEvent sends a frame without payload.
 func (c *eventConn) writeEvent(version uint8, t wire.Type) error {
 	c.wmu.Lock()
-	defer c.wmu.Unlock()
+	defer c.unlockW()
+	if err := c.payPolling(); err != nil {
+		return err
+	}
 	c.wbuf = wire.AppendEvent(c.wbuf[:0], version, t)
 	return c.writeLocked(c.wbuf)
 }
@@ -347,7 +418,10 @@ func (c *eventConn) writeEvent(version uint8, t wire.Type) error {
 // writeStreamClose sends a StreamClose frame.
 func (c *eventConn) writeStreamClose(version uint8, id uint32) error {
 	c.wmu.Lock()
-	defer c.wmu.Unlock()
+	defer c.unlockW()
+	if err := c.payPolling(); err != nil {
+		return err
+	}
 	c.wbuf = wire.AppendStreamClose(c.wbuf[:0], version, id)
 	return c.writeLocked(c.wbuf)
 }
@@ -368,7 +442,10 @@ func (c *eventConn) writeFallback(version uint8, id uint32, data [][]byte, deadl
 		n += len(d)
 	}
 	c.wmu.Lock()
-	defer c.wmu.Unlock()
+	defer c.unlockW()
+	if err := c.payPolling(); err != nil {
+		return err
+	}
 	if err := c.armDeadline(); err != nil {
 		return err
 	}
