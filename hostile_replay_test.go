@@ -2,7 +2,6 @@ package shmipc
 
 import (
 	"encoding/binary"
-	"net"
 	"runtime"
 	"strings"
 	"sync/atomic"
@@ -190,21 +189,9 @@ func replayForever(p *rawPeer, id, root uint32, stop *atomic.Bool) {
 // the given lists, and returns it with the server session it got.
 func connectLayout(t *testing.T, env *testServer, plans []listPlan) (*rawPeer, *Session) {
 	t.Helper()
-	conf := peerConfig(t, MemMapTypeMemFd, 0)
 	size := (int(bufferRegionSize(plans)) + 4095) &^ 4095
-	r := createRawRegions(t, conf, MemMapTypeMemFd, rawLayout{bufSize: size, initBuf: func(b []byte) { initBufferRegion(b, plans) }})
-	before := env.sessionSet()
-	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: env.addr, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
-	v, err := r.handshake(c, MemMapTypeMemFd)
-	if err != nil {
-		t.Fatalf("raw client handshake: %v", err)
-	}
-	victim := env.waitSession(t, before)
-	return rawPeerOf(t, c, v, r, conf), victim
+	p, _, victim := connectRawClientLayout(t, env, MemMapTypeMemFd, rawLayout{bufSize: size, initBuf: func(b []byte) { initBufferRegion(b, plans) }})
+	return p, victim
 }
 
 // longChain links n slices of list li into one message of 4-byte pieces

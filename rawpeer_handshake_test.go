@@ -129,8 +129,15 @@ func connectRawClient(t *testing.T, env *testServer, mode MemMapType) (*rawPeer,
 // connectRawClientRegions is connectRawClient that also returns the regions.
 func connectRawClientRegions(t *testing.T, env *testServer, mode MemMapType) (*rawPeer, *rawRegions, *Session) {
 	t.Helper()
+	return connectRawClientLayout(t, env, mode, rawLayout{})
+}
+
+// connectRawClientLayout is connectRawClientRegions with regions laid out
+// as layout says.
+func connectRawClientLayout(t *testing.T, env *testServer, mode MemMapType, layout rawLayout) (*rawPeer, *rawRegions, *Session) {
+	t.Helper()
 	conf := peerConfig(t, mode, 0)
-	r := createRawRegions(t, conf, mode, rawLayout{})
+	r := createRawRegions(t, conf, mode, layout)
 	before := env.sessionSet()
 	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: env.addr, Net: "unix"})
 	if err != nil {
