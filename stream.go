@@ -46,6 +46,8 @@ type Stream struct {
 	wDeadline  atomic.Pointer[time.Time]
 
 	writeClosed  atomic.Bool   // writes fail: closed here or by the peer
+	closeOwed    atomic.Bool   // Close left its writer's part to the goroutine holding wmu (finishClose)
+	closeTells   bool          // whether that part tells the peer; written before closeOwed is set
 	fallback     atomic.Bool   // once set, every message goes as FallbackData
 	refDropped   atomic.Bool   // the stream's reference on the buffer region is gone
 	ended        atomic.Bool   // the session has ended (sessionEnded ran)
@@ -366,6 +368,9 @@ func (st *Stream) sendFallback() error {
 			if size == limit {
 				err = s.sendFallbackFrame(st.id, frame, deadline)
 				frame, size = frame[:0], 0
+				if err == nil && st.writeClosed.Load() {
+					err = ErrStreamClosed // closed meanwhile: the rest is not sent
+				}
 			}
 		}
 	}
@@ -388,6 +393,13 @@ func (st *Stream) sendFallback() error {
 // Close closes the stream in both directions. If the peer had not closed
 // it, the peer is told (PROTOCOL.md §6.4). Slices returned by reads and
 // Reserve become invalid. Close is idempotent.
+//
+// Close does not wait for a Write, Flush or netpoll write in progress on the
+// stream: that call fails with ErrStreamClosed at its next step, and it
+// discards its message, tells the peer and lets go of the region as it
+// returns. A fallback frame it is writing cannot be cut short without
+// making the session's connection unusable, so the frame goes out whole
+// and the peer is told after it; the rest of the message is not sent.
 func (st *Stream) Close() error {
 	first, tellPeer, err := st.closeReader()
 	if !first {
@@ -395,18 +407,40 @@ func (st *Stream) Close() error {
 	}
 	st.writeClosed.Store(true)
 	st.notify()
-	if werr := st.discardWriter(); err == nil {
+	st.closeTells = tellPeer
+	st.closeOwed.Store(true)
+	if werr := st.finishClose(); err == nil {
 		err = werr
 	}
-	st.s.forgetStream(st, tellPeer)
-	if tellPeer {
-		_ = st.s.access(func() error {
-			st.s.sendStreamClose(st.id, st.fallback.Load())
-			return nil
-		})
-	}
-	st.dropRef()
 	return err
+}
+
+// finishClose does the writer's part of Close, unless a writer holds wmu:
+// then that writer does it as it lets go (unlockWriter). A failed TryLock
+// is ordered before the holder's Unlock, so the holder's look at
+// closeOwed after it sees the debt.
+func (st *Stream) finishClose() error {
+	for st.closeOwed.Load() {
+		if !st.wmu.TryLock() {
+			return nil
+		}
+		if !st.closeOwed.Swap(false) {
+			st.wmu.Unlock()
+			continue
+		}
+		err := st.s.access(st.writer.discard)
+		st.wmu.Unlock()
+		st.s.forgetStream(st, st.closeTells)
+		if st.closeTells {
+			_ = st.s.access(func() error {
+				st.s.sendStreamClose(st.id, st.fallback.Load())
+				return nil
+			})
+		}
+		st.dropRef()
+		return err
+	}
+	return nil
 }
 
 // closeReader marks the stream closed and frees what it received. first
@@ -420,13 +454,6 @@ func (st *Stream) closeReader() (first, tellPeer bool, err error) {
 	}
 	st.closed = true
 	return true, !st.peerClosed, st.s.access(st.reader.releaseAll)
-}
-
-// discardWriter frees the slices of an unsent message.
-func (st *Stream) discardWriter() error {
-	st.lockWriter()
-	defer st.unlockWriter()
-	return st.s.access(st.writer.discard)
 }
 
 // sessionEnded is called for each stream when its session ends. Unread data
@@ -458,6 +485,9 @@ func (st *Stream) letGo() {
 			st.dropRef()
 		}
 		st.wmu.Unlock()
+		if st.closeOwed.Load() {
+			_ = st.finishClose() // a Close that found wmu held by this look
+		}
 	}
 }
 
@@ -471,6 +501,9 @@ func (st *Stream) lockWriter() { st.wmu.Lock() }
 // other.
 func (st *Stream) unlockWriter() {
 	st.wmu.Unlock()
+	if st.closeOwed.Load() {
+		_ = st.finishClose() // the caller's own error stands
+	}
 	if st.ended.Load() {
 		st.letGo()
 	}

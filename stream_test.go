@@ -1222,33 +1222,15 @@ func TestStreamWakesEveryBlockedReader(t *testing.T) {
 // ConnectionWriteTimeout.
 func TestStreamWakeupNotBehindFallback(t *testing.T) {
 	p := newStreamTestPair(t, MemMapTypeMemFd, noSpin)
-	open := func(b byte) (cli, srv *Stream) {
-		t.Helper()
-		cli, err := p.client.OpenStream()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := cli.Write([]byte{b}); err != nil {
-			t.Fatal(err)
-		}
-		if srv, err = p.server.AcceptStream(); err != nil {
-			t.Fatal(err)
-		}
-		one := make([]byte, 1)
-		if _, err := io.ReadFull(srv, one); err != nil || one[0] != b {
-			t.Fatalf("first byte: %q, %v", one, err)
-		}
-		return cli, srv
-	}
-	bigCli, bigSrv := open('a')
-	cli, srv := open('b')
+	bigCli, bigSrv := p.openAccepted(t, 'a')
+	cli, srv := p.openAccepted(t, 'b')
 	// More than the region holds goes over the socket, in frames of up to
 	// 32 MiB; the server's receive loop stops reading its socket once it
 	// holds more than MaxFallbackBufferedPerStream of it unread.
 	big := make([]byte, 100<<20)
 	bigDone := make(chan error, 1)
 	go func() { _, err := bigCli.Write(big); bigDone <- err }()
-	deadline := time.Now().Add(peerTimeout)
+	deadline := time.Now().Add(30 * time.Second) // copying 32 MiB is slow under -race
 	for p.server.Stats().FallbackBytesIn < 16<<20 {
 		if time.Now().After(deadline) {
 			t.Fatalf("the server got %d bytes of fallback data", p.server.Stats().FallbackBytesIn)
@@ -1267,8 +1249,8 @@ func TestStreamWakeupNotBehindFallback(t *testing.T) {
 		if err != nil {
 			t.Fatalf("write on the other stream: %v", err)
 		}
-	case <-time.After(3 * time.Second):
-		t.Fatal("a 1-byte write on another stream still blocked after 3 s behind a fallback frame")
+	case <-time.After(4 * time.Second): // it used to wait for ConnectionWriteTimeout (10 s)
+		t.Fatal("a 1-byte write on another stream still blocked after 4 s behind a fallback frame")
 	}
 	go io.Copy(io.Discard, bigSrv) // the server reads the socket again
 	got := make(chan error, 1)
@@ -1287,4 +1269,76 @@ func TestStreamWakeupNotBehindFallback(t *testing.T) {
 	if err := <-bigDone; err != nil {
 		t.Errorf("the large write: %v", err)
 	}
+}
+
+// TestStreamCloseDuringFallbackWrite: Close of a stream whose Write is
+// sending a fallback frame the peer is slow to read returns at once; the
+// Write fails with ErrStreamClosed once its frame is out, the rest of the
+// message is not sent, the peer sees the stream end, and the session goes
+// on. Close used to wait for the whole write, up to ConnectionWriteTimeout.
+func TestStreamCloseDuringFallbackWrite(t *testing.T) {
+	p := newStreamTestPair(t, MemMapTypeMemFd, noSpin)
+	bigCli, bigSrv := p.openAccepted(t, 'a')
+	big := make([]byte, 100<<20)
+	wrote := make(chan error, 1)
+	go func() { _, err := bigCli.Write(big); wrote <- err }()
+	deadline := time.Now().Add(30 * time.Second) // copying 32 MiB is slow under -race
+	for p.server.Stats().FallbackBytesIn < 16<<20 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the server got %d bytes of fallback data", p.server.Stats().FallbackBytesIn)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond) // the client is in its next frame's write
+	closed := make(chan error, 1)
+	go func() { closed <- bigCli.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	case <-time.After(4 * time.Second): // it used to wait for ConnectionWriteTimeout (10 s)
+		t.Fatal("Close still waiting after 4 s for the stream's fallback write")
+	}
+	bigSrv.SetReadDeadline(time.Now().Add(time.Minute))
+	n, err := io.Copy(io.Discard, bigSrv) // the peer reads again, to the end
+	if err != nil {
+		t.Errorf("the peer's read of the closed stream: %v", err)
+	}
+	if n >= int64(len(big)) {
+		t.Errorf("the peer read %d bytes: the whole message went out after Close", n)
+	}
+	select {
+	case err := <-wrote:
+		if !errors.Is(err, ErrStreamClosed) {
+			t.Errorf("the Write that Close interrupted: %v, want ErrStreamClosed", err)
+		}
+	case <-time.After(peerTimeout):
+		t.Fatal("the Write did not return after its frame went out")
+	}
+	cli, _ := p.openAccepted(t, 'b') // the session goes on
+	cli.Close()
+}
+
+// openAccepted opens a stream, sends the byte b on it, and returns it with
+// the server's end, which has read b.
+func (p *streamTestPair) openAccepted(t *testing.T, b byte) (cli, srv *Stream) {
+	t.Helper()
+	cli, err := p.client.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Write([]byte{b}); err != nil {
+		t.Fatal(err)
+	}
+	if srv, err = p.server.AcceptStream(); err != nil {
+		t.Fatal(err)
+	}
+	one := make([]byte, 1)
+	srv.SetReadDeadline(time.Now().Add(peerTimeout))
+	if _, err := io.ReadFull(srv, one); err != nil || one[0] != b {
+		t.Fatalf("first byte: %q, %v", one, err)
+	}
+	srv.SetReadDeadline(time.Time{})
+	return cli, srv
 }
