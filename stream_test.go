@@ -1224,20 +1224,7 @@ func TestStreamWakeupNotBehindFallback(t *testing.T) {
 	p := newStreamTestPair(t, MemMapTypeMemFd, noSpin)
 	bigCli, bigSrv := p.openAccepted(t, 'a')
 	cli, srv := p.openAccepted(t, 'b')
-	// More than the region holds goes over the socket, in frames of up to
-	// 32 MiB; the server's receive loop stops reading its socket once it
-	// holds more than MaxFallbackBufferedPerStream of it unread.
-	big := make([]byte, 100<<20)
-	bigDone := make(chan error, 1)
-	go func() { _, err := bigCli.Write(big); bigDone <- err }()
-	deadline := time.Now().Add(30 * time.Second) // copying 32 MiB is slow under -race
-	for p.server.Stats().FallbackBytesIn < 16<<20 {
-		if time.Now().After(deadline) {
-			t.Fatalf("the server got %d bytes of fallback data", p.server.Stats().FallbackBytesIn)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	time.Sleep(100 * time.Millisecond) // the client is in its next frame's write
+	bigDone := p.stalledFallbackWrite(t, bigCli)
 	wrote := make(chan error, 1)
 	go func() {
 		cli.SetWriteDeadline(time.Now().Add(time.Second))
@@ -1279,17 +1266,7 @@ func TestStreamWakeupNotBehindFallback(t *testing.T) {
 func TestStreamCloseDuringFallbackWrite(t *testing.T) {
 	p := newStreamTestPair(t, MemMapTypeMemFd, noSpin)
 	bigCli, bigSrv := p.openAccepted(t, 'a')
-	big := make([]byte, 100<<20)
-	wrote := make(chan error, 1)
-	go func() { _, err := bigCli.Write(big); wrote <- err }()
-	deadline := time.Now().Add(30 * time.Second) // copying 32 MiB is slow under -race
-	for p.server.Stats().FallbackBytesIn < 16<<20 {
-		if time.Now().After(deadline) {
-			t.Fatalf("the server got %d bytes of fallback data", p.server.Stats().FallbackBytesIn)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	time.Sleep(100 * time.Millisecond) // the client is in its next frame's write
+	wrote := p.stalledFallbackWrite(t, bigCli)
 	closed := make(chan error, 1)
 	go func() { closed <- bigCli.Close() }()
 	select {
@@ -1305,7 +1282,7 @@ func TestStreamCloseDuringFallbackWrite(t *testing.T) {
 	if err != nil {
 		t.Errorf("the peer's read of the closed stream: %v", err)
 	}
-	if n >= int64(len(big)) {
+	if n >= stalledWriteSize {
 		t.Errorf("the peer read %d bytes: the whole message went out after Close", n)
 	}
 	select {
@@ -1318,6 +1295,30 @@ func TestStreamCloseDuringFallbackWrite(t *testing.T) {
 	}
 	cli, _ := p.openAccepted(t, 'b') // the session goes on
 	cli.Close()
+}
+
+// stalledWriteSize is what stalledFallbackWrite writes.
+const stalledWriteSize = 100 << 20
+
+// stalledFallbackWrite starts a write of stalledWriteSize bytes on the
+// client stream cli, whose server end nobody reads, and returns once the
+// write is stalled in a fallback frame: more than the region holds goes
+// over the socket in frames of up to 32 MiB, and the server's receive loop
+// stops reading its socket once it holds MaxFallbackBufferedPerStream of
+// it unread. The channel gets the write's error.
+func (p *streamTestPair) stalledFallbackWrite(t *testing.T, cli *Stream) <-chan error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { _, err := cli.Write(make([]byte, stalledWriteSize)); done <- err }()
+	deadline := time.Now().Add(30 * time.Second) // copying 32 MiB is slow under -race
+	for p.server.Stats().FallbackBytesIn < 16<<20 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the server got %d bytes of fallback data", p.server.Stats().FallbackBytesIn)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond) // the client is in its next frame's write
+	return done
 }
 
 // openAccepted opens a stream, sends the byte b on it, and returns it with
