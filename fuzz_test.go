@@ -710,6 +710,10 @@ func (fm *fzBufModel) run(script []byte) {
 			sizes := make([]uint32, 0, k)
 			for range k {
 				sl := fm.dropOwned(int(s.u16()) % len(fm.owned))
+				// A slice received earlier goes into a message of ours as a
+				// kept slice does: a writer takes it (takeKept), and it is
+				// no longer held as received.
+				m.unhold(int(sl.list), sl.off)
 				if fm.pristine {
 					fm.ownedBy[sl.list]++ // still held until readChain says otherwise
 				}
