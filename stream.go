@@ -38,7 +38,7 @@ type Stream struct {
 	closed     bool // Close was called
 	peerClosed bool // the peer closed its side
 
-	wmu    sync.Mutex // serialises writers, Flush and Close
+	wmu    handoverMutex // serialises writers, Flush and Close
 	writer streamWriter
 	// The writer's, for waiting for room (send.go, space_queue.go).
 	spaceCh    chan struct{}
@@ -416,12 +416,10 @@ func (st *Stream) Close() error {
 }
 
 // finishClose does the writer's part of Close, unless a writer holds wmu:
-// then that writer does it as it lets go (unlockWriter). A failed TryLock
-// is ordered before the holder's Unlock, so the holder's look at
-// closeOwed after it sees the debt.
+// then that writer does it as it lets go (unlockWriter, handoverMutex).
 func (st *Stream) finishClose() error {
 	for st.closeOwed.Load() {
-		if !st.wmu.TryLock() {
+		if !st.wmu.tryLockOrLeave() {
 			return nil
 		}
 		if !st.closeOwed.Swap(false) {
@@ -480,7 +478,7 @@ func (st *Stream) letGo() {
 	st.mu.Lock()
 	idle := !st.reader.exposed() && st.reader.unread == 0
 	st.mu.Unlock()
-	if idle && st.wmu.TryLock() {
+	if idle && st.wmu.tryLockOrLeave() {
 		if len(st.writer.segs) == 0 {
 			st.dropRef()
 		}
@@ -494,11 +492,11 @@ func (st *Stream) letGo() {
 // lockWriter serialises writers, Flush and Close.
 func (st *Stream) lockWriter() { st.wmu.Lock() }
 
-// unlockWriter ends what lockWriter began. If the session ended meanwhile,
-// the writer may have been the one holding the stream's reference (letGo).
-// The session marks the stream ended before it tries the lock, and the
-// writer unlocks before it looks at the mark, so one of the two sees the
-// other.
+// unlockWriter ends what lockWriter began, and does what was left to the
+// writer meanwhile (handoverMutex): the rest of a Close, and, if the
+// session ended, dropping the stream's reference (letGo). The session
+// marks the stream ended before it tries the lock, and the writer unlocks
+// before it looks at the mark, so one of the two sees the other.
 func (st *Stream) unlockWriter() {
 	st.wmu.Unlock()
 	if st.closeOwed.Load() {

@@ -6,7 +6,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -36,7 +35,7 @@ type eventConn struct {
 	inqN   int
 	inqErr error
 
-	wmu          sync.Mutex
+	wmu          handoverMutex
 	writeTimeout time.Duration
 	// pollOwed: a Polling frame is owed to the peer, not yet written
 	// because another frame held the socket (writePolling); whoever holds
@@ -360,12 +359,10 @@ func (c *eventConn) writePolling(version uint8) error {
 }
 
 // flushPolling writes the owed Polling frame unless another goroutine holds
-// wmu; that one writes it when it lets go. A failed TryLock is ordered
-// before that goroutine's Unlock, so its look at pollOwed after the Unlock
-// sees the debt.
+// wmu; that one writes it when it lets go (handoverMutex).
 func (c *eventConn) flushPolling() error {
 	for c.pollOwed.Load() {
-		if !c.wmu.TryLock() {
+		if !c.wmu.tryLockOrLeave() {
 			return nil
 		}
 		var err error

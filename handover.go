@@ -1,0 +1,57 @@
+package shmipc
+
+import (
+	"runtime"
+	"sync"
+	"sync/atomic"
+)
+
+// handoverMutex is a mutex whose holder does work that other goroutines
+// left to it when they found it held, so that those need not wait: a
+// wake-up owed to the peer (eventConn.pollOwed), the rest of a stream's
+// Close (Stream.closeOwed). A goroutine with such work sets its debt flag
+// (an atomic) and calls tryLockOrLeave; the holder looks at the flags after
+// unlock.
+//
+// Why the holders count: sync.Mutex.TryLock begins with a plain load of the
+// mutex state, which a weakly ordered CPU (arm64) may perform before the
+// debt flag's store is visible to the holder's core, so a failed TryLock
+// alone does not prove that the holder will see the debt. holders is
+// changed and read only with atomics, which Go keeps sequentially
+// consistent: if tryLockOrLeave sees a holder, that holder's decrement,
+// and its look at the flags after it, come later in that order than the
+// debt's store.
+type handoverMutex struct {
+	mu      sync.Mutex
+	holders atomic.Int32 // goroutines between Lock and unlock: 0 or 1
+}
+
+func (m *handoverMutex) Lock() {
+	m.mu.Lock()
+	m.holders.Add(1)
+}
+
+// Unlock releases the mutex; the caller then looks at the debts it may
+// have been left.
+func (m *handoverMutex) Unlock() {
+	m.holders.Add(-1)
+	m.mu.Unlock()
+}
+
+// tryLockOrLeave takes the mutex and reports true, or reports false when a
+// holder will look at the debt the caller set before calling it.
+func (m *handoverMutex) tryLockOrLeave() bool {
+	for {
+		if m.mu.TryLock() {
+			m.holders.Add(1)
+			return true
+		}
+		if m.holders.Load() > 0 {
+			return false
+		}
+		// Taken and not yet counted, or counted out and not yet
+		// released (or handed to a waiter that has not run yet): a
+		// moment.
+		runtime.Gosched()
+	}
+}
