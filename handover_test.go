@@ -31,6 +31,7 @@ func TestHandoverMutex(t *testing.T) {
 	// unlockW do; at the end nothing is owed.
 	var owed, paid atomic.Int64
 	var flag atomic.Bool
+	held := 0 // guarded by m
 	pay := func() {
 		for flag.Load() {
 			if !m.tryLockOrLeave() {
@@ -52,12 +53,16 @@ func TestHandoverMutex(t *testing.T) {
 				flag.Store(true)
 				pay()
 				m.Lock()
+				held++
 				m.Unlock()
 				pay()
 			}
 		}()
 	}
 	wg.Wait()
+	if held != 4*20000 {
+		t.Errorf("%d critical sections, want %d", held, 4*20000)
+	}
 	if flag.Load() {
 		t.Errorf("a debt was left unpaid: %d owed, paid up to %d", owed.Load(), paid.Load())
 	}
