@@ -55,8 +55,9 @@ type StreamHandler interface {
 	// closed it), the error OnData returned, or why reading failed (an error
 	// wrapping ErrSessionClosed when the session died, ErrTimeout when a read
 	// deadline passed, io.ErrUnexpectedEOF when the peer closed the stream
-	// in the middle of what OnData waited for). The stream is still open, so OnClose may write a
-	// last message; it is closed when OnClose returns.
+	// in the middle of what OnData waited for). The stream is still open,
+	// so OnClose may write a last message; it is closed when OnClose
+	// returns.
 	OnClose(st *Stream, err error)
 }
 

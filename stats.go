@@ -13,8 +13,10 @@ import (
 type Stats struct {
 	MessagesOut uint64 // messages sent, through shared memory or as fallback data
 	BytesOut    uint64 // their payload bytes
-	MessagesIn  uint64 // messages received: IO queue elements and FallbackData frames (a large fallback message may come in several)
-	BytesIn     uint64 // their payload bytes
+	// MessagesIn counts messages received: IO queue elements and
+	// FallbackData frames (a large fallback message may come in several).
+	MessagesIn uint64
+	BytesIn    uint64 // their payload bytes
 
 	FallbackMessagesOut uint64 // messages sent as FallbackData frames
 	FallbackBytesOut    uint64 // their payload bytes

@@ -365,11 +365,7 @@ func (c *eventConn) flushPolling() error {
 		if !c.wmu.tryLockOrLeave() {
 			return nil
 		}
-		var err error
-		if c.pollOwed.Swap(false) {
-			c.wbuf = wire.AppendEvent(c.wbuf[:0], uint8(c.pollVersion.Load()), wire.TypePolling)
-			err = c.writeLocked(c.wbuf)
-		}
+		err := c.payPolling()
 		c.wmu.Unlock()
 		if err != nil {
 			return err
