@@ -21,20 +21,30 @@ import (
 // consistent: if tryLockOrLeave sees a holder, that holder's decrement,
 // and its look at the flags after it, come later in that order than the
 // debt's store.
+//
+// On amd64 the count is left out (countHolders, handover_amd64.go): Go
+// compiles an atomic store there to XCHG, a full fence, so the plain load
+// that follows cannot pass the debt's store. The count's two atomic
+// additions per Lock and Unlock cost about 0.1 µs of a 1.6 µs round trip
+// of 64 B between two processes (three alternating pairs).
 type handoverMutex struct {
 	mu      sync.Mutex
-	holders atomic.Int32 // goroutines between Lock and unlock: 0 or 1
+	holders atomic.Int32 // goroutines between Lock and Unlock (0 or 1), if countHolders
 }
 
 func (m *handoverMutex) Lock() {
 	m.mu.Lock()
-	m.holders.Add(1)
+	if countHolders {
+		m.holders.Add(1)
+	}
 }
 
 // Unlock releases the mutex; the caller then looks at the debts it may
 // have been left.
 func (m *handoverMutex) Unlock() {
-	m.holders.Add(-1)
+	if countHolders {
+		m.holders.Add(-1)
+	}
 	m.mu.Unlock()
 }
 
@@ -43,10 +53,12 @@ func (m *handoverMutex) Unlock() {
 func (m *handoverMutex) tryLockOrLeave() bool {
 	for {
 		if m.mu.TryLock() {
-			m.holders.Add(1)
+			if countHolders {
+				m.holders.Add(1)
+			}
 			return true
 		}
-		if m.holders.Load() > 0 {
+		if !countHolders || m.holders.Load() > 0 {
 			return false
 		}
 		// Taken and not yet counted, or counted out and not yet

@@ -1,0 +1,6 @@
+//go:build !amd64
+
+package shmipc
+
+// countHolders: see handoverMutex.
+const countHolders = true
