@@ -482,7 +482,7 @@ func (s *Session) spin() int {
 // next in the queue (kick: the receive loop must apply it).
 func (s *Session) spinReader(ready <-chan struct{}) (got, kick bool) {
 	var w spinWatch
-	w.start(readerYieldOSAfter)
+	w.startReader()
 	for {
 		for range pollCheckEvery {
 			n, closeAhead, err := s.tryDrain()

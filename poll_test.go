@@ -3,6 +3,7 @@ package shmipc
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -376,5 +377,53 @@ func TestPollTurnCrossProcess(t *testing.T) {
 	s.sleepers.Store(0)
 	if !st.pollTurn() {
 		t.Error("a reader may not poll once the others are served")
+	}
+}
+
+// TestSpinReaderLetsReadiedGoroutinesRun: in a process with a single
+// processor a reader that starts polling first lets the goroutines it has
+// just readied run (they are often what it waits for); with more
+// processors it does not yield.
+func TestSpinReaderLetsReadiedGoroutinesRun(t *testing.T) {
+	prev := runtime.GOMAXPROCS(1)
+	defer func() {
+		runtime.GOMAXPROCS(prev)
+		procs.at.Store(0)
+	}()
+	procs.at.Store(0) // read GOMAXPROCS again
+	if !procs.alone() {
+		t.Fatal("procs.alone() = false with GOMAXPROCS 1")
+	}
+	// Gosched lets the goroutines of the processor's queue run first,
+	// except when the scheduler's periodic look at the global queue (one
+	// schedule in 61) finds the yielding goroutine there first.
+	const rounds = 40
+	ranFirst := 0
+	for range rounds {
+		ready := make(chan struct{})
+		var ran atomic.Bool
+		done := make(chan struct{})
+		go func() {
+			<-ready
+			ran.Store(true)
+			close(done)
+		}()
+		runtime.Gosched() // let it block on ready
+		close(ready)      // readies it on this processor, which this goroutine holds
+		var w spinWatch
+		w.startReader()
+		if ran.Load() {
+			ranFirst++
+		}
+		<-done
+	}
+	if ranFirst < rounds/2 {
+		t.Fatalf("the goroutine readied before the spin had run when the spin began in %d of %d rounds", ranFirst, rounds)
+	}
+
+	runtime.GOMAXPROCS(2)
+	procs.at.Store(0)
+	if procs.alone() {
+		t.Fatal("procs.alone() = true with GOMAXPROCS 2")
 	}
 }
