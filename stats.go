@@ -19,9 +19,12 @@ type Stats struct {
 	BytesIn    uint64 // their payload bytes
 
 	FallbackMessagesOut uint64 // messages sent as FallbackData frames
-	FallbackBytesOut    uint64 // their payload bytes
-	FallbackMessagesIn  uint64 // FallbackData frames received
-	FallbackBytesIn     uint64 // their payload bytes
+	// FallbackBytesOut counts their payload bytes, and those of the
+	// frames that went out of a message cut short (by Close, a deadline or
+	// a failed write), which BytesOut counts too.
+	FallbackBytesOut   uint64
+	FallbackMessagesIn uint64 // FallbackData frames received
+	FallbackBytesIn    uint64 // their payload bytes
 
 	WakeupsSent     uint64 // Polling frames sent: the peer was asleep
 	WakeupsSaved    uint64 // messages published while the peer was awake, so no Polling frame was needed

@@ -40,6 +40,9 @@ type Stream struct {
 
 	wmu    handoverMutex // serialises writers, Flush and Close
 	writer streamWriter
+	// partSent is how much of the message being written went out in
+	// fallback frames before sendFallback failed (0 after a success).
+	partSent int
 	// The writer's, for waiting for room (send.go, space_queue.go).
 	spaceCh    chan struct{}
 	spaceTimer *time.Timer
@@ -234,13 +237,19 @@ func (st *Stream) peerClose() {
 	st.dropKept()
 }
 
-// Write writes p as one message and flushes it.
+// Write writes p as one message and flushes it. On error n counts the
+// bytes of p the peer will read: none, except for a message going over the
+// socket in fallback frames (a message larger than the buffer region can
+// give), which Close, the write deadline or a failed socket write can cut
+// short after some of its frames went out.
 func (st *Stream) Write(p []byte) (int, error) {
 	st.lockWriter()
 	defer st.unlockWriter()
 	if err := st.writeDeadlineErr(); err != nil {
 		return 0, err
 	}
+	before := st.writer.size // left by BufferWriter calls: sent first
+	st.partSent = 0
 	err := st.s.access(func() error {
 		_, err := writeTo(&st.writer, p)
 		if err == nil {
@@ -252,7 +261,9 @@ func (st *Stream) Write(p []byte) (int, error) {
 		return err
 	})
 	if err != nil {
-		return 0, err
+		// Only a message sent as fallback frames goes out in parts: the
+		// peer reads those that were written whole.
+		return min(max(st.partSent-before, 0), len(p)), err
 	}
 	return len(p), nil
 }
@@ -356,7 +367,7 @@ func (st *Stream) sendFallback() error {
 		deadline = *d
 	}
 	var frame [][]byte
-	size := 0
+	size, sent := 0, 0
 	var err error
 	for i := 0; i < len(w.segs) && err == nil; i++ {
 		data := w.segs[i].data[:w.segs[i].n]
@@ -366,7 +377,9 @@ func (st *Stream) sendFallback() error {
 			size += c
 			data = data[c:]
 			if size == limit {
-				err = s.sendFallbackFrame(st.id, frame, deadline)
+				if err = s.sendFallbackFrame(st.id, frame, deadline); err == nil {
+					sent += size
+				}
 				frame, size = frame[:0], 0
 				if err == nil && st.writeClosed.Load() {
 					err = ErrStreamClosed // closed meanwhile: the rest is not sent
@@ -375,14 +388,20 @@ func (st *Stream) sendFallback() error {
 		}
 	}
 	if err == nil && size > 0 {
-		err = s.sendFallbackFrame(st.id, frame, deadline)
+		if err = s.sendFallbackFrame(st.id, frame, deadline); err == nil {
+			sent += size
+		}
+	}
+	if sent > 0 {
+		st.sent()
+		s.counters.bytesOut.Add(uint64(sent))
+		s.counters.fallbackBytesOut.Add(uint64(sent))
 	}
 	if err == nil {
-		st.sent()
 		s.counters.messagesOut.Add(1)
-		s.counters.bytesOut.Add(uint64(w.size))
 		s.counters.fallbackMessagesOut.Add(1)
-		s.counters.fallbackBytesOut.Add(uint64(w.size))
+	} else {
+		st.partSent = sent
 	}
 	if derr := w.discard(); err == nil {
 		err = derr

@@ -1253,8 +1253,8 @@ func TestStreamWakeupNotBehindFallback(t *testing.T) {
 	if err := <-got; err != nil {
 		t.Errorf("the other stream's data after the server read the socket again: %v", err)
 	}
-	if err := <-bigDone; err != nil {
-		t.Errorf("the large write: %v", err)
+	if r := <-bigDone; r.err != nil || r.n != stalledWriteSize {
+		t.Errorf("the large write: %d, %v; want %d, nil", r.n, r.err, stalledWriteSize)
 	}
 }
 
@@ -1286,15 +1286,28 @@ func TestStreamCloseDuringFallbackWrite(t *testing.T) {
 		t.Errorf("the peer read %d bytes: the whole message went out after Close", n)
 	}
 	select {
-	case err := <-wrote:
-		if !errors.Is(err, ErrStreamClosed) {
-			t.Errorf("the Write that Close interrupted: %v, want ErrStreamClosed", err)
+	case r := <-wrote:
+		if !errors.Is(r.err, ErrStreamClosed) {
+			t.Errorf("the Write that Close interrupted: %v, want ErrStreamClosed", r.err)
+		}
+		// It reports what the peer got, as the stats do.
+		if int64(r.n) != n {
+			t.Errorf("the Write that Close interrupted returned n = %d; the peer read %d bytes", r.n, n)
+		}
+		if out := p.client.Stats().FallbackBytesOut; out != uint64(n) {
+			t.Errorf("FallbackBytesOut = %d; the peer read %d bytes", out, n)
 		}
 	case <-time.After(peerTimeout):
 		t.Fatal("the Write did not return after its frame went out")
 	}
 	cli, _ := p.openAccepted(t, 'b') // the session goes on
 	cli.Close()
+}
+
+// writeResult is what a Write returned.
+type writeResult struct {
+	n   int
+	err error
 }
 
 // stalledWriteSize is what stalledFallbackWrite writes.
@@ -1305,11 +1318,14 @@ const stalledWriteSize = 100 << 20
 // write is stalled in a fallback frame: more than the region holds goes
 // over the socket in frames of up to 32 MiB, and the server's receive loop
 // stops reading its socket once it holds MaxFallbackBufferedPerStream of
-// it unread. The channel gets the write's error.
-func (p *streamTestPair) stalledFallbackWrite(t *testing.T, cli *Stream) <-chan error {
+// it unread. The channel gets the write's result.
+func (p *streamTestPair) stalledFallbackWrite(t *testing.T, cli *Stream) <-chan writeResult {
 	t.Helper()
-	done := make(chan error, 1)
-	go func() { _, err := cli.Write(make([]byte, stalledWriteSize)); done <- err }()
+	done := make(chan writeResult, 1)
+	go func() {
+		n, err := cli.Write(make([]byte, stalledWriteSize))
+		done <- writeResult{n, err}
+	}()
 	deadline := time.Now().Add(30 * time.Second) // copying 32 MiB is slow under -race
 	for p.server.Stats().FallbackBytesIn < 16<<20 {
 		if time.Now().After(deadline) {
