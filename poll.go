@@ -454,9 +454,9 @@ func (s *Session) spin() int {
 	defer s.cons.loopSpins.Store(false) // after exit: a reader that sees it false finds the slot free
 	defer spinning.exit()
 	var w spinWatch
-	w.start(yieldOSAfter)
+	w.start(s, yieldOSAfter)
 	for {
-		for range pollCheckEvery {
+		for range w.looks() {
 			if !s.recvQ.isEmpty() {
 				s.cons.hit()
 				return spinFound
@@ -464,7 +464,7 @@ func (s *Session) spin() int {
 			if s.cons.pollers.Load() > 1 {
 				return spinGaveUp // a reader polls: leave it to that one
 			}
-			cpuRelax()
+			w.relax()
 		}
 		switch w.check(s) {
 		case spinGaveUp:
@@ -482,9 +482,9 @@ func (s *Session) spin() int {
 // next in the queue (kick: the receive loop must apply it).
 func (s *Session) spinReader(ready <-chan struct{}) (got, kick bool) {
 	var w spinWatch
-	w.startReader()
+	w.startReader(s)
 	for {
-		for range pollCheckEvery {
+		for range w.looks() {
 			n, closeAhead, err := s.tryDrain()
 			if err != nil {
 				s.closeWithError(err)
@@ -499,10 +499,10 @@ func (s *Session) spinReader(ready <-chan struct{}) (got, kick bool) {
 			if closeAhead {
 				return false, true
 			}
-			if n > 0 { // it was for other streams: let their readers run
+			if n > 0 && !w.sharesProc { // it was for other streams: let their readers run
 				runtime.Gosched()
 			}
-			cpuRelax()
+			w.relax()
 		}
 		if w.check(s) == spinGaveUp {
 			return false, false

@@ -388,10 +388,10 @@ func TestSpinReaderLetsReadiedGoroutinesRun(t *testing.T) {
 	prev := runtime.GOMAXPROCS(1)
 	defer func() {
 		runtime.GOMAXPROCS(prev)
-		procs.at.Store(0)
+		procs.read(time.Now())
 	}()
-	procs.at.Store(0) // read GOMAXPROCS again
-	if !procs.alone() {
+	procs.read(time.Now())
+	if !procs.alone(time.Now()) {
 		t.Fatal("procs.alone() = false with GOMAXPROCS 1")
 	}
 	// Gosched lets the goroutines of the processor's queue run first,
@@ -411,7 +411,7 @@ func TestSpinReaderLetsReadiedGoroutinesRun(t *testing.T) {
 		runtime.Gosched() // let it block on ready
 		close(ready)      // readies it on this processor, which this goroutine holds
 		var w spinWatch
-		w.startReader()
+		w.startReader(&Session{})
 		if ran.Load() {
 			ranFirst++
 		}
@@ -422,8 +422,36 @@ func TestSpinReaderLetsReadiedGoroutinesRun(t *testing.T) {
 	}
 
 	runtime.GOMAXPROCS(2)
-	procs.at.Store(0)
-	if procs.alone() {
+	procs.read(time.Now())
+	if procs.alone(time.Now()) {
 		t.Fatal("procs.alone() = true with GOMAXPROCS 2")
+	}
+}
+
+// TestSpinSharesProcessorWithLocalPeer: in a process with a single
+// processor, a reader polling a session whose peer is this process lets
+// the peer's goroutines run between its looks, so what it waits for comes
+// within its spin. Here the peer needs 200 turns on the processor before it
+// answers; a spinner that yielded only every yieldEvery (1 ms) ran out of
+// its 50 ms budget first.
+func TestSpinSharesProcessorWithLocalPeer(t *testing.T) {
+	prev := runtime.GOMAXPROCS(1)
+	defer func() {
+		runtime.GOMAXPROCS(prev)
+		procs.read(time.Now())
+	}()
+	procs.read(time.Now())
+	s, _ := newPollSession(t)
+	s.localPeer = true
+	s.cons.init(50 * time.Millisecond)
+	ready := make(chan struct{}, 1)
+	go func() {
+		for range 200 {
+			runtime.Gosched()
+		}
+		ready <- struct{}{}
+	}()
+	if got, _ := s.spinReader(ready); !got {
+		t.Fatal("the spin ended before the peer in this process, which needed the processor 200 times, had answered")
 	}
 }
