@@ -361,7 +361,14 @@ func (s *Session) pollFor(ready <-chan struct{}) bool {
 // cut into pollTurnSlice, and a stream's readers may poll in the slices
 // its id is due in (turnDue), which both ends compute alike, as both see
 // the same ids and the same clock. A stream in its turn runs at the speed
-// of a lone stream; the others are served by hand-offs meanwhile.
+// of a lone stream; the others are served by hand-offs meanwhile. With a
+// single processor (GOMAXPROCS 1) there are no turns: once several readers
+// wait, they all sleep and the two sessions' receive loops, which let the
+// other goroutines run between their looks (spinWatch), harvest for them.
+// The spinners of two streams in their turn held the spinning slots, and
+// the other streams' data waited for wake-ups through the socket: 8 streams
+// took 7.9 µs per round trip with the turns, 1.75 µs without (a Unix
+// socket: 3.0 µs).
 func (st *Stream) pollTurn() bool {
 	s := st.s
 	if !s.localPeer {
@@ -370,6 +377,9 @@ func (st *Stream) pollTurn() bool {
 	c := s.contenders.Load()
 	if c <= 1 {
 		return true // alone: no turns, and no clock to read
+	}
+	if procs.n.Load() == 1 {
+		return false
 	}
 	return turnDue(st.id, c, time.Now())
 }

@@ -455,3 +455,32 @@ func TestSpinSharesProcessorWithLocalPeer(t *testing.T) {
 		t.Fatal("the spin ended before the peer in this process, which needed the processor 200 times, had answered")
 	}
 }
+
+// TestPollTurnOneProcessor: with the peer in this process and a single
+// processor, a reader polls only while it waits alone; once others wait
+// too, all of them sleep and the two sessions' receive loops harvest for
+// them. (8 streams took 7.9 µs per round trip with the time slices, 1.75
+// µs without; a Unix socket 3.0 µs.)
+func TestPollTurnOneProcessor(t *testing.T) {
+	prev := runtime.GOMAXPROCS(1)
+	defer func() {
+		runtime.GOMAXPROCS(prev)
+		procs.read(time.Now())
+	}()
+	procs.read(time.Now())
+	s := &Session{localPeer: true}
+	st := &Stream{s: s, id: 3}
+	s.contenders.Store(1)
+	if !st.pollTurn() {
+		t.Error("a lone reader may not poll")
+	}
+	for _, n := range []int32{2, 8, 64} {
+		s.contenders.Store(n)
+		for range 3 { // whatever the time slice
+			if st.pollTurn() {
+				t.Errorf("a reader polls while %d wait, with one processor", n)
+			}
+			time.Sleep(pollTurnSlice)
+		}
+	}
+}
