@@ -67,9 +67,10 @@ func (w *spinWatch) startReader(s *Session) {
 }
 
 // procs caches GOMAXPROCS for spinners: runtime.GOMAXPROCS takes the
-// scheduler's lock. The runtime can change it while the process runs (it
-// follows the CPU limit of the process's cgroup), so spinners read it again
-// when they start a spin after procsRefresh.
+// scheduler's lock. It can change while the process runs (the runtime
+// follows the CPU limit of the process's cgroup; go test -cpu sets it for
+// each benchmark), so spinners read it again when they start a spin more
+// than procsRefresh after the last read.
 var procs = newProcsCache()
 
 type procsCache struct {
@@ -77,7 +78,7 @@ type procsCache struct {
 	at atomic.Int64 // when n was read (UnixNano)
 }
 
-const procsRefresh = 100 * time.Millisecond
+const procsRefresh = 5 * time.Millisecond
 
 func newProcsCache() *procsCache {
 	c := &procsCache{}
