@@ -380,17 +380,23 @@ func TestPollTurnCrossProcess(t *testing.T) {
 	}
 }
 
+// withOneProcessor runs the rest of the test with GOMAXPROCS 1, which the
+// spinners know at once.
+func withOneProcessor(t *testing.T) {
+	prev := runtime.GOMAXPROCS(1)
+	procs.read(time.Now())
+	t.Cleanup(func() {
+		runtime.GOMAXPROCS(prev)
+		procs.read(time.Now())
+	})
+}
+
 // TestSpinReaderLetsReadiedGoroutinesRun: in a process with a single
 // processor a reader that starts polling first lets the goroutines it has
 // just readied run (they are often what it waits for); with more
 // processors it does not yield.
 func TestSpinReaderLetsReadiedGoroutinesRun(t *testing.T) {
-	prev := runtime.GOMAXPROCS(1)
-	defer func() {
-		runtime.GOMAXPROCS(prev)
-		procs.read(time.Now())
-	}()
-	procs.read(time.Now())
+	withOneProcessor(t)
 	if !procs.alone(time.Now()) {
 		t.Fatal("procs.alone() = false with GOMAXPROCS 1")
 	}
@@ -435,12 +441,7 @@ func TestSpinReaderLetsReadiedGoroutinesRun(t *testing.T) {
 // answers; a spinner that yielded only every yieldEvery (1 ms) ran out of
 // its 50 ms budget first.
 func TestSpinSharesProcessorWithLocalPeer(t *testing.T) {
-	prev := runtime.GOMAXPROCS(1)
-	defer func() {
-		runtime.GOMAXPROCS(prev)
-		procs.read(time.Now())
-	}()
-	procs.read(time.Now())
+	withOneProcessor(t)
 	s, _ := newPollSession(t)
 	s.localPeer = true
 	s.cons.init(50 * time.Millisecond)
@@ -462,12 +463,7 @@ func TestSpinSharesProcessorWithLocalPeer(t *testing.T) {
 // them. (8 streams took 7.9 µs per round trip with the time slices, 1.75
 // µs without; a Unix socket 3.0 µs.)
 func TestPollTurnOneProcessor(t *testing.T) {
-	prev := runtime.GOMAXPROCS(1)
-	defer func() {
-		runtime.GOMAXPROCS(prev)
-		procs.read(time.Now())
-	}()
-	procs.read(time.Now())
+	withOneProcessor(t)
 	s := &Session{localPeer: true}
 	st := &Stream{s: s, id: 3}
 	s.contenders.Store(1)
