@@ -220,7 +220,7 @@ func (g *spinGovernor) endCooldown() {
 // enter takes a spinning slot if one is free and no cool-down is running;
 // local says the session's peer is this process.
 func (g *spinGovernor) enter(local bool) bool {
-	slots := g.localSlots(local)
+	slots := g.slotsFor(local)
 	if slots <= 0 {
 		return false
 	}
@@ -236,12 +236,13 @@ func (g *spinGovernor) enter(local bool) bool {
 
 func (g *spinGovernor) exit() { g.active.Add(-1) }
 
-// localSlots is the number of slots for a session: local says its peer is
+// slotsFor is the number of slots for a session: local says its peer is
 // this process. (One slot for such sessions in a process with a single
 // processor made a single stream's round trip in one process 390 µs: its
 // peer's reader slept, and a spinner that lets other goroutines run keeps
-// the scheduler from polling the network for the wake-up.)
-func (g *spinGovernor) localSlots(local bool) int32 {
+// the scheduler from polling the network for the wake-up, which then waits
+// for the runtime's monitor thread or for the end of the spin.)
+func (g *spinGovernor) slotsFor(local bool) int32 {
 	if local {
 		return g.local
 	}
@@ -250,7 +251,7 @@ func (g *spinGovernor) localSlots(local bool) int32 {
 
 // free reports whether enter would find a slot now.
 func (g *spinGovernor) free(local bool) bool {
-	slots := g.localSlots(local)
+	slots := g.slotsFor(local)
 	return g.active.Load() < slots && g.offUntil.Load() == 0
 }
 
