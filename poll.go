@@ -514,6 +514,13 @@ func (s *Session) spinReader(ready <-chan struct{}) (got, kick bool) {
 			}
 			w.relax()
 		}
+		if w.sharesProc && localWakes.pending() {
+			if localWakes.await(ready, s.closed) {
+				s.cons.hit()
+				return true, false
+			}
+			w.last = time.Now() // parked on purpose, not preempted
+		}
 		if w.check(s) == spinGaveUp {
 			return false, false
 		}

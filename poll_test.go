@@ -3,6 +3,7 @@ package shmipc
 import (
 	"errors"
 	"fmt"
+	"io"
 	"runtime"
 	"sync/atomic"
 	"testing"
@@ -478,5 +479,41 @@ func TestPollTurnOneProcessor(t *testing.T) {
 			}
 			time.Sleep(pollTurnSlice)
 		}
+	}
+}
+
+// TestSpinParksWhileLocalWakeInFlight: with one processor and the peer in
+// this process, a reader spinning while a wake-up between two sessions of
+// this process is on its way parks, so that the scheduler polls the network
+// and delivers the wake-up (here a byte on a Unix socket, whose reader
+// plays the peer's receive loop and then answers). A reader that went on
+// yielding kept the goroutine blocked on the socket from running and ran
+// out of its 5 ms budget (the runtime's monitor polls the network only
+// 10 ms after the scheduler last did).
+func TestSpinParksWhileLocalWakeInFlight(t *testing.T) {
+	withOneProcessor(t)
+	s, _ := newPollSession(t)
+	s.localPeer = true
+	s.cons.init(5 * time.Millisecond)
+	a, b := unixPair(t)
+	ready := make(chan struct{}, 1)
+	go func() {
+		buf := make([]byte, 1)
+		if _, err := io.ReadFull(b, buf); err != nil {
+			return
+		}
+		localWakes.received()
+		ready <- struct{}{}
+	}()
+	time.Sleep(time.Millisecond) // the reader blocks; the scheduler has just polled the network
+	localWakes.sent.Store(time.Now().UnixNano())
+	if _, err := a.Write([]byte{1}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.spinReader(ready); !got {
+		t.Fatal("the spin ended without the answer of the peer whose wake-up was on its way")
+	}
+	if localWakes.pending() {
+		t.Error("a wake-up is still pending after it arrived")
 	}
 }

@@ -104,6 +104,9 @@ func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 	switch h.Type() {
 	case wire.TypePolling:
 		s.counters.wakeupsReceived.Add(1)
+		if s.localPeer {
+			localWakes.received()
+		}
 		return s.consumeNow()
 	case wire.TypeStreamClose:
 		if err := s.drainBefore(); err != nil {

@@ -39,6 +39,7 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 		if ok {
 			if s.sendQ.markWorking() {
 				s.counters.wakeupsSent.Add(1)
+				s.wakingPeer()
 				if err := s.ec.writePolling(s.version); err != nil {
 					s.closeWithError(fmt.Errorf("send wake-up: %w", err))
 					return true, s.closedErr()
@@ -155,6 +156,7 @@ func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 		}
 		ok, err := s.sendQ.put(queueElem{id: id, status: statusClosed})
 		if ok && s.sendQ.markWorking() {
+			s.wakingPeer()
 			err = s.ec.writePolling(s.version)
 		}
 		s.queueRegion.release()

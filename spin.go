@@ -2,6 +2,7 @@ package shmipc
 
 import (
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -66,6 +67,83 @@ func (w *spinWatch) startReader(s *Session) {
 	}
 }
 
+// localWakes tracks the wake-ups (Polling frames) that sessions whose peer
+// is this process have sent and not yet seen arrive. With a single
+// processor such a wake-up reaches its session only through the network
+// poller, which the scheduler consults when it has no goroutine to run: a
+// spinner that lets the other goroutines run between its looks is always
+// one (sharesProc), so while it spins the wake-up waits, and with it the
+// reply the spinner waits for. A round trip with a pause before it (the
+// peer's spinners had stopped) took two full spins, 0.4 ms with the default
+// ConsumerSpinTime, against 11 µs over a Unix socket. So while such a
+// wake-up is on its way, a reader that spins parks until it arrives (or its
+// own data does) and then spins on, and a receive loop stops spinning. (A
+// reader that stopped instead left its peer asleep for the next message,
+// which then needed a wake-up too: every message came with one, and a
+// stream of back-to-back round trips took 2.3 times as long.)
+//
+// It keeps times, not counts: sessions end with wake-ups unread, and the
+// next one to arrive clears what they left. (With several pairs of
+// sessions in one process a wake-up can clear another's; a spinner then
+// goes on as before, until the wake-up's session is served.)
+var localWakes localWakeTimes
+
+type localWakeTimes struct {
+	sent, got atomic.Int64 // UnixNano of the last sent and the last received
+	waiters   atomic.Int32 // readers parked in await
+	mu        sync.Mutex
+	arrived   chan struct{} // closed when a wake-up arrives; nil when nobody waits
+}
+
+// wakingPeer records that s is about to send its peer a wake-up.
+func (s *Session) wakingPeer() {
+	if s.localPeer {
+		localWakes.sent.Store(time.Now().UnixNano())
+	}
+}
+
+// received records a wake-up that arrived, and lets the parked readers go.
+func (l *localWakeTimes) received() {
+	l.got.Store(time.Now().UnixNano())
+	if l.waiters.Load() > 0 {
+		l.mu.Lock()
+		if l.arrived != nil {
+			close(l.arrived)
+			l.arrived = nil
+		}
+		l.mu.Unlock()
+	}
+}
+
+// pending reports whether a wake-up between two sessions of this process is
+// on its way.
+func (l *localWakeTimes) pending() bool { return l.sent.Load() > l.got.Load() }
+
+// await parks a reader until no wake-up is pending, its ready channel is
+// signalled (reported true: the signal was taken), or the session ends.
+// Parked, the reader leaves the processor to the scheduler, which then
+// polls the network and delivers the wake-up.
+func (l *localWakeTimes) await(ready <-chan struct{}, closed <-chan struct{}) (got bool) {
+	l.waiters.Add(1)
+	defer l.waiters.Add(-1)
+	l.mu.Lock()
+	if l.arrived == nil {
+		l.arrived = make(chan struct{})
+	}
+	arrived := l.arrived
+	l.mu.Unlock()
+	if !l.pending() { // it arrived before this reader counted itself
+		return false
+	}
+	select {
+	case <-ready:
+		return true
+	case <-arrived:
+	case <-closed:
+	}
+	return false
+}
+
 // procs caches GOMAXPROCS for spinners: runtime.GOMAXPROCS takes the
 // scheduler's lock. It can change while the process runs (the runtime
 // follows the CPU limit of the process's cgroup; go test -cpu sets it for
@@ -106,6 +184,9 @@ func (c *procsCache) alone(now time.Time) bool {
 // otherwise (go on).
 func (w *spinWatch) check(s *Session) int {
 	if w.sharesProc {
+		if localWakes.pending() {
+			return spinGaveUp
+		}
 		runtime.Gosched() // the peer's turn; the time it takes is not a preemption
 		w.last = time.Now()
 	}
