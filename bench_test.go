@@ -163,6 +163,35 @@ func slowestFastest(counts []int) float64 {
 
 // benchmarkParallel runs the round trips with b.RunParallel, a client per
 // goroutine.
+// BenchmarkPausedPingPong: one client does round trips of 64 B with a pause
+// of pause between them, like a request now and then rather than a stream
+// of them, so each one finds the other side's spinners stopped. ns/op is
+// the round trip alone (the pause is not timed).
+func BenchmarkPausedPingPong(b *testing.B) {
+	startBenchHogs(b, *benchHogs)
+	const pause = time.Millisecond
+	for _, tr := range benchTransports {
+		b.Run("transport="+tr.name, func(b *testing.B) {
+			srv := tr.serve(b, 64)
+			c, err := srv.connect()
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer c.Close()
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range b.N {
+				if err := c.roundTrip(); err != nil {
+					b.Fatal(err)
+				}
+				b.StopTimer()
+				time.Sleep(pause)
+				b.StartTimer()
+			}
+		})
+	}
+}
+
 func benchmarkParallel(b *testing.B, tr benchTransport, size int) {
 	startBenchHogs(b, *benchHogs)
 	srv := tr.serve(b, size)

@@ -517,3 +517,23 @@ func TestSpinParksWhileLocalWakeInFlight(t *testing.T) {
 		t.Error("a wake-up is still pending after it arrived")
 	}
 }
+
+// TestLocalWakeTakenForLost: a wake-up between two sessions of this process
+// that has not arrived after localWakeStale (its session ended, or the peer
+// is not a Session) no longer holds spinners back.
+func TestLocalWakeTakenForLost(t *testing.T) {
+	now := time.Now().UnixNano()
+	localWakes.got.Store(now - int64(time.Hour))
+	localWakes.sent.Store(now)
+	if !localWakes.pending() {
+		t.Error("a wake-up sent just now is not pending")
+	}
+	localWakes.sent.Store(now - 2*int64(localWakeStale))
+	if localWakes.pending() {
+		t.Errorf("a wake-up sent %v ago, never received, still holds spinners back", 2*localWakeStale)
+	}
+	localWakes.received()
+	if localWakes.pending() {
+		t.Error("a wake-up is pending after one arrived")
+	}
+}

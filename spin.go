@@ -85,8 +85,23 @@ func (w *spinWatch) startReader(s *Session) {
 // It keeps times, not counts: sessions end with wake-ups unread, and the
 // next one to arrive clears what they left. (With several pairs of
 // sessions in one process a wake-up can clear another's; a spinner then
-// goes on as before, until the wake-up's session is served.)
+// goes on as before, until the wake-up's session is served.) A wake-up
+// that has not arrived after localWakeStale is taken for lost: its session
+// ended, or the peer in this process is not a Session (the tests' raw
+// peers), and spinners that waited for it go on.
 var localWakes localWakeTimes
+
+// localWakeStale is how long a wake-up between two sessions of this process
+// may take: the network poller delivers it in microseconds once the
+// processor is left to the scheduler.
+const localWakeStale = time.Millisecond
+
+// wakeTimers bounds the parking of readers (await) without allocating.
+var wakeTimers = sync.Pool{New: func() any {
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	return t
+}}
 
 type localWakeTimes struct {
 	sent, got atomic.Int64 // UnixNano of the last sent and the last received
@@ -116,13 +131,17 @@ func (l *localWakeTimes) received() {
 }
 
 // pending reports whether a wake-up between two sessions of this process is
-// on its way.
-func (l *localWakeTimes) pending() bool { return l.sent.Load() > l.got.Load() }
+// on its way (sent, not arrived, not yet taken for lost).
+func (l *localWakeTimes) pending() bool {
+	sent := l.sent.Load()
+	return sent > l.got.Load() && time.Now().UnixNano()-sent < int64(localWakeStale)
+}
 
-// await parks a reader until no wake-up is pending, its ready channel is
-// signalled (reported true: the signal was taken), or the session ends.
-// Parked, the reader leaves the processor to the scheduler, which then
-// polls the network and delivers the wake-up.
+// await parks a reader until no wake-up is pending (it arrived, or it is
+// taken for lost), its ready channel is signalled (reported true: the
+// signal was taken), or the session ends. Parked, the reader leaves the
+// processor to the scheduler, which then polls the network and delivers
+// the wake-up.
 func (l *localWakeTimes) await(ready <-chan struct{}, closed <-chan struct{}) (got bool) {
 	l.waiters.Add(1)
 	defer l.waiters.Add(-1)
@@ -135,11 +154,16 @@ func (l *localWakeTimes) await(ready <-chan struct{}, closed <-chan struct{}) (g
 	if !l.pending() { // it arrived before this reader counted itself
 		return false
 	}
+	t := wakeTimers.Get().(*time.Timer)
+	defer wakeTimers.Put(t)
+	t.Reset(localWakeStale)
+	defer t.Stop()
 	select {
 	case <-ready:
 		return true
 	case <-arrived:
 	case <-closed:
+	case <-t.C:
 	}
 	return false
 }
