@@ -281,7 +281,7 @@ func (s *Session) kick() {
 // The reader holds references on both regions meanwhile, so a session that
 // ends under it cannot unmap what it is looking at; the polling runs inside
 // an access.
-func (s *Session) pollFor(ready <-chan struct{}) bool {
+func (s *Session) pollFor(ready chan struct{}) bool {
 	if s.cons.budget.Load() <= 0 || s.IsClosed() {
 		return false
 	}
@@ -490,7 +490,7 @@ func (s *Session) spin() int {
 // spinReader is a reader's spin: it drains what arrives and stops when
 // ready is signalled (true), when the budget runs out, or when a close is
 // next in the queue (kick: the receive loop must apply it).
-func (s *Session) spinReader(ready <-chan struct{}) (got, kick bool) {
+func (s *Session) spinReader(ready chan struct{}) (got, kick bool) {
 	var w spinWatch
 	w.startReader(s)
 	for {

@@ -107,7 +107,7 @@ type localWakeTimes struct {
 	sent, got atomic.Int64 // UnixNano of the last sent and the last received
 	waiters   atomic.Int32 // readers parked in await
 	mu        sync.Mutex
-	arrived   chan struct{} // closed when a wake-up arrives; nil when nobody waits
+	parked    []chan struct{} // their ready channels (buffered), signalled on an arrival
 }
 
 // wakingPeer records that s is about to send its peer a wake-up.
@@ -117,14 +117,17 @@ func (s *Session) wakingPeer() {
 	}
 }
 
-// received records a wake-up that arrived, and lets the parked readers go.
+// received records a wake-up that arrived, and signals the parked readers
+// (they look for their data again, as after any notification).
 func (l *localWakeTimes) received() {
 	l.got.Store(time.Now().UnixNano())
 	if l.waiters.Load() > 0 {
 		l.mu.Lock()
-		if l.arrived != nil {
-			close(l.arrived)
-			l.arrived = nil
+		for _, ch := range l.parked {
+			select {
+			case ch <- struct{}{}:
+			default: // a notification is waiting already
+			}
 		}
 		l.mu.Unlock()
 	}
@@ -139,18 +142,28 @@ func (l *localWakeTimes) pending() bool {
 
 // await parks a reader until no wake-up is pending (it arrived, or it is
 // taken for lost), its ready channel is signalled (reported true: the
-// signal was taken), or the session ends. Parked, the reader leaves the
-// processor to the scheduler, which then polls the network and delivers
-// the wake-up.
-func (l *localWakeTimes) await(ready <-chan struct{}, closed <-chan struct{}) (got bool) {
+// signal was taken; an arrival signals it too), or the session ends.
+// Parked, the reader leaves the processor to the scheduler, which then
+// polls the network and delivers the wake-up.
+func (l *localWakeTimes) await(ready chan struct{}, closed <-chan struct{}) (got bool) {
 	l.waiters.Add(1)
-	defer l.waiters.Add(-1)
 	l.mu.Lock()
-	if l.arrived == nil {
-		l.arrived = make(chan struct{})
-	}
-	arrived := l.arrived
+	l.parked = append(l.parked, ready)
 	l.mu.Unlock()
+	defer func() {
+		l.mu.Lock()
+		for i, ch := range l.parked {
+			if ch == ready {
+				last := len(l.parked) - 1
+				l.parked[i] = l.parked[last]
+				l.parked[last] = nil
+				l.parked = l.parked[:last]
+				break
+			}
+		}
+		l.mu.Unlock()
+		l.waiters.Add(-1)
+	}()
 	if !l.pending() { // it arrived before this reader counted itself
 		return false
 	}
@@ -161,7 +174,6 @@ func (l *localWakeTimes) await(ready <-chan struct{}, closed <-chan struct{}) (g
 	select {
 	case <-ready:
 		return true
-	case <-arrived:
 	case <-closed:
 	case <-t.C:
 	}
