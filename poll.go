@@ -378,10 +378,11 @@ func (st *Stream) pollTurn() bool {
 	if c <= 1 {
 		return true // alone: no turns, and no clock to read
 	}
-	if procs.n.Load() == 1 {
+	now := time.Now()
+	if procs.alone(now) {
 		return false
 	}
-	return turnDue(st.id, c, time.Now())
+	return turnDue(st.id, c, now)
 }
 
 // pollTurnSlice is how long one turn at polling lasts in a session whose

@@ -392,6 +392,13 @@ func withOneProcessor(t *testing.T) {
 	})
 }
 
+// staleProcs makes the cached GOMAXPROCS out of date (2, read long ago),
+// so that the next spin must read it again.
+func staleProcs() {
+	procs.n.Store(2)
+	procs.at.Store(0)
+}
+
 // TestSpinReaderLetsReadiedGoroutinesRun: in a process with a single
 // processor a reader that starts polling first lets the goroutines it has
 // just readied run (they are often what it waits for); with more
@@ -417,8 +424,9 @@ func TestSpinReaderLetsReadiedGoroutinesRun(t *testing.T) {
 		}()
 		runtime.Gosched() // let it block on ready
 		close(ready)      // readies it on this processor, which this goroutine holds
+		staleProcs()      // as if the program had set GOMAXPROCS after the last spin
 		var w spinWatch
-		w.startReader(&Session{})
+		w.startReader(&Session{}) // a peer in another process
 		if ran.Load() {
 			ranFirst++
 		}
@@ -465,6 +473,7 @@ func TestSpinSharesProcessorWithLocalPeer(t *testing.T) {
 // µs without; a Unix socket 3.0 µs.)
 func TestPollTurnOneProcessor(t *testing.T) {
 	withOneProcessor(t)
+	staleProcs()
 	s := &Session{localPeer: true}
 	st := &Stream{s: s, id: 3}
 	s.contenders.Store(1)

@@ -12,9 +12,9 @@ import (
 type spinWatch struct {
 	begin, last, lastYield, lastSocket time.Time
 	yieldAfter                         time.Duration // yieldOSAfter or readerYieldOSAfter
-	// sharesProc: the peer is this process, which has one processor (the
-	// spinner holds it).
-	sharesProc bool
+	// alone: the process has one processor, which the spinner holds;
+	// sharesProc: and the session's peer is this process.
+	alone, sharesProc bool
 }
 
 // start begins a spin for session s.
@@ -28,7 +28,8 @@ type spinWatch struct {
 func (w *spinWatch) start(s *Session, yieldAfter time.Duration) {
 	w.yieldAfter = yieldAfter
 	w.begin = time.Now()
-	w.sharesProc = s.localPeer && procs.alone(w.begin)
+	w.alone = procs.alone(w.begin) // every spin, so that a change is seen whatever the peer
+	w.sharesProc = s.localPeer && w.alone
 	w.last, w.lastYield, w.lastSocket = w.begin, w.begin, w.begin
 }
 
@@ -60,7 +61,7 @@ func (w *spinWatch) relax() {
 // loop's spins, made gRPC's small calls two to three times slower.)
 func (w *spinWatch) startReader(s *Session) {
 	w.start(s, readerYieldOSAfter)
-	if procs.n.Load() == 1 {
+	if w.alone {
 		runtime.Gosched()
 		w.begin = time.Now()
 		w.last, w.lastYield, w.lastSocket = w.begin, w.begin, w.begin
@@ -219,15 +220,15 @@ func (c *procsCache) alone(now time.Time) bool {
 // (time for the receive loop to look at the socket), and spinFound
 // otherwise (go on).
 func (w *spinWatch) check(s *Session) int {
+	var now time.Time
 	if w.sharesProc {
 		if localWakes.pending() {
 			return spinGaveUp
 		}
 		runtime.Gosched() // the peer's turn; the time it takes is not a preemption
-		w.last = time.Now()
-	}
-	now := time.Now()
-	if !w.sharesProc && now.Sub(w.begin) >= w.yieldAfter {
+		now = time.Now()
+		w.last = now
+	} else if now = time.Now(); now.Sub(w.begin) >= w.yieldAfter {
 		// A long wait: give the CPU to any thread waiting for it, which may
 		// be the very peer this spinner waits for; with nobody waiting it
 		// returns at once.

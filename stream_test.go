@@ -1231,13 +1231,9 @@ func TestStreamWakeupNotBehindFallback(t *testing.T) {
 		_, err := cli.Write([]byte("q"))
 		wrote <- err
 	}()
-	select {
-	case err := <-wrote:
-		if err != nil {
-			t.Fatalf("write on the other stream: %v", err)
-		}
-	case <-time.After(4 * time.Second): // it used to wait for ConnectionWriteTimeout (10 s)
-		t.Fatal("a 1-byte write on another stream still blocked after 4 s behind a fallback frame")
+	// It used to wait for ConnectionWriteTimeout (10 s).
+	if err := errWithin(t, wrote, 4*time.Second, "a 1-byte write on another stream still blocked behind a fallback frame"); err != nil {
+		t.Fatalf("write on the other stream: %v", err)
 	}
 	go io.Copy(io.Discard, bigSrv) // the server reads the socket again
 	got := make(chan error, 1)
@@ -1269,13 +1265,9 @@ func TestStreamCloseDuringFallbackWrite(t *testing.T) {
 	wrote := p.stalledFallbackWrite(t, bigCli)
 	closed := make(chan error, 1)
 	go func() { closed <- bigCli.Close() }()
-	select {
-	case err := <-closed:
-		if err != nil {
-			t.Errorf("Close: %v", err)
-		}
-	case <-time.After(4 * time.Second): // it used to wait for ConnectionWriteTimeout (10 s)
-		t.Fatal("Close still waiting after 4 s for the stream's fallback write")
+	// It used to wait for ConnectionWriteTimeout (10 s).
+	if err := errWithin(t, closed, 4*time.Second, "Close still waiting for the stream's fallback write"); err != nil {
+		t.Errorf("Close: %v", err)
 	}
 	bigSrv.SetReadDeadline(time.Now().Add(time.Minute))
 	n, err := io.Copy(io.Discard, bigSrv) // the peer reads again, to the end

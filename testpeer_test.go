@@ -385,6 +385,19 @@ func closeWithin(t testing.TB, s *Session, within time.Duration) {
 	}
 }
 
+// errWithin returns the error ch delivers, and ends the test with what if
+// none comes within the given time.
+func errWithin(t testing.TB, ch <-chan error, within time.Duration, what string) error {
+	t.Helper()
+	select {
+	case err := <-ch:
+		return err
+	case <-time.After(within):
+		t.Fatalf("%s after %v", what, within)
+		return nil
+	}
+}
+
 // expectClosedWith waits for a victim session to close and checks that its
 // error wraps is (ErrProtocol when nil) and mentions every word of want.
 func expectClosedWith(t *testing.T, s *Session, is error, want []string) {
