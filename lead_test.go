@@ -484,3 +484,59 @@ func TestLendToNotifiedReader(t *testing.T) {
 		t.Fatal("the receive loop does not hold the socket")
 	}
 }
+
+// TestHandedReaderLeadsWithOneProcessor: with a single processor the
+// reader the receive loop hands data to runs before the loop goes on, and
+// comes back for its next message at once. The loop must have lent it the
+// socket by then: if it let the reader run first, the reader found the
+// socket still held and went to sleep on a request that no lend answers,
+// so no read ever led. The lead tests' helper (leadingRead) then gave up
+// now and then under GOMAXPROCS=1.
+func TestHandedReaderLeadsWithOneProcessor(t *testing.T) {
+	withOneProcessor(t)
+	_, cli, srv := leadPair(t)
+	buf := make([]byte, 1)
+	for i := range 20 {
+		// A reader that sleeps while the loop holds the socket, and the
+		// message the loop hands it.
+		done := readAsync(srv, 1)
+		deadline := time.Now().Add(5 * time.Second)
+		for srv.s.sock.wanted.Load() != srv && !waitLeading(srv, 0) {
+			if time.Now().After(deadline) {
+				t.Fatalf("round %d: the reader neither leads nor asked for the socket", i)
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+		if _, err := cli.Write([]byte{byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+		if err := waitResult(t, done, "the server's read"); err != nil {
+			t.Fatal(err)
+		}
+		// The next read takes the socket the loop lent.
+		done = readAsync(srv, 1)
+		if !waitLeading(srv, 5*time.Second) {
+			t.Fatalf("round %d: the next read did not lead", i)
+		}
+		if _, err := cli.Write([]byte{byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+		if err := waitResult(t, done, "a leading read"); err != nil {
+			t.Fatal(err)
+		}
+		// Give the socket back to the loop for the next round.
+		p := srv.s
+		for deadline := time.Now().Add(5 * time.Second); !p.sock.held.Load(); {
+			if time.Now().After(deadline) {
+				t.Fatalf("round %d: the receive loop did not take the socket back", i)
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+		if _, err := srv.Write(buf); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(cli, buf); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

@@ -165,7 +165,13 @@ func (s *Session) consume(resume bool) error {
 			s.cons.woken()
 		}
 		first = false
-		if n > 0 && s.cons.pollers.Load() == 1 && !s.leading {
+		// A reader that wanted the socket was just handed data (mayLend):
+		// go back and lend it now, before that reader runs. Spinning did
+		// not pay when it asked (lead), and a reader let run first (with
+		// one processor, the Gosched below runs it at once) comes back for
+		// its next message while the loop still holds the socket, and
+		// sleeps on a request nothing will answer by a lend.
+		if n > 0 && s.cons.pollers.Load() == 1 && !s.leading && !s.mayLend() {
 			// Let the readers just served run before looking again.
 			runtime.Gosched()
 			switch s.spin() {
