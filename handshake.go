@@ -92,9 +92,18 @@ func (s *Session) runHandshake(client bool) (err error) {
 	return s.serverHandshake()
 }
 
+// isTimeout reports whether err, or an error it wraps, is a timeout (a
+// deadline passed, or a read kicked by setting one in the past).
 func isTimeout(err error) bool {
-	var ne net.Error
-	return errors.As(err, &ne) && ne.Timeout()
+	// A walk down the chain rather than errors.As, whose target escapes:
+	// a kicked socket read (poll.go) comes here, and would allocate.
+	for err != nil {
+		if t, ok := err.(interface{ Timeout() bool }); ok && t.Timeout() {
+			return true
+		}
+		err = errors.Unwrap(err)
+	}
+	return false
 }
 
 // clientHandshake creates the regions and runs PROTOCOL.md §1.4 (file mode,

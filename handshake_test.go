@@ -1067,3 +1067,27 @@ func TestServerRunningPhaseBadFrames(t *testing.T) {
 		}
 	}
 }
+
+// TestIsTimeout: a deadline error however wrapped is a timeout, other errors
+// are not, and telling costs no allocation (a kicked socket read asks).
+func TestIsTimeout(t *testing.T) {
+	kicked := error(&net.OpError{Op: "raw-read", Net: "unix", Err: os.ErrDeadlineExceeded})
+	for _, tc := range []struct {
+		err  error
+		want bool
+	}{
+		{kicked, true},
+		{fmt.Errorf("reading a frame: %w", kicked), true},
+		{os.ErrDeadlineExceeded, true},
+		{io.EOF, false},
+		{&net.OpError{Op: "read", Net: "unix", Err: syscall.ECONNRESET}, false},
+		{nil, false},
+	} {
+		if got := isTimeout(tc.err); got != tc.want {
+			t.Errorf("isTimeout(%v) = %v, want %v", tc.err, got, tc.want)
+		}
+	}
+	if n := testing.AllocsPerRun(100, func() { isTimeout(kicked) }); n != 0 {
+		t.Errorf("isTimeout allocates %v times per call", n)
+	}
+}
