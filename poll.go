@@ -523,8 +523,16 @@ func (s *Session) spinReader(ready chan struct{}) (got, kick bool) {
 		}
 		if w.sharesProc && localWakes.pending() {
 			if localWakes.await(ready, s.closed) {
-				s.cons.hit()
-				return true, false
+				// Usually the arrival's signal, and the peer has run
+				// meanwhile: put the signal back and look once more, so
+				// that this reader drains its reply itself. Returned at
+				// once, it left the reply in the queue for the receive
+				// loop, kicked to hand it over (a paused round trip with
+				// one processor took 32–35 µs, a Unix socket's 14–16 µs).
+				select {
+				case ready <- struct{}{}:
+				default:
+				}
 			}
 			w.last = time.Now() // parked on purpose, not preempted
 		}
