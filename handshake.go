@@ -92,16 +92,24 @@ func (s *Session) runHandshake(client bool) (err error) {
 	return s.serverHandshake()
 }
 
-// isTimeout reports whether err, or an error it wraps, is a timeout (a
-// deadline passed, or a read kicked by setting one in the past).
+// isTimeout reports whether err, or an error it wraps (errors.Unwrap, or
+// each of an Unwrap() []error, as errors.As walks them), is a timeout: a
+// deadline passed, or a read kicked by setting one in the past.
 func isTimeout(err error) bool {
-	// A walk down the chain rather than errors.As, whose target escapes:
-	// a kicked socket read (poll.go) comes here, and would allocate.
-	for err != nil {
-		if t, ok := err.(interface{ Timeout() bool }); ok && t.Timeout() {
-			return true
+	// Walked by hand rather than with errors.As, whose target escapes: a
+	// kicked socket read (poll.go) comes here, and would allocate.
+	if t, ok := err.(interface{ Timeout() bool }); ok && t.Timeout() {
+		return true
+	}
+	switch u := err.(type) {
+	case interface{ Unwrap() error }:
+		return isTimeout(u.Unwrap())
+	case interface{ Unwrap() []error }:
+		for _, e := range u.Unwrap() {
+			if isTimeout(e) {
+				return true
+			}
 		}
-		err = errors.Unwrap(err)
 	}
 	return false
 }

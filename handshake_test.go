@@ -1078,6 +1078,8 @@ func TestIsTimeout(t *testing.T) {
 	}{
 		{kicked, true},
 		{fmt.Errorf("reading a frame: %w", kicked), true},
+		{fmt.Errorf("%w: %w", ErrHandshake, kicked), true}, // Unwrap() []error
+		{fmt.Errorf("%w: %w", ErrHandshake, io.EOF), false},
 		{os.ErrDeadlineExceeded, true},
 		{io.EOF, false},
 		{&net.OpError{Op: "read", Net: "unix", Err: syscall.ECONNRESET}, false},
