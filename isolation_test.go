@@ -217,6 +217,7 @@ func TestIsolationFaultDuringStats(t *testing.T) {
 	srv := isoStartServer(t, conf, echoStream)
 	srv.dialGood(t)
 	_, r, victim := srv.connect(t, MemMapTypeDevShmFile)
+	mapped := foMappings(t, r.queuePath) // the server's mapping and the raw client's
 	if err := os.Truncate(r.queuePath, 0); err != nil {
 		t.Fatal(err)
 	}
@@ -230,6 +231,11 @@ func TestIsolationFaultDuringStats(t *testing.T) {
 		t.Errorf("victim session error %v, want a memory fault wrapping ErrProtocol", err)
 	}
 	closeWithin(t, victim, peerTimeout)
+	// The end of the session is complete although the queue faults: the
+	// server unmaps it and the listener forgets the session.
+	waitUntil(t, "the server unmaps the faulting queue and forgets the session", peerTimeout, func() bool {
+		return foMappings(t, r.queuePath) < mapped && !srv.sessionSet()[victim]
+	})
 	srv.checkGood(t)
 }
 

@@ -183,7 +183,7 @@ func (s *Session) reclaimUnconsumed() {
 	if s.recvQ == nil || s.buf == nil {
 		return
 	}
-	if s.freeUnconsumed() != nil || s.buf.region.file != "" || s.queueRegion.file != "" || s.buf.sessions.Load() < 2 {
+	if s.access(s.freeUnconsumed) != nil || s.buf.region.file != "" || s.queueRegion.file != "" || s.buf.sessions.Load() < 2 {
 		return
 	}
 	if !s.queueRegion.acquire() {

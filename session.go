@@ -301,6 +301,7 @@ func (s *Session) forgetStream(st *Stream, open bool) {
 // teardown runs on the receive loop once it has stopped reading: it ends
 // every stream and drops the session's references on its regions.
 func (s *Session) teardown() {
+	defer s.finishTeardown()
 	s.sealConsumer() // no polling reader delivers from here on
 	s.mu.Lock()
 	streams := make([]*Stream, 0, len(s.streams))
@@ -313,6 +314,15 @@ func (s *Session) teardown() {
 	}
 	s.accepted.close()
 	s.reclaimUnconsumed()
+}
+
+// finishTeardown ends the session's bookkeeping: it unmaps the regions,
+// moves the counters to the ended total and tells the listener. teardown
+// defers it, so that it runs even when a memory fault in a shared region
+// cuts teardown short (the receive loop runs teardown inside an access):
+// otherwise every session a peer ended that way would keep its mappings
+// and its place in the listener.
+func (s *Session) finishTeardown() {
 	s.releaseRegions()
 	unregister(s)
 	if log := s.conf.logger(); s.localClose {

@@ -4,14 +4,19 @@ import (
 	"bytes"
 	"encoding/json"
 	"expvar"
+	"fmt"
 	"io"
 	"log/slog"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
+
+// expvarRuns numbers TestStats's expvar names.
+var expvarRuns atomic.Int64
 
 // TestStats runs known traffic and checks the counters both sides report.
 func TestStats(t *testing.T) {
@@ -112,9 +117,12 @@ func TestStats(t *testing.T) {
 		t.Errorf("aggregate %+v does not cover both sessions", agg)
 	}
 
-	PublishExpvar("shmipc_test_stats")
+	// expvar names live for the process: a unique one per run keeps the test
+	// repeatable (go test -count).
+	name := fmt.Sprintf("shmipc_test_stats_%d", expvarRuns.Add(1))
+	PublishExpvar(name)
 	var fromExpvar Stats
-	if err := json.Unmarshal([]byte(expvar.Get("shmipc_test_stats").String()), &fromExpvar); err != nil {
+	if err := json.Unmarshal([]byte(expvar.Get(name).String()), &fromExpvar); err != nil {
 		t.Fatal(err)
 	}
 	if fromExpvar.MessagesOut < c.MessagesOut {
