@@ -1,0 +1,252 @@
+package shmipc
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/goshm/shmipc/internal/proctest"
+)
+
+// A file-mode client shrinks its buffer or queue file at a random moment
+// while its streams exchange messages of many sizes, one of them writing
+// without reading. Whatever the moment, every call returns, no echo that
+// succeeds is wrong, and once the session has closed both sides have
+// unmapped both files and the listener has forgotten it; another session
+// goes on.
+
+// truncTargets are the files shrunk and their new sizes.
+var truncTargets = []struct {
+	file string // the file's suffix
+	size int64
+}{
+	{"_buffer", 0}, {"_buffer", 4096}, {"_buffer", 2 << 20}, {"_queue_0", 0}, {"_queue_0", 4096},
+}
+
+// TestTruncateUnderTraffic runs the client in this process.
+func TestTruncateUnderTraffic(t *testing.T) {
+	rounds := 3
+	if testing.Short() {
+		rounds = 1
+	}
+	ln := startEchoListener(t, DefaultConfig())
+	good, err := Dial("unix", ln.Addr().String(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer good.Close()
+	for round := range rounds {
+		for _, tg := range truncTargets {
+			t.Run(fmt.Sprintf("file=%s/size=%d/round=%d", tg.file, tg.size, round), func(t *testing.T) {
+				prefix := shmPrefix(t, "trunc")
+				before := listenerSessions(ln)
+				victim, err := Dial("unix", ln.Addr().String(), truncClientConfig(prefix))
+				if err != nil {
+					t.Fatal(err)
+				}
+				srv := newListenerSession(t, ln, before, victim)
+				bufPath, queuePath := prefix, prefix
+				wrong := truncTraffic(t, victim, &bufPath, &queuePath, tg.file, tg.size)
+				closeWithin(t, victim, peerTimeout)
+				if len(wrong) > 0 {
+					t.Fatalf("%d echoes came back wrong, first %s", len(wrong), wrong[0])
+				}
+				truncCheckServer(t, ln, srv, bufPath, queuePath)
+				if err := echoRoundTrip(good, "still here"); err != nil {
+					t.Fatalf("the other session: %v", err)
+				}
+			})
+		}
+	}
+}
+
+// TestTruncateUnderTrafficAcrossProcesses runs each client in a child
+// process; the server's side is checked here.
+func TestTruncateUnderTrafficAcrossProcesses(t *testing.T) {
+	ln := startEchoListener(t, DefaultConfig())
+	good, err := Dial("unix", ln.Addr().String(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer good.Close()
+	for _, tg := range truncTargets {
+		t.Run(fmt.Sprintf("file=%s/size=%d", tg.file, tg.size), func(t *testing.T) {
+			prefix := shmPrefix(t, "trunc")
+			c, _ := startChild(t, proctest.Config{TestName: "TestTruncateChild", Role: "trunc-client", Args: map[string]string{
+				"SOCK": ln.Addr().String(), "PREFIX": prefix, "FILE": tg.file, "SIZE": strconv.FormatInt(tg.size, 10),
+			}})
+			line, err := c.ReadLine(childStartTimeout)
+			if err != nil || !strings.HasPrefix(line, "done ") {
+				t.Fatalf("child: %q, %v\n%s", line, err, c.Output())
+			}
+			bufPath, queuePath, _ := strings.Cut(strings.TrimPrefix(line, "done "), " ")
+			waitUntil(t, "this side unmaps the child's files and the listener forgets its session", peerTimeout, func() bool {
+				return len(listenerSessions(ln)) == 1 && foMappings(t, bufPath) == 0 && foMappings(t, queuePath) == 0
+			})
+			if err := echoRoundTrip(good, "still here"); err != nil {
+				t.Fatalf("the other session: %v", err)
+			}
+		})
+	}
+}
+
+// TestTruncateChild is the client of TestTruncateUnderTrafficAcrossProcesses.
+func TestTruncateChild(t *testing.T) {
+	if proctest.Role() != "trunc-client" {
+		t.Skip("runs only as the child process of TestTruncateUnderTrafficAcrossProcesses")
+	}
+	prefix := proctest.MustArg(t, "PREFIX")
+	size, err := strconv.ParseInt(proctest.MustArg(t, "SIZE"), 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sess, err := Dial("unix", proctest.MustArg(t, "SOCK"), truncClientConfig(prefix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	proctest.Ready()
+	bufPath, queuePath := prefix, prefix
+	wrong := truncTraffic(t, sess, &bufPath, &queuePath, proctest.MustArg(t, "FILE"), size)
+	closeWithin(t, sess, peerTimeout)
+	if len(wrong) > 0 {
+		t.Fatalf("%d echoes came back wrong, first %s", len(wrong), wrong[0])
+	}
+	proctest.Println("done", bufPath, queuePath)
+}
+
+func truncClientConfig(prefix string) *Config {
+	conf := DefaultConfig()
+	conf.MemMapType = MemMapTypeDevShmFile
+	conf.ShareMemoryPathPrefix = prefix
+	conf.WriteSpaceTimeout = time.Minute // the writer that never reads waits for room until the end
+	return conf
+}
+
+// newListenerSession returns the session ln registered for victim, the one
+// not in before, once victim has done a round trip.
+func newListenerSession(t *testing.T, ln *Listener, before map[*Session]bool, victim *Session) *Session {
+	t.Helper()
+	if err := echoRoundTrip(victim, "first"); err != nil {
+		t.Fatal(err)
+	}
+	for s := range listenerSessions(ln) {
+		if !before[s] {
+			return s
+		}
+	}
+	t.Fatal("the listener has no session for the victim")
+	return nil
+}
+
+// truncTraffic runs four streams of echoes on sess, whose files begin with
+// the prefix *bufPath and *queuePath hold, and shrinks the file ending in
+// file to size after a random while; it returns when every stream has
+// ended, once sess is closed 50 ms later. It sets the two paths, and
+// returns the echoes that came back wrong.
+func truncTraffic(t *testing.T, sess *Session, bufPath, queuePath *string, file string, size int64) (wrong []string) {
+	t.Helper()
+	if err := echoRoundTrip(sess, "first"); err != nil { // both sides have both files mapped
+		t.Fatal(err)
+	}
+	files := shmFiles(*bufPath)
+	var path string
+	for _, f := range files {
+		switch {
+		case strings.HasSuffix(f, "_buffer"):
+			*bufPath = f
+		case strings.HasSuffix(f, "_queue_0"):
+			*queuePath = f
+		}
+		if strings.HasSuffix(f, file) {
+			path = f
+		}
+	}
+	if path == "" || !strings.HasSuffix(*bufPath, "_buffer") || !strings.HasSuffix(*queuePath, "_queue_0") {
+		t.Fatalf("cannot tell the session's files among %v", files)
+	}
+	var (
+		wg sync.WaitGroup
+		mu sync.Mutex
+	)
+	for i := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			st, err := sess.OpenStream()
+			if err != nil {
+				return
+			}
+			defer st.Close()
+			rng := rand.New(rand.NewPCG(uint64(i), uint64(time.Now().UnixNano())))
+			got := make([]byte, 600<<10)
+			for n := 0; ; n++ {
+				sz := 1 + rng.IntN(8<<10)
+				if n%5 == 4 {
+					sz = 64<<10 + rng.IntN(512<<10) // several slices
+				}
+				msg := bytes.Repeat([]byte{byte('a' + i), byte(n)}, sz/2+1)[:sz]
+				if _, err := st.Write(msg); err != nil {
+					return
+				}
+				if i == 3 {
+					continue // never reads: the replies pile up
+				}
+				if _, err := io.ReadFull(st, got[:sz]); err != nil {
+					return
+				}
+				if !bytes.Equal(got[:sz], msg) {
+					mu.Lock()
+					wrong = append(wrong, fmt.Sprintf("stream %d message %d (%d bytes)", i, n, sz))
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	time.Sleep(time.Duration(rand.IntN(30)) * time.Millisecond)
+	if err := os.Truncate(path, size); err != nil {
+		t.Fatal(err)
+	}
+	// A shrink that leaves the pages in use alone may never fault: the
+	// application closes the session after a while, which ends it too.
+	time.Sleep(50 * time.Millisecond)
+	sess.Close()
+	finished := make(chan struct{})
+	go func() { wg.Wait(); close(finished) }()
+	select {
+	case <-finished:
+	case <-time.After(peerTimeout):
+		t.Fatalf("the session's readers and writers did not return within %v of Close", peerTimeout)
+	}
+	return wrong
+}
+
+// truncCheckServer waits until this process has unmapped both files and
+// the listener has forgotten srv, which must have closed.
+func truncCheckServer(t *testing.T, ln *Listener, srv *Session, bufPath, queuePath string) {
+	t.Helper()
+	waitUntil(t, "both sides unmap the victim's files and the listener forgets its session", peerTimeout, func() bool {
+		return !listenerSessions(ln)[srv] && foMappings(t, bufPath) == 0 && foMappings(t, queuePath) == 0
+	})
+	if !srv.IsClosed() || !errors.Is(srv.Err(), ErrSessionClosed) {
+		t.Fatalf("the server session: closed %v, error %v", srv.IsClosed(), srv.Err())
+	}
+}
+
+// listenerSessions returns the set of ln's sessions.
+func listenerSessions(ln *Listener) map[*Session]bool {
+	ln.mu.Lock()
+	defer ln.mu.Unlock()
+	m := make(map[*Session]bool, len(ln.sessions))
+	for s := range ln.sessions {
+		m[s] = true
+	}
+	return m
+}
