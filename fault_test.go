@@ -6,9 +6,12 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // TestShrunkRegionFaultsAreErrors truncates a file-mode buffer region after
@@ -132,5 +135,117 @@ func TestRequireSealedMemory(t *testing.T) {
 	case <-sess.closed:
 	case <-time.After(5 * time.Second):
 		t.Fatal("a file-mode session to a server requiring sealed memory stayed up")
+	}
+}
+
+// A client that shrinks and regrows its buffer file while the server maps
+// it makes the server's reading of the headers fault now and then. Each
+// such handshake fails, and must not keep the mapping or the descriptor it
+// took: a client repeating it would run the server out of descriptors.
+func TestServerBufferMapFaultKeepsNothing(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "buf")
+	plans, err := planLists(1<<20, ReferenceSliceSizes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	size := int(bufferRegionSize(plans))
+	r, fd, err := createRegion(MemMapTypeDevShmFile, p, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.release()
+	defer closeFds(fd)
+	initBufferRegion(r.mem, plans)
+	stop := make(chan struct{})
+	flipped := make(chan struct{})
+	go func() {
+		defer close(flipped)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			_ = unix.Ftruncate(fd, 0)
+			_ = unix.Ftruncate(fd, int64(size))
+			quietly(func() { initBufferRegion(r.mem, plans) }) // valid again for the next look
+		}
+	}()
+	fds := func() int {
+		ents, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(ents)
+	}
+	before := fds()
+	faults := 0
+	for range 3000 {
+		func() {
+			defer func() {
+				if rec := recover(); rec != nil {
+					_ = faultError(rec) // re-panics anything but a memory fault
+					faults++
+				}
+			}()
+			defer debug.SetPanicOnFault(debug.SetPanicOnFault(true)) // as the handshake does
+			m, err := mapServerBuffer(p, fd, false, peerID{})
+			if err == nil {
+				m.region.release()
+			}
+		}()
+	}
+	close(stop)
+	<-flipped
+	t.Logf("%d of 3000 mappings faulted", faults)
+	if after := fds(); after > before {
+		t.Errorf("%d descriptors more after %d faults", after-before, faults)
+	}
+}
+
+// A writer waiting its turn for room faults when the region shrinks under
+// it: it must leave the queue of writers waiting for room, or every later
+// writer of its size class would wait behind it.
+func TestWriterFaultLeavesSpaceQueue(t *testing.T) {
+	conf := peerConfig(t, MemMapTypeDevShmFile, 0)
+	conf.WriteSpaceTimeout = 3 * time.Second
+	ln, err := Listen("unix", filepath.Join(t.TempDir(), "a.sock"), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go serveStreams(ln, func(*Stream) {}) // never reads: the slices stay held
+	c, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	st, err := c.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		msg := make([]byte, 4000)
+		for {
+			if _, err := st.Write(msg); err != nil {
+				done <- err
+				return
+			}
+		}
+	}()
+	waitUntil(t, "the writer waits for room", peerTimeout, func() bool { return c.buf.space.waiting.Load() > 0 })
+	bufs, _ := filepath.Glob(conf.ShareMemoryPathPrefix + "_*_buffer")
+	if len(bufs) != 1 {
+		t.Fatalf("buffer files %v", bufs)
+	}
+	if err := os.Truncate(bufs[0], 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "memory fault") {
+		t.Fatalf("write error %v, want a memory fault wrapping ErrProtocol", err)
+	}
+	if n := c.buf.space.waiting.Load(); n != 0 {
+		t.Errorf("%d writers still counted as waiting for room after the fault", n)
 	}
 }

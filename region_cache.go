@@ -53,15 +53,24 @@ func mapServerBuffer(path string, fd int, file bool, peer peerID) (*bufferManage
 	if err != nil {
 		return nil, err
 	}
+	mapped := false
+	defer func() {
+		// Deferred, so that it runs when a fault in the headers (a client
+		// shrinking its file meanwhile) unwinds from here too: the
+		// handshake recovers it, and every such attempt kept a mapping and
+		// a descriptor.
+		if !mapped {
+			r.release()
+		}
+	}()
 	if err := r.keepFd(fd); err != nil {
-		r.release()
 		return nil, err
 	}
 	m, err := newBufferManager(r, false)
 	if err != nil {
-		r.release()
 		return nil, fmt.Errorf("buffer region %s: %w", path, err)
 	}
+	mapped = true
 	if file {
 		r.file = path
 	}

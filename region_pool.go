@@ -101,16 +101,24 @@ func createBuffer(conf *Config, bufPath string) (*bufferManager, error) {
 		return nil, err
 	}
 	defer closeFds(fd)
+	made := false
+	defer func() {
+		// Deferred, so that a fault unwinding from here (a page that cannot
+		// be committed, or a file shrunk meanwhile) does not keep the
+		// mapping, the descriptor and, in file mode, the file.
+		if !made {
+			r.release()
+		}
+	}()
 	if err := r.keepFd(fd); err != nil {
-		r.release()
 		return nil, err
 	}
 	initBufferRegion(r.mem, plans)
 	m, err := newBufferManager(r, true)
 	if err != nil {
-		r.release()
 		return nil, err
 	}
+	made = true
 	r.onLastRelease = m.unparkAll
 	m.startCirculation()
 	return m, nil
@@ -135,9 +143,13 @@ func sharedBuffer(conf *Config, key poolKey) (m *bufferManager, queuePath string
 	if err != nil {
 		return nil, "", fmt.Errorf("watch server process %d: %w", key.server, err)
 	}
+	defer func() {
+		if m == nil {
+			unix.Close(pidfd) // after an error, or a fault unwinding from createBuffer
+		}
+	}()
 	prefix := newRegionPrefix(conf)
 	if m, err = createBuffer(conf, prefix+"_buffer"); err != nil {
-		unix.Close(pidfd)
 		return nil, "", err
 	}
 	p = &pooledBuffer{m: m, prefix: prefix, queues: 1, server: pidfd}

@@ -250,3 +250,47 @@ func listenerSessions(ln *Listener) map[*Session]bool {
 	}
 	return m
 }
+
+// A stream closed after its peer shrank the queue file: the close element's
+// write faults, and the session ends with everything it mapped unmapped
+// (the region's reference used to be dropped only after the write).
+func TestStreamCloseAfterQueueShrunk(t *testing.T) {
+	conf := peerConfig(t, MemMapTypeDevShmFile, 0)
+	ln := startEchoListener(t, conf)
+	before := listenerSessions(ln)
+	c, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	srv := newListenerSession(t, ln, before, c)
+	st, err := c.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(st, make([]byte, 4)); err != nil {
+		t.Fatal(err)
+	}
+	var queuePath, bufPath string
+	for _, f := range shmFiles(conf.ShareMemoryPathPrefix) {
+		switch {
+		case strings.HasSuffix(f, "_queue_0"):
+			queuePath = f
+		case strings.HasSuffix(f, "_buffer"):
+			bufPath = f
+		}
+	}
+	if err := os.Truncate(queuePath, 0); err != nil {
+		t.Fatal(err)
+	}
+	st.Close() // the close element goes on the shrunk queue
+	err = waitSessionClosed(t, c, peerTimeout)
+	if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "memory fault") {
+		t.Errorf("session error %v, want a memory fault wrapping ErrProtocol", err)
+	}
+	closeWithin(t, c, peerTimeout)
+	truncCheckServer(t, ln, srv, bufPath, queuePath)
+}

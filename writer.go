@@ -78,6 +78,9 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			queued = false
 		}
 	}
+	// Also when a fault in alloc unwinds from here: a writer left in the
+	// queue would keep every later one of its class waiting behind it.
+	defer quit()
 	join := func() {
 		if st.spaceCh == nil {
 			st.spaceCh = make(chan struct{}, 1)
