@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 	"unsafe"
+
+	"github.com/goshm/shmipc/internal/wire"
 )
 
 // Unit tests of polling and waiting (poll.go): the spin budget of one
@@ -544,5 +546,51 @@ func TestLocalWakeTakenForLost(t *testing.T) {
 	localWakes.received()
 	if localWakes.pending() {
 		t.Error("a wake-up is pending after one arrived")
+	}
+}
+
+// Two sessions of this process connected to each other are paired and wake
+// each other without the socket: with polling off every request needs a
+// wake-up, and the server's socket carries none of them.
+func TestLocalPairWakesWithoutSocket(t *testing.T) {
+	conf := DefaultConfig()
+	conf.ConsumerSpinTime = 0
+	ln := startEchoListener(t, conf)
+	before := listenerSessions(ln)
+	c, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	srv := newListenerSession(t, ln, before, c)
+	waitUntil(t, "the sessions are paired", peerTimeout, func() bool {
+		return c.localPeerSession.Load() == srv && srv.localPeerSession.Load() == c
+	})
+	st, err := c.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.SetDeadline(time.Now().Add(20 * time.Second))
+	const rounds = 50
+	got := make([]byte, 5)
+	woken := srv.Stats().WakeupsReceived
+	for i := range rounds {
+		msg := fmt.Appendf(nil, "m%04d", i)
+		if _, err := st.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(st, got); err != nil || string(got) != string(msg) {
+			t.Fatalf("round trip %d: %q, %v", i, got, err)
+		}
+		time.Sleep(200 * time.Microsecond) // the receive loops go back to sleep
+	}
+	if n := srv.Stats().WakeupsReceived - woken; n < rounds/2 {
+		t.Fatalf("the server was woken %d times in %d round trips with polling off; want most of them", n, rounds)
+	}
+	st.Close()
+	c.Close()
+	<-srv.loopDone // what the receive loop read, now without a race
+	if n := srv.ec.read; n >= rounds/2*wire.HeaderSize {
+		t.Errorf("the server's socket carried %d bytes after the handshake in %d round trips; want fewer than half the wake-ups' frames", n, rounds)
 	}
 }

@@ -52,6 +52,17 @@ func (s *Session) recvLoop() {
 	if !s.IsClosed() {
 		switch {
 		case errors.Is(err, io.EOF), errors.Is(err, syscall.ECONNRESET):
+			if s.localPeerSession.Load() != nil {
+				// A paired peer wakes this session without the socket
+				// (pairLocal), and a read finds the end of the socket
+				// before it looks at the deadline that kick set: what the
+				// peer published just before it closed is drained here,
+				// as its Polling frame would have had it drained.
+				if derr := s.access(s.consumeNow); derr != nil {
+					err = derr
+					break
+				}
+			}
 			// Not wrapped: a session that died must not look like the clean
 			// end of a stream to code that checks errors.Is(err, io.EOF).
 			err = fmt.Errorf("%w (%v)", ErrPeerClosed, err)

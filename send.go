@@ -38,9 +38,7 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 		}
 		if ok {
 			if s.sendQ.markWorking() {
-				s.counters.wakeupsSent.Add(1)
-				s.wakingPeer()
-				if err := s.ec.writePolling(s.version); err != nil {
+				if err := s.wakePeer(); err != nil {
 					s.closeWithError(fmt.Errorf("send wake-up: %w", err))
 					return true, s.closedErr()
 				}
@@ -56,6 +54,20 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 			return false, err
 		}
 	}
+}
+
+// wakePeer tells the peer, which has stopped draining its queue (the
+// caller has just set the working flag for it), that there is something
+// there: a Polling frame, or a direct wake-up for a paired session of this
+// process (pairLocal).
+func (s *Session) wakePeer() error {
+	s.counters.wakeupsSent.Add(1)
+	if peer := s.localPeerSession.Load(); peer != nil && !peer.IsClosed() {
+		peer.wokenLocally()
+		return nil
+	}
+	s.wakingPeer()
+	return s.ec.writePolling(s.version)
 }
 
 var errSpaceTimeout = errors.New("no space in time")
@@ -154,12 +166,17 @@ func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 		if !s.queueRegion.acquire() {
 			return
 		}
-		ok, err := s.sendQ.put(queueElem{id: id, status: statusClosed})
-		if ok && s.sendQ.markWorking() {
-			s.wakingPeer()
-			err = s.ec.writePolling(s.version)
-		}
-		s.queueRegion.release()
+		ok, err := func() (bool, error) {
+			// Released when deferred: a fault in the queue unwinds from here
+			// (the caller's access recovers it), and a region left with a
+			// reference would stay mapped after the session.
+			defer s.queueRegion.release()
+			ok, err := s.sendQ.put(queueElem{id: id, status: statusClosed})
+			if ok && s.sendQ.markWorking() {
+				err = s.wakePeer()
+			}
+			return ok, err
+		}()
 		if err != nil {
 			s.closeWithError(fmt.Errorf("send close of stream %d: %w", id, err))
 		}

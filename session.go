@@ -60,6 +60,9 @@ type Session struct {
 
 	localPeer bool         // the peer is this process (both ends in one program)
 	sleepers  atomic.Int32 // readers waiting without polling
+	// localPeerSession is the peer's Session when localPeer and the peer
+	// is one (pairLocal): wake-ups then go straight to it.
+	localPeerSession atomic.Pointer[Session]
 	// contenders counts readers waiting for a reply, polling or not, when
 	// localPeer (pollTurn).
 	contenders atomic.Int32
@@ -94,6 +97,7 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 func (s *Session) start() {
 	if id, err := peerOf(s.ec.conn); err == nil && int(id.pid) == pid {
 		s.localPeer = true
+		pairLocal(s)
 	}
 	register(s)
 	s.conf.logger().Debug("shmipc: session started", "role", s.role(), "version", s.version,
@@ -323,6 +327,7 @@ func (s *Session) teardown() {
 // otherwise every session a peer ended that way would keep its mappings
 // and its place in the listener.
 func (s *Session) finishTeardown() {
+	unpairLocal(s)
 	s.releaseRegions()
 	unregister(s)
 	if log := s.conf.logger(); s.localClose {
