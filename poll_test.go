@@ -549,10 +549,12 @@ func TestLocalWakeTakenForLost(t *testing.T) {
 	}
 }
 
-// Two sessions of this process connected to each other are paired and wake
-// each other without the socket: with polling off every request needs a
-// wake-up, and the server's socket carries none of them.
+// Two sessions of this process connected to each other are paired and,
+// with one processor, wake each other without the socket: with polling off
+// every request needs a wake-up, and the server's socket carries none of
+// them.
 func TestLocalPairWakesWithoutSocket(t *testing.T) {
+	withOneProcessor(t)
 	conf := DefaultConfig()
 	conf.ConsumerSpinTime = 0
 	ln := startEchoListener(t, conf)

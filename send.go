@@ -62,7 +62,7 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 // process (pairLocal).
 func (s *Session) wakePeer() error {
 	s.counters.wakeupsSent.Add(1)
-	if peer := s.localPeerSession.Load(); peer != nil && !peer.IsClosed() {
+	if peer := s.localPeerSession.Load(); peer != nil && !peer.IsClosed() && directWakesPay() {
 		peer.wokenLocally()
 		return nil
 	}

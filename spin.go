@@ -69,16 +69,18 @@ func (w *spinWatch) startReader(s *Session) {
 }
 
 // Two sessions of this process connected to each other (a client and the
-// server session it got) are paired: a wake-up from one to the other does
-// not go through the socket as a Polling frame but kicks the peer's receive
-// loop, or whichever reader holds its socket, directly (kick), as a reader
-// of that session does when it stops polling. That is a goroutine made
-// runnable instead of a write and a read on the socket and a trip through
-// the network poller; with two CPU hogs running, a single stream of 64 B
-// round trips in one process took 10.5–11 µs that way against 5–6.6 µs
-// paired (docs/bench/results-2026-11-24/localpair.txt). The peer's frames
-// still go through the socket, so the order of closes and fallback data is
-// kept as before (closeAfterSocket). The sessions are paired by the name
+// server session it got) are paired: when directWakesPay, a wake-up from
+// one to the other does not go through the socket as a Polling frame but
+// kicks the peer's receive loop, or whichever reader holds its socket,
+// directly (kick), as a reader of that session does when it stops polling.
+// That is a goroutine made runnable instead of a write and a read on the
+// socket and a trip through the network poller. In one process with two
+// CPU hogs running, a single stream's 4 KB round trip took 6.1–11.3 µs
+// before and 5.7–6.0 µs after; with one processor a round trip after a
+// pause took 17–22 µs before and 9.8–12.5 µs after, a Unix socket's 9.5–12
+// µs (three alternating pairs, docs/bench/results-2026-11-24/localpair.txt).
+// The peer's frames still go through the socket, so the order of closes
+// and fallback data is kept as before (closeAfterSocket). The sessions are paired by the name
 // of the queue region, which both sides know and which is new for each
 // session; a session whose peer in this process is not a Session (a
 // hand-written peer) stays unpaired and sends Polling frames.
@@ -116,6 +118,22 @@ func unpairLocal(s *Session) {
 		delete(localPairs.waiting, s.queueRegion.path)
 	}
 	localPairs.Unlock()
+}
+
+// directWakesPay reports whether a wake-up to a paired session goes
+// directly: with one processor, or while the CPU has more work than cores
+// (a spin cool-down is running). With processors to spare a Polling frame
+// costs less: the goroutine a direct wake-up makes runnable waits on the
+// waker's processor, or for a thread woken on an idle core, where a
+// sleeping vCPU takes tens of microseconds to come back; the socket's
+// wake-up reaches the thread waiting in the network poller sooner. A round
+// trip after a pause in one process with two processors
+// (BenchmarkPausedPingPong -cpu 2) took 104–124 µs with direct wake-ups
+// always, and 64–70 µs with the waker yielding its processor once it had
+// woken the peer, against 17–29 µs with Polling frames (runs made while
+// choosing this rule, not saved).
+func directWakesPay() bool {
+	return procs.alone(time.Now()) || spinning.offUntil.Load() != 0
 }
 
 // wokenLocally is a wake-up from the paired session: s drains its queue.
