@@ -558,13 +558,7 @@ func TestLocalPairWakesWithoutSocket(t *testing.T) {
 	conf := DefaultConfig()
 	conf.ConsumerSpinTime = 0
 	ln := startEchoListener(t, conf)
-	before := listenerSessions(ln)
-	c, err := Dial("unix", ln.Addr().String(), conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	srv := newListenerSession(t, ln, before, c)
+	c, srv := dialListenerSession(t, ln, conf)
 	waitUntil(t, "the sessions are paired", peerTimeout, func() bool {
 		return c.localPeerSession.Load() == srv && srv.localPeerSession.Load() == c
 	})

@@ -47,12 +47,7 @@ func TestTruncateUnderTraffic(t *testing.T) {
 		for _, tg := range truncTargets {
 			t.Run(fmt.Sprintf("file=%s/size=%d/round=%d", tg.file, tg.size, round), func(t *testing.T) {
 				prefix := shmPrefix(t, "trunc")
-				before := listenerSessions(ln)
-				victim, err := Dial("unix", ln.Addr().String(), truncClientConfig(prefix))
-				if err != nil {
-					t.Fatal(err)
-				}
-				srv := newListenerSession(t, ln, before, victim)
+				victim, srv := dialListenerSession(t, ln, truncClientConfig(prefix))
 				bufPath, queuePath := prefix, prefix
 				wrong := truncTraffic(t, victim, &bufPath, &queuePath, tg.file, tg.size)
 				closeWithin(t, victim, peerTimeout)
@@ -130,20 +125,27 @@ func truncClientConfig(prefix string) *Config {
 	return conf
 }
 
-// newListenerSession returns the session ln registered for victim, the one
-// not in before, once victim has done a round trip.
-func newListenerSession(t *testing.T, ln *Listener, before map[*Session]bool, victim *Session) *Session {
+// dialListenerSession dials ln, an echo listener, with conf, and returns
+// the session and the one ln registered for it, once they have done a
+// round trip. The session is closed when the test ends.
+func dialListenerSession(t *testing.T, ln *Listener, conf *Config) (c, srv *Session) {
 	t.Helper()
-	if err := echoRoundTrip(victim, "first"); err != nil {
+	before := listenerSessions(ln)
+	c, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	if err := echoRoundTrip(c, "first"); err != nil {
 		t.Fatal(err)
 	}
 	for s := range listenerSessions(ln) {
 		if !before[s] {
-			return s
+			return c, s
 		}
 	}
-	t.Fatal("the listener has no session for the victim")
-	return nil
+	t.Fatal("the listener has no session for the new one")
+	return nil, nil
 }
 
 // truncTraffic runs four streams of echoes on sess, whose files begin with
@@ -257,13 +259,7 @@ func listenerSessions(ln *Listener) map[*Session]bool {
 func TestStreamCloseAfterQueueShrunk(t *testing.T) {
 	conf := peerConfig(t, MemMapTypeDevShmFile, 0)
 	ln := startEchoListener(t, conf)
-	before := listenerSessions(ln)
-	c, err := Dial("unix", ln.Addr().String(), conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	srv := newListenerSession(t, ln, before, c)
+	c, srv := dialListenerSession(t, ln, conf)
 	st, err := c.OpenStream()
 	if err != nil {
 		t.Fatal(err)
