@@ -168,24 +168,37 @@ func (r *streamReader) release() error {
 	if r.done == 0 {
 		return nil
 	}
+	// Forgotten when deferred, so also when a fault in a free unwinds from
+	// here: a later release must not free the same segments again (into
+	// a list of the region that faulted, where two writers would get the
+	// same slice).
+	defer r.forgetDone()
 	r.freeHeap(r.segs[:r.done])
-	err := r.st.freeReceived(r.segs[:r.done])
+	return r.st.freeReceived(r.segs[:r.done])
+}
+
+// forgetDone drops the segments read completely from the reader.
+func (r *streamReader) forgetDone() {
 	n := copy(r.segs, r.segs[r.done:])
 	clear(r.segs[n:])
 	r.segs = r.segs[:n]
 	r.done = 0
-	return err
 }
 
-// releaseAll frees every segment, read or not.
+// releaseAll frees every segment, read or not. They are forgotten even
+// when a fault cuts the frees short, as in release.
 func (r *streamReader) releaseAll() error {
 	r.arena = r.arena[:0]
+	defer r.forgetAll()
 	r.freeHeap(r.segs)
-	err := r.st.s.freeSegments(r.segs)
+	return r.st.s.freeSegments(r.segs)
+}
+
+// forgetAll drops every segment from the reader.
+func (r *streamReader) forgetAll() {
 	clear(r.segs)
 	r.segs, r.done, r.pos, r.unread = r.segs[:0], 0, 0, 0
 	r.inPlace = false
-	return err
 }
 
 // bufferReader is the BufferReader of a stream.

@@ -284,11 +284,11 @@ func (w *streamWriter) reset() {
 	w.heap = false
 }
 
-// discard frees the slices of an unsent message.
+// discard frees the slices of an unsent message. The message is dropped
+// even when a fault cuts the frees short, so that none is freed twice.
 func (w *streamWriter) discard() error {
-	err := w.st.s.freeSegments(w.segs)
-	w.reset()
-	return err
+	defer w.reset()
+	return w.st.s.freeSegments(w.segs)
 }
 
 // locate returns the segment holding message position pos (< size) and
