@@ -80,10 +80,12 @@ func (w *spinWatch) startReader(s *Session) {
 // pause took 17–22 µs before and 9.8–12.5 µs after, a Unix socket's 9.5–12
 // µs (three alternating pairs, docs/bench/results-2026-11-24/localpair.txt).
 // The peer's frames still go through the socket, so the order of closes
-// and fallback data is kept as before (closeAfterSocket). The sessions are paired by the name
-// of the queue region, which both sides know and which is new for each
-// session; a session whose peer in this process is not a Session (a
-// hand-written peer) stays unpaired and sends Polling frames.
+// and fallback data is kept as before (closeAfterSocket); at the peer's
+// end the receive loop drains what a direct wake-up may not yet have had
+// drained (recvLoop). The sessions are paired by the name of the queue
+// region, which both sides know and which is new for each session; a
+// session whose peer in this process is not a Session (a hand-written
+// peer) stays unpaired and sends Polling frames.
 var localPairs = struct {
 	sync.Mutex
 	waiting map[string]*Session // by queue region name: sessions whose peer has not started
