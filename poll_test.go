@@ -1,6 +1,7 @@
 package shmipc
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -589,4 +590,63 @@ func TestLocalPairWakesWithoutSocket(t *testing.T) {
 	if n := srv.ec.read; n >= rounds/2*wire.HeaderSize {
 		t.Errorf("the server's socket carried %d bytes after the handshake in %d round trips; want fewer than half the wake-ups' frames", n, rounds)
 	}
+}
+
+// A paired peer that publishes messages and closes its session at once:
+// its last wake-up goes straight to this session, not through the socket,
+// and the end of the socket must not overtake it. Every byte is read, then
+// the session's end. (Direct wake-ups with processors to spare, as under a
+// spin cool-down.)
+func TestLocalPairPeerClosesAfterWrites(t *testing.T) {
+	if runtime.GOMAXPROCS(0) > 1 {
+		forceSpinCooldown(t)
+	}
+	conf := DefaultConfig()
+	conf.ConsumerSpinTime = 0 // every message needs its wake-up
+	ln, err := Listen("unix", sockPath(t), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	for round := range 30 {
+		c, err := Dial("unix", ln.Addr().String(), conf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := c.OpenStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := st.Write([]byte("go")); err != nil {
+			t.Fatal(err)
+		}
+		srv := acceptWithin(t, ln, peerTimeout)
+		if _, err := io.ReadFull(srv, make([]byte, 2)); err != nil {
+			t.Fatal(err)
+		}
+		want := make([]byte, 0, 3*1000)
+		for i := range 3 {
+			msg := bytes.Repeat([]byte{byte('a' + i)}, 1000)
+			if _, err := srv.Write(msg); err != nil {
+				t.Fatal(err)
+			}
+			want = append(want, msg...)
+		}
+		if err := srv.Session().Close(); err != nil {
+			t.Fatal(err)
+		}
+		st.SetReadDeadline(time.Now().Add(peerTimeout))
+		got, err := io.ReadAll(st)
+		if !bytes.Equal(got, want) {
+			t.Fatalf("round %d: read %d of %d bytes before %v", round, len(got), len(want), err)
+		}
+		c.Close()
+	}
+}
+
+// forceSpinCooldown runs the test under a spin cool-down, as if the CPU had
+// more work than cores (spinGovernor.pressure).
+func forceSpinCooldown(t *testing.T) {
+	spinning.offUntil.Store(time.Now().Add(time.Hour).UnixNano())
+	t.Cleanup(func() { spinning.offUntil.Store(0) })
 }
