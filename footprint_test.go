@@ -161,11 +161,9 @@ func TestSessionsShareRegion(t *testing.T) {
 	// The server mapped the region once, for both sessions. (The listener's
 	// own sessions: other tests' server sessions may still be ending.)
 	var servers []*Session
-	ln.mu.Lock()
-	for s := range ln.sessions {
+	for s := range listenerSessions(ln) {
 		servers = append(servers, s)
 	}
-	ln.mu.Unlock()
 	if len(servers) != 2 || servers[0].buf != servers[1].buf {
 		t.Fatalf("server has %d sessions on distinct mappings; want 2 sessions on one mapping", len(servers))
 	}

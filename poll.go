@@ -59,7 +59,7 @@ type consumer struct {
 	budget  atomic.Int64 // how long to spin for, in ns; adapts
 	max     int64        // ConsumerSpinTime in ns
 	slept   atomic.Int64 // when the last poller stopped (UnixNano)
-	kicked  atomic.Bool  // a reader asked the receive loop to drain
+	kicked  atomic.Bool  // the receive loop was asked to drain (kick) and has not yet
 	// loopSpins: the receive loop holds a spinning slot (spin); a reader
 	// that wants to poll may take it over (takeLoopSlot).
 	loopSpins atomic.Bool

@@ -52,12 +52,13 @@ func (s *Session) recvLoop() {
 	if !s.IsClosed() {
 		switch {
 		case errors.Is(err, io.EOF), errors.Is(err, syscall.ECONNRESET):
-			if s.localPeerSession.Load() != nil {
-				// A paired peer wakes this session without the socket
-				// (pairLocal), and a read finds the end of the socket
-				// before it looks at the deadline that kick set: what the
-				// peer published just before it closed is drained here,
-				// as its Polling frame would have had it drained.
+			if s.cons.kicked.Load() {
+				// A kick not acted on: a read finds the end of the socket
+				// before it looks at the deadline the kick set. A paired
+				// peer wakes this session that way (pairLocal), and a
+				// reader that stopped polling too: what was published
+				// before the end is drained here, as a Polling frame
+				// would have had it drained.
 				if derr := s.access(s.consumeNow); derr != nil {
 					err = derr
 					break

@@ -144,8 +144,9 @@ func (s *Session) wokenLocally() {
 	s.kick()
 }
 
-// localWakes tracks the wake-ups (Polling frames) that unpaired sessions
-// whose peer is this process have sent and not yet seen arrive. With a single
+// localWakes tracks the wake-ups that sessions whose peer is this process
+// have sent as Polling frames (unpaired, or paired when !directWakesPay)
+// and not yet seen arrive. With a single
 // processor such a wake-up reaches its session only through the network
 // poller, which the scheduler consults when it has no goroutine to run: a
 // spinner that lets the other goroutines run between its looks is always

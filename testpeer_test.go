@@ -286,11 +286,14 @@ func (e *testServer) checkGood(t *testing.T) {
 	}
 }
 
-func (e *testServer) sessionSet() map[*Session]bool {
-	e.ln.mu.Lock()
-	defer e.ln.mu.Unlock()
-	m := make(map[*Session]bool, len(e.ln.sessions))
-	for s := range e.ln.sessions {
+func (e *testServer) sessionSet() map[*Session]bool { return listenerSessions(e.ln) }
+
+// listenerSessions returns the set of ln's sessions.
+func listenerSessions(ln *Listener) map[*Session]bool {
+	ln.mu.Lock()
+	defer ln.mu.Unlock()
+	m := make(map[*Session]bool, len(ln.sessions))
+	for s := range ln.sessions {
 		m[s] = true
 	}
 	return m

@@ -242,17 +242,6 @@ func truncCheckServer(t *testing.T, ln *Listener, srv *Session, bufPath, queuePa
 	}
 }
 
-// listenerSessions returns the set of ln's sessions.
-func listenerSessions(ln *Listener) map[*Session]bool {
-	ln.mu.Lock()
-	defer ln.mu.Unlock()
-	m := make(map[*Session]bool, len(ln.sessions))
-	for s := range ln.sessions {
-		m[s] = true
-	}
-	return m
-}
-
 // A stream closed after its peer shrank the queue file: the close element's
 // write faults, and the session ends with everything it mapped unmapped
 // (the region's reference used to be dropped only after the write).

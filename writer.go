@@ -78,8 +78,10 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			queued = false
 		}
 	}
-	// Also when a fault in alloc unwinds from here: a writer left in the
-	// queue would keep every later one of its class waiting behind it.
+	// Every return leaves the queue, the next in it then looks at once;
+	// deferred, so also when a fault in alloc unwinds from here: a writer
+	// left in the queue would keep every later one of its class waiting
+	// behind it.
 	defer quit()
 	join := func() {
 		if st.spaceCh == nil {
@@ -116,12 +118,10 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		if !queued || head {
 			li, off, err := buf.alloc(want, !contiguous, leave)
 			if err != nil {
-				quit()
 				st.s.closeWithError(err)
 				return fmt.Errorf("%w: %w", ErrSessionClosed, err)
 			}
 			if li >= 0 {
-				quit() // the next in the queue looks at once
 				w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
 				return nil
 			}
@@ -149,7 +149,6 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			// slices back within one look (circulation.go), and most
 			// shortages are that. Falling back is not undone: the stream
 			// sends fallback data from then on.
-			quit()
 			w.appendHeap(want)
 			return nil
 		}
@@ -163,7 +162,6 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			wake = st.spaceCh
 		}
 		if err := wait.pause(st.s, st, wake); err != nil {
-			quit()
 			if err == errSpaceTimeout {
 				return &spaceTimeout{msg: fmt.Sprintf("shmipc: no shared memory for %d more bytes for %v: the peer is not releasing what it received", want, wait.waited())}
 			}
