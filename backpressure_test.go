@@ -153,14 +153,15 @@ func TestBackPressureQueueFull(t *testing.T) {
 	}
 	srv := <-accepted
 	defer srv.Close()
-	// Stall the server's receive loop, its only consumer: holding the
-	// stream table stops it at the first element it dispatches.
-	srv.s.mu.Lock()
+	// Stall every consumer of the server's queue: its receive loop, and
+	// the client's writer, which drains the queue itself when both ends
+	// are in one process (drainForPeer), wait for the consumer token.
+	srv.s.sealConsumer()
 	var werr error
 	for i := 0; i < 40 && werr == nil; i++ {
 		_, werr = st.Write([]byte("x"))
 	}
-	srv.s.mu.Unlock()
+	srv.s.cons.token.Store(false)
 	if werr == nil {
 		t.Fatal("40 messages fitted in a queue of 16")
 	}

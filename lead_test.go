@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"os"
 	"testing"
 	"time"
 )
@@ -13,9 +14,20 @@ import (
 
 func noSpin(c *Config) { c.ConsumerSpinTime = 0 }
 
+// unpaired makes the sessions started until the test ends talk as two
+// processes do: wake-ups go through the socket, which is what readers lead
+// on. (Paired sessions of one process deliver to each other directly.)
+func unpaired(t *testing.T) {
+	if noLocalPairs.Swap(true) {
+		return // the whole run is unpaired
+	}
+	t.Cleanup(func() { noLocalPairs.Store(false) })
+}
+
 // leadPair returns a pair without spinning and a stream open on both sides.
 func leadPair(t *testing.T) (p *streamTestPair, cli, srv *Stream) {
 	t.Helper()
+	unpaired(t)
 	p = newStreamTestPair(t, MemMapTypeMemFd, noSpin)
 	cli, err := p.client.OpenStream()
 	if err != nil {
@@ -538,5 +550,14 @@ func TestHandedReaderLeadsWithOneProcessor(t *testing.T) {
 		if _, err := io.ReadFull(cli, buf); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// SHMIPC_TEST_UNPAIRED=1 runs every test with the sessions of this process
+// unpaired, as two processes talk: the wake-ups, polling readers and
+// leaders that paired sessions do without (CI runs the suite both ways).
+func init() {
+	if os.Getenv("SHMIPC_TEST_UNPAIRED") != "" {
+		noLocalPairs.Store(true)
 	}
 }

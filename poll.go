@@ -171,7 +171,7 @@ func (s *Session) consume(resume bool) error {
 		// one processor, the Gosched below runs it at once) comes back for
 		// its next message while the loop still holds the socket, and
 		// sleeps on a request nothing will answer by a lend.
-		if n > 0 && s.cons.pollers.Load() == 1 && !s.leading && !s.mayLend() {
+		if n > 0 && s.cons.pollers.Load() == 1 && !s.leading && !s.mayLend() && s.localPeerSession.Load() == nil {
 			// Let the readers just served run before looking again.
 			runtime.Gosched()
 			switch s.spin() {
@@ -420,7 +420,8 @@ func turnDue(id uint32, contenders int32, now time.Time) bool {
 // session still spins, and the process has a spinning slot for it, or the
 // slot is this session's receive loop's, which a reader takes over.
 func (s *Session) mayPoll() bool {
-	return s.cons.budget.Load() > 0 && (spinning.free(s.localPeer) || s.cons.loopSpins.Load())
+	return s.cons.budget.Load() > 0 && s.localPeerSession.Load() == nil &&
+		(spinning.free(s.localPeer) || s.cons.loopSpins.Load())
 }
 
 // takeLoopSlot takes the spinning slot of this session's receive loop for

@@ -550,59 +550,70 @@ func TestLocalWakeTakenForLost(t *testing.T) {
 	}
 }
 
-// Two sessions of this process connected to each other are paired and,
-// with one processor, wake each other without the socket: with polling off
-// every request needs a wake-up, and the server's socket carries none of
-// them.
-func TestLocalPairWakesWithoutSocket(t *testing.T) {
-	withOneProcessor(t)
-	conf := DefaultConfig()
-	conf.ConsumerSpinTime = 0
-	ln := startEchoListener(t, conf)
-	c, srv := dialListenerSession(t, ln, conf)
-	waitUntil(t, "the sessions are paired", peerTimeout, func() bool {
-		return c.localPeerSession.Load() == srv && srv.localPeerSession.Load() == c
-	})
-	st, err := c.OpenStream()
-	if err != nil {
-		t.Fatal(err)
+// paired runs the rest of the test with sessions of this process paired,
+// also in a run that leaves them unpaired (SHMIPC_TEST_UNPAIRED).
+func paired(t *testing.T) {
+	if !noLocalPairs.Swap(false) {
+		return
 	}
-	st.SetDeadline(time.Now().Add(20 * time.Second))
-	const rounds = 50
-	got := make([]byte, 5)
-	woken := srv.Stats().WakeupsReceived
-	for i := range rounds {
-		msg := fmt.Appendf(nil, "m%04d", i)
-		if _, err := st.Write(msg); err != nil {
+	t.Cleanup(func() { noLocalPairs.Store(true) })
+}
+
+// Two sessions of this process connected to each other are paired and
+// deliver to each other without the socket: every request is drained by
+// the writer (a wake-up the server receives), the server's socket carries
+// none of them, and nobody polls, spinning allowed or not.
+func TestLocalPairWakesWithoutSocket(t *testing.T) {
+	paired(t)
+	for _, spin := range []time.Duration{0, DefaultConfig().ConsumerSpinTime} {
+		conf := DefaultConfig()
+		conf.ConsumerSpinTime = spin
+		ln := startEchoListener(t, conf)
+		c, srv := dialListenerSession(t, ln, conf)
+		waitUntil(t, "the sessions are paired", peerTimeout, func() bool {
+			return c.localPeerSession.Load() == srv && srv.localPeerSession.Load() == c
+		})
+		st, err := c.OpenStream()
+		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := io.ReadFull(st, got); err != nil || string(got) != string(msg) {
-			t.Fatalf("round trip %d: %q, %v", i, got, err)
+		st.SetDeadline(time.Now().Add(20 * time.Second))
+		const rounds = 50
+		got := make([]byte, 5)
+		woken := srv.Stats().WakeupsReceived
+		for i := range rounds {
+			msg := fmt.Appendf(nil, "m%04d", i)
+			if _, err := st.Write(msg); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(st, got); err != nil || string(got) != string(msg) {
+				t.Fatalf("spin %v, round trip %d: %q, %v", spin, i, got, err)
+			}
+			if i%2 == 0 {
+				time.Sleep(200 * time.Microsecond)
+			}
 		}
-		time.Sleep(200 * time.Microsecond) // the receive loops go back to sleep
-	}
-	if n := srv.Stats().WakeupsReceived - woken; n < rounds/2 {
-		t.Fatalf("the server was woken %d times in %d round trips with polling off; want most of them", n, rounds)
-	}
-	st.Close()
-	c.Close()
-	<-srv.loopDone // what the receive loop read, now without a race
-	if n := srv.ec.read; n >= rounds/2*wire.HeaderSize {
-		t.Errorf("the server's socket carried %d bytes after the handshake in %d round trips; want fewer than half the wake-ups' frames", n, rounds)
+		if n := srv.Stats().WakeupsReceived - woken; n < rounds {
+			t.Fatalf("spin %v: the server's queue was drained by the writer %d times in %d round trips; want every time", spin, n, rounds)
+		}
+		if n := c.cons.pollers.Load() + srv.cons.pollers.Load(); n != 0 {
+			t.Fatalf("spin %v: %d goroutines poll the queues between round trips", spin, n)
+		}
+		st.Close()
+		c.Close()
+		<-srv.loopDone // what the receive loop read, now without a race
+		if n := srv.ec.read; n >= rounds/2*wire.HeaderSize {
+			t.Errorf("spin %v: the server's socket carried %d bytes after the handshake in %d round trips; want fewer than half the wake-ups' frames", spin, n, rounds)
+		}
 	}
 }
 
 // A paired peer that publishes messages and closes its session at once:
-// its last wake-up goes straight to this session, not through the socket,
-// and the end of the socket must not overtake it. Every byte is read, then
-// the session's end. (Direct wake-ups with processors to spare, as under a
-// spin cool-down.)
+// every byte is read, then the session's end.
 func TestLocalPairPeerClosesAfterWrites(t *testing.T) {
-	if runtime.GOMAXPROCS(0) > 1 {
-		forceSpinCooldown(t)
-	}
+	paired(t)
 	conf := DefaultConfig()
-	conf.ConsumerSpinTime = 0 // every message needs its wake-up
+	conf.ConsumerSpinTime = 0
 	ln, err := Listen("unix", sockPath(t), conf)
 	if err != nil {
 		t.Fatal(err)
@@ -642,11 +653,4 @@ func TestLocalPairPeerClosesAfterWrites(t *testing.T) {
 		}
 		c.Close()
 	}
-}
-
-// forceSpinCooldown runs the test under a spin cool-down, as if the CPU had
-// more work than cores (spinGovernor.pressure).
-func forceSpinCooldown(t *testing.T) {
-	spinning.offUntil.Store(time.Now().Add(time.Hour).UnixNano())
-	t.Cleanup(func() { spinning.offUntil.Store(0) })
 }

@@ -62,8 +62,8 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 // process (pairLocal).
 func (s *Session) wakePeer() error {
 	s.counters.wakeupsSent.Add(1)
-	if peer := s.localPeerSession.Load(); peer != nil && !peer.IsClosed() && directWakesPay() {
-		peer.wokenLocally()
+	if peer := s.localPeerSession.Load(); peer != nil && !peer.IsClosed() {
+		peer.drainForPeer()
 		return nil
 	}
 	s.wakingPeer()

@@ -591,3 +591,78 @@ func skRun(t *testing.T, fwf bool) {
 		t.Errorf("no stream went to fallback")
 	}
 }
+
+// TestSoakInProcess runs the soak's two sessions with both ends in this
+// process, where they are paired: every writer drains its peer session's
+// queue itself (drainForPeer) while the peer's goroutines write back at
+// the same time, on both sessions at once.
+func TestSoakInProcess(t *testing.T) {
+	if proctest.IsChild() {
+		t.Skip("parent-only test")
+	}
+	paired(t)
+	t.Run("fallback-when-full", func(t *testing.T) { skRunInProcess(t, true) })
+	t.Run("backpressure", func(t *testing.T) { skRunInProcess(t, false) })
+}
+
+func skRunInProcess(t *testing.T, fwf bool) {
+	dur := *soakDuration / 2
+	prefix := shmPrefix(t, "soakip")
+	base := clBaseline(t, prefix)
+	seed := rand.Uint64()
+	t.Logf("soak for %v, seed %d", dur, seed)
+	stats := &skStats{}
+	deadline := time.Now().Add(dur)
+	type end struct {
+		ln  *Listener
+		cli *Session
+		srv *skServer
+	}
+	start := func(name string, conf *Config, seed uint64) end {
+		ln, err := Listen("unix", filepath.Join(t.TempDir(), name), conf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := &skServer{stats: stats}
+		srv.serve(ln.AcceptStream, seed)
+		cli, err := Dial("unix", ln.Addr().String(), conf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return end{ln, cli, srv}
+	}
+	ends := []end{start("a.sock", skConfigA(prefix, fwf), seed), start("b.sock", skConfigB(prefix, fwf), seed+1)}
+	errs := make(chan []error, len(ends))
+	for i, e := range ends {
+		go func() { errs <- skClient(e.cli, []int{skSlotsA, skSlotsB}[i], deadline, seed+2+uint64(i), stats) }()
+	}
+	for range ends {
+		for _, err := range <-errs {
+			t.Errorf("client: %v", err)
+		}
+	}
+	for _, e := range ends {
+		if e.cli.localPeerSession.Load() == nil {
+			t.Errorf("the client session was not paired with its server session")
+		}
+		if !clWaitGroup(&e.srv.active, 2*time.Minute) {
+			t.Errorf("server streams still running 2 min after the clients finished")
+		}
+		e.cli.Close()
+		e.ln.Close()
+		if !clWaitGroup(&e.srv.wg, 30*time.Second) {
+			t.Errorf("server accept loop still running")
+		}
+		for _, err := range e.srv.errors() {
+			t.Errorf("server: %v", err)
+		}
+	}
+	clCheckBack(t, "after the soak", base, prefix)
+	t.Logf("verified %d messages, %d body bytes on %d stream ends; %s", stats.msgs.Load(), stats.bytes.Load(), stats.streams.Load(), stats)
+	if stats.streams.Load() == 0 {
+		t.Errorf("no stream finished")
+	}
+	if fwf && stats.fallbackStreams.Load() == 0 {
+		t.Errorf("no stream went to fallback")
+	}
+}

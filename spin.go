@@ -69,32 +69,39 @@ func (w *spinWatch) startReader(s *Session) {
 }
 
 // Two sessions of this process connected to each other (a client and the
-// server session it got) are paired: when directWakesPay, a wake-up from
-// one to the other does not go through the socket as a Polling frame but
-// kicks the peer's receive loop, or whichever reader holds its socket,
-// directly (kick), as a reader of that session does when it stops polling.
-// That is a goroutine made runnable instead of a write and a read on the
-// socket and a trip through the network poller. In one process with two
-// CPU hogs running, a single stream's 4 KB round trip took 6.1–11.3 µs
-// before and 5.7–6.0 µs after; with one processor a round trip after a
-// pause took 17–22 µs before and 9.8–12.5 µs after, a Unix socket's 9.5–12
-// µs (three alternating pairs, docs/bench/results-2026-11-24/localpair.txt).
-// The peer's frames still go through the socket, so the order of closes
-// and fallback data is kept as before (closeAfterSocket); at the peer's
-// end the receive loop drains what a direct wake-up may not yet have had
-// drained (recvLoop). The sessions are paired by the name of the queue
-// region, which both sides know and which is new for each session; a
-// session whose peer in this process is not a Session (a hand-written
-// peer) stays unpaired and sends Polling frames.
+// server session it got) are paired, and then deliver to each other
+// directly: a writer that publishes while the peer session is not
+// draining drains that session's queue itself, on its own goroutine
+// (drainForPeer), instead of waking the peer with a Polling frame. The
+// peer's readers never poll and never read the socket (they sleep on their
+// streams until data is delivered), and its receive loop never spins: a
+// message is handed over as a Go channel hands a value over, the reader
+// made runnable next on the writer's processor. Nobody spins on a core the
+// other end needs, so a busy CPU costs little: in one process with two CPU
+// hogs a single stream's 4 KB round trip took 2.0–2.4 µs against a Unix
+// socket's 7.0–7.8 µs, where polling had taken 4–6 µs.
+//
+// The peer's other frames still go through the socket, so the order of
+// closes and fallback data is kept (closeAfterSocket): a close element
+// stops the writer's drain and kicks the peer's receive loop, as a polling
+// reader does; at the peer's end the receive loop drains what a kick had
+// not yet had drained (recvLoop). The sessions are paired by the name of
+// the queue region, which both sides know and which is new for each
+// session; a session whose peer in this process is not a Session (a
+// hand-written peer) stays unpaired and talks as with another process.
 var localPairs = struct {
 	sync.Mutex
 	waiting map[string]*Session // by queue region name: sessions whose peer has not started
 }{waiting: make(map[string]*Session)}
 
+// noLocalPairs leaves sessions of one process unpaired, so that they talk
+// as two processes do; the tests set it.
+var noLocalPairs atomic.Bool
+
 // pairLocal pairs s, whose peer is this process, with the peer's session if
 // it has started, or leaves s for it to find.
 func pairLocal(s *Session) {
-	if s.queueRegion == nil {
+	if s.queueRegion == nil || noLocalPairs.Load() {
 		return
 	}
 	key := s.queueRegion.path
@@ -122,35 +129,91 @@ func unpairLocal(s *Session) {
 	localPairs.Unlock()
 }
 
-// directWakesPay reports whether a wake-up to a paired session goes
-// directly: with one processor, or while the CPU has more work than cores
-// (a spin cool-down is running). With processors to spare a Polling frame
-// costs less: the goroutine a direct wake-up makes runnable waits on the
-// waker's processor, or for a thread woken on an idle core, where a
-// sleeping vCPU takes tens of microseconds to come back; the socket's
-// wake-up reaches the thread waiting in the network poller sooner. A round
-// trip after a pause in one process with two processors
-// (BenchmarkPausedPingPong -cpu 2) took 104–124 µs with direct wake-ups
-// always, and 64–70 µs with the waker yielding its processor once it had
-// woken the peer, against 17–29 µs with Polling frames (runs made while
-// choosing this rule, not saved).
-func directWakesPay() bool {
-	return procs.alone(time.Now()) || spinning.offUntil.Load() != 0
+// drainForPeer drains s's queue on its paired peer's goroutine: the peer
+// has just published and set s's working flag (s was not draining). Every
+// goroutine of the peer that publishes while it drains finds the flag set,
+// so one drain takes a batch. What s's readers wait for is delivered and
+// they are readied by a channel send, which puts the first of them next in
+// line on the writer's processor, as a send on a Go channel does: once the
+// writer waits for its reply, the reader runs on the same thread, with no
+// thread woken and nobody spinning. A close element, or a close waiting for
+// the socket, is left to s's receive loop, kicked for it, as a polling
+// reader leaves it (tryDrain).
+func (s *Session) drainForPeer() {
+	if s.IsClosed() || !s.queueRegion.acquire() {
+		return
+	}
+	defer s.queueRegion.release()
+	if !s.buf.region.acquire() {
+		return
+	}
+	defer s.buf.region.release()
+	s.counters.wakeupsReceived.Add(1)
+	kick := false
+	for {
+		s.cons.pollers.Add(1) // outside the accesses, as in pollFor
+		err := s.access(func() error {
+			s.recvQ.setWorking(true)
+			for !s.recvQ.isEmpty() && !s.IsClosed() {
+				if s.closesPending.Load() {
+					kick = true
+					return nil
+				}
+				if !s.cons.token.CompareAndSwap(false, true) {
+					// Another goroutine drains, and may have looked for the
+					// last time already: the receive loop drains after it.
+					kick = true
+					return nil
+				}
+				stopped, err := s.drainTokenHeld()
+				if err != nil {
+					return err
+				}
+				if stopped {
+					kick = true
+					return nil
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			s.closeWithError(err) // s's error: the writer's session goes on
+		}
+		// The last poller clears the flag and looks once more, as in
+		// stopPolling; after a kick the receive loop drains what is left.
+		if s.cons.pollers.Add(-1) != 0 || err != nil {
+			break
+		}
+		again := false
+		_ = s.access(func() error {
+			s.recvQ.setWorking(false)
+			again = !s.recvQ.isEmpty()
+			return nil
+		})
+		if !again || kick || s.IsClosed() {
+			break
+		}
+	}
+	if kick && !s.IsClosed() {
+		s.kick()
+	}
 }
 
-// wokenLocally is a wake-up from the paired session: s drains its queue.
-func (s *Session) wokenLocally() {
-	s.counters.wakeupsReceived.Add(1)
-	s.kick()
+// drainTokenHeld drains as a reader does, with the token the caller took,
+// and gives the token back (also after a fault). stopped: a close is next
+// or pending.
+func (s *Session) drainTokenHeld() (stopped bool, err error) {
+	defer s.cons.token.Store(false)
+	_, stopped, err = s.drainHeld(false, true)
+	return stopped, err
 }
 
 // localWakes tracks the wake-ups that sessions whose peer is this process
-// have sent as Polling frames (unpaired, or paired when !directWakesPay)
-// and not yet seen arrive. With a single
-// processor such a wake-up reaches its session only through the network
-// poller, which the scheduler consults when it has no goroutine to run: a
-// spinner that lets the other goroutines run between its looks is always
-// one (sharesProc), so while it spins the wake-up waits, and with it the
+// but that are not paired (pairLocal) have sent as Polling frames and not
+// yet seen arrive. With a single processor such a wake-up reaches its
+// session only through the network poller, which the scheduler consults
+// when it has no goroutine to run: a spinner that lets the other
+// goroutines run between its looks is always one (sharesProc), so while it spins the wake-up waits, and with it the
 // reply the spinner waits for. A round trip with a pause before it (the
 // peer's spinners had stopped) took two full spins, 0.4 ms with the default
 // ConsumerSpinTime, against 11 µs over a Unix socket. So while such a

@@ -3,6 +3,7 @@ package shmipc
 import (
 	"io"
 	"net"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -33,6 +34,7 @@ type Stream struct {
 	notified   atomic.Uint64 // notify calls, each counted before it signals
 	sleptAt    atomic.Uint64 // notified when the reader last began to sleep
 	delivered  atomic.Uint64 // messages handed to the stream (lead.go)
+	handWakes  uint32        // wake-ups of a paired session's reader (awaitReadable)
 	rDeadline  time.Time
 	pooled     bool // in a SessionManager's idle pool; guarded by that pool's lock
 	closed     bool // Close was called
@@ -127,6 +129,10 @@ func (st *Stream) Read(p []byte) (int, error) {
 // them: one that returns with an error (the stream or session closed, the
 // data ended, the deadline passed) passes it on, as the same cause ends
 // the others' waits.
+// handTurn: a reader of a paired session lets the other goroutines run
+// after every handTurn wake-ups.
+const handTurn = 16
+
 func (st *Stream) waitReadable(n int) error {
 	err := st.awaitReadable(n)
 	if err != nil {
@@ -167,14 +173,21 @@ func (st *Stream) awaitReadable(n int) error {
 		if counted {
 			s.contenders.Add(1)
 		}
-		polled := awaiting && st.pollTurn() && s.pollFor(st.readNotify)
+		paired := s.localPeerSession.Load() != nil // its peer delivers (drainForPeer)
+		polled := !paired && awaiting && st.pollTurn() && s.pollFor(st.readNotify)
 		if !polled {
 			s.sleepers.Add(1)
-			if !deadline.IsZero() || !s.lead(st) {
+			if !deadline.IsZero() || paired || !s.lead(st) {
 				st.sleptAt.Store(st.notified.Load())
 				st.sleeping.Store(true)
 				s.wait(st.readNotify, deadline)
 				st.sleeping.Store(false)
+				if paired {
+					st.handWakes++
+					if st.handWakes%handTurn == 0 {
+						runtime.Gosched()
+					}
+				}
 			}
 			s.sleepers.Add(-1)
 		}
