@@ -35,6 +35,7 @@ type Stream struct {
 	sleptAt    atomic.Uint64 // notified when the reader last began to sleep
 	delivered  atomic.Uint64 // messages handed to the stream (lead.go)
 	handWakes  uint32        // wake-ups of a paired session's reader (awaitReadable)
+	bigIn      atomic.Bool   // a paired session delivered a large message since the reader last yielded
 	rDeadline  time.Time
 	pooled     bool // in a SessionManager's idle pool; guarded by that pool's lock
 	closed     bool // Close was called
@@ -129,9 +130,12 @@ func (st *Stream) Read(p []byte) (int, error) {
 // them: one that returns with an error (the stream or session closed, the
 // data ended, the deadline passed) passes it on, as the same cause ends
 // the others' waits.
-// handTurn: a reader of a paired session lets the other goroutines run
-// after every handTurn wake-ups.
-const handTurn = 16
+// A reader of a paired session lets the other goroutines run after every
+// handTurn wake-ups, and after a message of handTurnBytes or more.
+const (
+	handTurn      = 16
+	handTurnBytes = 256 << 10
+)
 
 func (st *Stream) waitReadable(n int) error {
 	err := st.awaitReadable(n)
@@ -184,7 +188,8 @@ func (st *Stream) awaitReadable(n int) error {
 				st.sleeping.Store(false)
 				if paired {
 					st.handWakes++
-					if st.handWakes%handTurn == 0 {
+					if st.handWakes%handTurn == 0 || st.bigIn.Load() {
+						st.bigIn.Store(false)
 						runtime.Gosched()
 					}
 				}
@@ -220,6 +225,15 @@ func (st *Stream) deliver(slices []segment, heap []byte) bool {
 		st.reader.appendHeap(heap)
 	} else {
 		st.reader.append(slices)
+		if st.s.localPeerSession.Load() != nil && !st.bigIn.Load() {
+			n := 0
+			for _, sl := range slices {
+				n += len(sl.data)
+			}
+			if n >= handTurnBytes {
+				st.bigIn.Store(true)
+			}
+		}
 	}
 	st.mu.Unlock()
 	st.delivered.Add(1)
