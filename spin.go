@@ -78,8 +78,9 @@ func (w *spinWatch) startReader(s *Session) {
 // message is handed over as a Go channel hands a value over, the reader
 // made runnable next on the writer's processor. Nobody spins on a core the
 // other end needs, so a busy CPU costs little: in one process with two CPU
-// hogs a single stream's 4 KB round trip took 2.0–2.4 µs against a Unix
-// socket's 7.0–7.8 µs, where polling had taken 4–6 µs.
+// hogs a single stream's 4 KB round trip took 2.0–2.1 µs against a Unix
+// socket's 5.3–6.9 µs, where polling had taken 4.2–5.0 µs (three
+// alternating pairs of runs, docs/bench/results-2026-11-24c).
 //
 // The peer's other frames still go through the socket, so the order of
 // closes and fallback data is kept (closeAfterSocket): a close element
