@@ -214,8 +214,8 @@ func (s *Session) drainTokenHeld() (stopped bool, err error) {
 // yet seen arrive. With a single processor such a wake-up reaches its
 // session only through the network poller, which the scheduler consults
 // when it has no goroutine to run: a spinner that lets the other
-// goroutines run between its looks is always one (sharesProc), so while it spins the wake-up waits, and with it the
-// reply the spinner waits for. A round trip with a pause before it (the
+// goroutines run between its looks is always one (sharesProc), so while
+// it spins the wake-up waits, and with it the reply the spinner waits for. A round trip with a pause before it (the
 // peer's spinners had stopped) took two full spins, 0.4 ms with the default
 // ConsumerSpinTime, against 11 µs over a Unix socket. So while such a
 // wake-up is on its way, a reader that spins parks until it arrives (or its

@@ -34,7 +34,7 @@ type Stream struct {
 	notified   atomic.Uint64 // notify calls, each counted before it signals
 	sleptAt    atomic.Uint64 // notified when the reader last began to sleep
 	delivered  atomic.Uint64 // messages handed to the stream (lead.go)
-	handWakes  uint32        // wake-ups of a paired session's reader (awaitReadable)
+	handWakes  atomic.Uint32 // wake-ups of a paired session's reader (awaitReadable)
 	bigIn      atomic.Bool   // a paired session delivered a large message since the reader last yielded
 	rDeadline  time.Time
 	pooled     bool // in a SessionManager's idle pool; guarded by that pool's lock
@@ -123,13 +123,6 @@ func (st *Stream) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// waitReadable blocks until n bytes are unread. It is called and returns
-// with st.mu held, which it does not hold while it waits or polls.
-//
-// Several goroutines may wait on one stream, and a wake-up goes to one of
-// them: one that returns with an error (the stream or session closed, the
-// data ended, the deadline passed) passes it on, as the same cause ends
-// the others' waits.
 // A reader of a paired session lets the other goroutines run after every
 // handTurn wake-ups, and after a message of handTurnBytes or more.
 const (
@@ -137,6 +130,13 @@ const (
 	handTurnBytes = 256 << 10
 )
 
+// waitReadable blocks until n bytes are unread. It is called and returns
+// with st.mu held, which it does not hold while it waits or polls.
+//
+// Several goroutines may wait on one stream, and a wake-up goes to one of
+// them: one that returns with an error (the stream or session closed, the
+// data ended, the deadline passed) passes it on, as the same cause ends
+// the others' waits.
 func (st *Stream) waitReadable(n int) error {
 	err := st.awaitReadable(n)
 	if err != nil {
@@ -187,8 +187,7 @@ func (st *Stream) awaitReadable(n int) error {
 				s.wait(st.readNotify, deadline)
 				st.sleeping.Store(false)
 				if paired {
-					st.handWakes++
-					if st.handWakes%handTurn == 0 || st.bigIn.Load() {
+					if st.handWakes.Add(1)%handTurn == 0 || st.bigIn.Load() {
 						st.bigIn.Store(false)
 						runtime.Gosched()
 					}
