@@ -256,11 +256,25 @@ func (s *Session) tryDrain() (n int, closeAhead bool, err error) {
 	if s.closesPending.Load() {
 		return 0, true, nil
 	}
-	if s.recvQ.isEmpty() || !s.cons.token.CompareAndSwap(false, true) {
+	if s.recvQ.isEmpty() {
 		return 0, false, nil
 	}
+	n, closeAhead, _, err = s.drainAsReader()
+	return n, closeAhead, err
+}
+
+// drainAsReader drains as a reader (no closes) if nobody else holds the
+// token (busy otherwise). closeAhead: a close is next or pending.
+func (s *Session) drainAsReader() (n int, closeAhead, busy bool, err error) {
+	if s.closesPending.Load() {
+		return 0, true, false, nil
+	}
+	if !s.cons.token.CompareAndSwap(false, true) {
+		return 0, false, true, nil
+	}
 	defer s.cons.token.Store(false) // deferred: also after a fault
-	return s.drainHeld(false, true)
+	n, closeAhead, err = s.drainHeld(false, true)
+	return n, closeAhead, false, err
 }
 
 // sealConsumer takes the token for good: nothing is drained or delivered

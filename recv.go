@@ -55,10 +55,11 @@ func (s *Session) recvLoop() {
 			if s.cons.kicked.Load() {
 				// A kick not acted on: a read finds the end of the socket
 				// before it looks at the deadline the kick set. A paired
-				// peer wakes this session that way (pairLocal), and a
-				// reader that stopped polling too: what was published
-				// before the end is drained here, as a Polling frame
-				// would have had it drained.
+				// peer's writer kicks this session when its drain stops
+				// at a close or finds the token taken (drainForPeer), and
+				// a reader that stopped polling does too: what was
+				// published before the end is drained here, as a Polling
+				// frame would have had it drained.
 				if derr := s.access(s.consumeNow); derr != nil {
 					err = derr
 					break
@@ -177,6 +178,9 @@ func (s *Session) handleElem(e queueElem) error {
 		st, err := s.streamFor(e.id)
 		if err != nil {
 			return err
+		}
+		if st != nil && n >= handTurnBytes && s.localPeerSession.Load() != nil {
+			st.bigIn.Store(true) // its reader yields after it (awaitReadable)
 		}
 		if st == nil || !st.deliver(slices, nil) {
 			return s.freeSegments(slices)

@@ -61,7 +61,8 @@ type Session struct {
 	localPeer bool         // the peer is this process (both ends in one program)
 	sleepers  atomic.Int32 // readers waiting without polling
 	// localPeerSession is the peer's Session when localPeer and the peer
-	// is one (pairLocal): wake-ups then go straight to it.
+	// is one (pairLocal): a writer then drains the peer's queue itself
+	// (drainForPeer) instead of waking it.
 	localPeerSession atomic.Pointer[Session]
 	// contenders counts readers waiting for a reply, polling or not, when
 	// localPeer (pollTurn).

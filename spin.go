@@ -139,7 +139,9 @@ func unpairLocal(s *Session) {
 // writer waits for its reply, the reader runs on the same thread, with no
 // thread woken and nobody spinning. A close element, or a close waiting for
 // the socket, is left to s's receive loop, kicked for it, as a polling
-// reader leaves it (tryDrain).
+// reader leaves it (tryDrain). The drain counts itself among s's pollers,
+// so the working flag follows poll.go's rule: the last poller to stop
+// clears it and looks at the queue once more.
 func (s *Session) drainForPeer() {
 	if s.IsClosed() || !s.queueRegion.acquire() {
 		return
@@ -156,21 +158,14 @@ func (s *Session) drainForPeer() {
 		err := s.access(func() error {
 			s.recvQ.setWorking(true)
 			for !s.recvQ.isEmpty() && !s.IsClosed() {
-				if s.closesPending.Load() {
-					kick = true
-					return nil
-				}
-				if !s.cons.token.CompareAndSwap(false, true) {
-					// Another goroutine drains, and may have looked for the
-					// last time already: the receive loop drains after it.
-					kick = true
-					return nil
-				}
-				stopped, err := s.drainTokenHeld()
+				// busy: another goroutine drains, and may have looked for
+				// the last time already, so the receive loop drains after
+				// it.
+				_, closeAhead, busy, err := s.drainAsReader()
 				if err != nil {
 					return err
 				}
-				if stopped {
+				if closeAhead || busy {
 					kick = true
 					return nil
 				}
@@ -198,15 +193,6 @@ func (s *Session) drainForPeer() {
 	if kick && !s.IsClosed() {
 		s.kick()
 	}
-}
-
-// drainTokenHeld drains as a reader does, with the token the caller took,
-// and gives the token back (also after a fault). stopped: a close is next
-// or pending.
-func (s *Session) drainTokenHeld() (stopped bool, err error) {
-	defer s.cons.token.Store(false)
-	_, stopped, err = s.drainHeld(false, true)
-	return stopped, err
 }
 
 // localWakes tracks the wake-ups that sessions whose peer is this process

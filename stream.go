@@ -173,11 +173,11 @@ func (st *Stream) awaitReadable(n int) error {
 		// session's other readers (pollTurn).
 		s := st.s
 		awaiting := st.awaiting.Load()
-		counted := awaiting && s.localPeer // only turnDue uses the count
+		paired := s.localPeerSession.Load() != nil    // its peer delivers (drainForPeer)
+		counted := awaiting && s.localPeer && !paired // only turnDue uses the count
 		if counted {
 			s.contenders.Add(1)
 		}
-		paired := s.localPeerSession.Load() != nil // its peer delivers (drainForPeer)
 		polled := !paired && awaiting && st.pollTurn() && s.pollFor(st.readNotify)
 		if !polled {
 			s.sleepers.Add(1)
@@ -224,15 +224,6 @@ func (st *Stream) deliver(slices []segment, heap []byte) bool {
 		st.reader.appendHeap(heap)
 	} else {
 		st.reader.append(slices)
-		if st.s.localPeerSession.Load() != nil && !st.bigIn.Load() {
-			n := 0
-			for _, sl := range slices {
-				n += len(sl.data)
-			}
-			if n >= handTurnBytes {
-				st.bigIn.Store(true)
-			}
-		}
 	}
 	st.mu.Unlock()
 	st.delivered.Add(1)
