@@ -204,10 +204,16 @@ func (l *Listener) serve(conn net.Conn) {
 	s, err := handshakeServer(conn, l.conf, func(s *Session) { l.adopt(s, conn) })
 	l.mu.Lock()
 	delete(l.pending, conn)
-	if err == nil && l.isClosed() {
-		err = ErrListenerClosed
-	}
+	closed := l.isClosed()
 	l.mu.Unlock()
+	if err == nil && closed {
+		// Adopted, and its streams may have been accepted before Close:
+		// it ends with its last stream, as Close has it (retire). Closing
+		// it here ended a session whose accepted stream was in use when
+		// this goroutine came back from the handshake after Close.
+		s.retire()
+		return
+	}
 	if err != nil {
 		l.conf.logger().Warn("shmipc: handshake failed", "remote", conn.RemoteAddr(), "err", err)
 		if s != nil {
