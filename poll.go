@@ -53,11 +53,17 @@ import (
 //     cool-down that doubles while the pressure lasts (spinGovernor.pressure);
 //   - a reader is woken to poll for a reply (Stream.sent) only when it could
 //     poll now.
+//
+// budget and max, read by every writer (mayPoll) and written only when a
+// spin ends otherwise than the last one, are kept off the line of the
+// fields every drain writes.
 type consumer struct {
+	budget atomic.Int64 // how long to spin for, in ns; adapts
+	max    int64        // ConsumerSpinTime in ns
+	_      cacheLinePad
+
 	token   atomic.Bool  // held by the goroutine draining the queue
 	pollers atomic.Int32 // goroutines keeping the working flag set
-	budget  atomic.Int64 // how long to spin for, in ns; adapts
-	max     int64        // ConsumerSpinTime in ns
 	slept   atomic.Int64 // when the last poller stopped (UnixNano)
 	kicked  atomic.Bool  // the receive loop was asked to drain (kick) and has not yet
 	// loopSpins: the receive loop holds a spinning slot (spin); a reader
@@ -434,7 +440,7 @@ func turnDue(id uint32, contenders int32, now time.Time) bool {
 // session still spins, and the process has a spinning slot for it, or the
 // slot is this session's receive loop's, which a reader takes over.
 func (s *Session) mayPoll() bool {
-	return s.cons.budget.Load() > 0 && s.localPeerSession.Load() == nil &&
+	return s.localPeerSession.Load() == nil && s.cons.budget.Load() > 0 &&
 		(spinning.free(s.localPeer) || s.cons.loopSpins.Load())
 }
 

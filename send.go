@@ -21,11 +21,10 @@ const (
 // a sender retry), until the stream st (if any) is closed or past its write
 // deadline, or Config.WriteSpaceTimeout passes. It reports whether e was
 // published. It runs inside an access.
+//
+// The caller's stream st holds a reference on the queue region; its writer
+// lock keeps the stream from letting go of it meanwhile.
 func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
-	if !s.queueRegion.acquire() {
-		return false, s.closedErr()
-	}
-	defer s.queueRegion.release()
 	var wait spaceWait
 	for {
 		if err := s.Err(); err != nil {
@@ -38,7 +37,7 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 		}
 		if ok {
 			if s.sendQ.markWorking() {
-				if err := s.wakePeer(); err != nil {
+				if err := s.wakePeer(st); err != nil {
 					s.closeWithError(fmt.Errorf("send wake-up: %w", err))
 					return true, s.closedErr()
 				}
@@ -59,11 +58,15 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 // wakePeer tells the peer, which has stopped draining its queue (the
 // caller has just set the working flag for it), that there is something
 // there: a Polling frame, or a direct wake-up for a paired session of this
-// process (pairLocal).
-func (s *Session) wakePeer() error {
+// process (pairLocal). st is the stream that published, or nil.
+func (s *Session) wakePeer(st *Stream) error {
 	s.counters.wakeupsSent.Add(1)
 	if peer := s.localPeerSession.Load(); peer != nil && !peer.IsClosed() {
-		peer.drainForPeer()
+		if st != nil && st.peerRefs == peer {
+			peer.drainForPeerHeld()
+		} else {
+			peer.drainForPeer()
+		}
 		return nil
 	}
 	s.wakingPeer()
@@ -173,7 +176,7 @@ func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 			defer s.queueRegion.release()
 			ok, err := s.sendQ.put(queueElem{id: id, status: statusClosed})
 			if ok && s.sendQ.markWorking() {
-				err = s.wakePeer()
+				err = s.wakePeer(nil)
 			}
 			return ok, err
 		}()

@@ -13,6 +13,12 @@ import (
 // Session is one connection between a client and a server process, with its
 // shared regions. It carries any number of streams. Only the client opens
 // streams; the server accepts them. A Session is safe for concurrent use.
+//
+// The fields are grouped by who writes them, and the groups written for
+// every message are kept on cache lines of their own: the first group is
+// read for every message by goroutines on every core and written only
+// while the session starts, so a write to a counter or a lock must not
+// take its line from the other cores.
 type Session struct {
 	conf     *Config
 	isClient bool
@@ -24,6 +30,14 @@ type Session struct {
 	sendQ       *ioQueue
 	recvQ       *ioQueue
 
+	localPeer bool // the peer is this process (both ends in one program)
+	// localPeerSession is the peer's Session when localPeer and the peer
+	// is one (pairLocal): a writer then drains the peer's queue itself
+	// (drainForPeer) instead of waking it.
+	localPeerSession atomic.Pointer[Session]
+	closed           chan struct{} // closed when the session ends
+
+	_       cacheLinePad
 	mu      sync.Mutex
 	streams map[uint32]*Stream
 	nextID  uint32
@@ -36,7 +50,6 @@ type Session struct {
 	retiring  bool                              // end the session once its last stream is closed (Listener.Close)
 
 	closeOnce  sync.Once
-	closed     chan struct{}
 	err        error // why the session ended; written before closed is closed
 	localClose bool
 	loopDone   chan struct{}
@@ -49,7 +62,8 @@ type Session struct {
 	counters        sessionCounters
 	onHotRestartAck atomic.Pointer[func(epoch uint64)]
 
-	// Receive loop only.
+	// The goroutine draining the queue (the consumer token's holder).
+	_       cacheLinePad
 	cons    consumer
 	scratch []segment
 	handled uint64         // bytes of the socket's byte stream acted on
@@ -58,12 +72,8 @@ type Session struct {
 
 	closesPending atomic.Bool // len(closing) > 0: draining pauses
 
-	localPeer bool         // the peer is this process (both ends in one program)
-	sleepers  atomic.Int32 // readers waiting without polling
-	// localPeerSession is the peer's Session when localPeer and the peer
-	// is one (pairLocal): a writer then drains the peer's queue itself
-	// (drainForPeer) instead of waking it.
-	localPeerSession atomic.Pointer[Session]
+	_        cacheLinePad
+	sleepers atomic.Int32 // readers waiting without polling
 	// contenders counts readers waiting for a reply, polling or not, when
 	// localPeer (pollTurn).
 	contenders atomic.Int32
@@ -72,8 +82,10 @@ type Session struct {
 	fallbackHeld atomic.Int64
 	fallbackRoom chan struct{} // signalled when fallback data is released
 
+	_       cacheLinePad
 	sock    socketTurn // who reads the socket (lead.go)
 	leading bool       // a reader reads the socket; written by the socket's holder
+	_       cacheLinePad
 }
 
 func newSession(conn net.Conn, conf *Config, client bool) *Session {
@@ -139,11 +151,27 @@ func (s *Session) OpenStream() (*Stream, error) {
 	return s.addStreamLocked(s.nextID)
 }
 
+// addStreamLocked adds stream id. The stream holds a reference on each
+// region its messages go through until it lets go of them (dropRef): the
+// session's buffer and queue regions and, when the session is paired, its
+// peer's, so that a message costs no reference counting on lines all
+// streams share.
 func (s *Session) addStreamLocked(id uint32) (*Stream, error) {
 	if !s.buf.region.acquire() {
 		return nil, ErrSessionClosed
 	}
+	if !s.queueRegion.acquire() {
+		s.buf.region.release()
+		return nil, ErrSessionClosed
+	}
 	st := newStream(s, id)
+	if p := s.localPeerSession.Load(); p != nil && p.queueRegion.acquire() {
+		if p.buf.region.acquire() {
+			st.peerRefs = p
+		} else {
+			p.queueRegion.release()
+		}
+	}
 	s.streams[id] = st
 	return st, nil
 }

@@ -151,6 +151,15 @@ func (s *Session) drainForPeer() {
 		return
 	}
 	defer s.buf.region.release()
+	s.drainForPeerHeld()
+}
+
+// drainForPeerHeld is drainForPeer for a caller that holds references on
+// s's regions (a stream's peerRefs).
+func (s *Session) drainForPeerHeld() {
+	if s.IsClosed() {
+		return
+	}
 	s.counters.wakeupsReceived.Add(1)
 	kick := false
 	for {

@@ -55,11 +55,16 @@ type Stream struct {
 	closeOwed    atomic.Bool   // Close left its writer's part to the goroutine holding wmu (finishClose)
 	closeTells   bool          // whether that part tells the peer; written before closeOwed is set
 	fallback     atomic.Bool   // once set, every message goes as FallbackData
-	refDropped   atomic.Bool   // the stream's reference on the buffer region is gone
+	refDropped   atomic.Bool   // the stream's references on the regions are gone
 	ended        atomic.Bool   // the session has ended (sessionEnded ran)
 	heldFallback atomic.Int64  // received fallback bytes not yet released
 	awaiting     atomic.Bool   // sent since data last arrived: a reply is likely on its way
 	kept         atomic.Uint64 // a received slice kept for the next message (reuse.go)
+	// peerRefs is the paired peer session (pairLocal) whose queue and
+	// buffer regions the stream holds references on, so that its writer
+	// drains that session's queue (drainForPeer) without taking any; nil
+	// when it holds none.
+	peerRefs *Session
 }
 
 var _ net.Conn = (*Stream)(nil)
@@ -557,6 +562,11 @@ func (st *Stream) dropRef() {
 	if st.refDropped.CompareAndSwap(false, true) {
 		st.dropKept()
 		st.s.buf.region.release()
+		st.s.queueRegion.release()
+		if p := st.peerRefs; p != nil {
+			p.buf.region.release()
+			p.queueRegion.release()
+		}
 	}
 }
 
