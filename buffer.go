@@ -109,7 +109,12 @@ type bufferManager struct {
 	// Without the check a peer could publish one slice again and again, and
 	// every copy was delivered to a stream, which held it until read: heap
 	// without bound, and each copy freed once more when read.
-	held []atomic.Uint64
+	//
+	// Slices are spread over the cache lines of held (heldBit), so that
+	// neighbouring slices, which the streams on different processors
+	// often hold at once, do not make both processors write one line.
+	held      []atomic.Uint64
+	heldShift uint // log2 of the number of cache lines of held
 
 	keepers   atomic.Int32 // streams of this process that may keep a slice (reuse.go)
 	keepLimit int32        // the most that may
@@ -223,7 +228,10 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 		cur = end
 	}
 	m.slices = uint32(total)
-	m.held = make([]atomic.Uint64, (total+63)/64)
+	for 512<<m.heldShift < total {
+		m.heldShift++
+	}
+	m.held = make([]atomic.Uint64, 8<<m.heldShift)
 	m.bySize = make([]int, n)
 	for i := range m.bySize {
 		m.bySize[i] = i
@@ -420,7 +428,11 @@ func (m *bufferManager) unhold(li int, off uint32) {
 func (m *bufferManager) heldBit(li int, off uint32) (*atomic.Uint64, uint64) {
 	l := &m.lists[li]
 	i := l.first + (off-l.area)/l.stride
-	return &m.held[i/64], 1 << (i % 64)
+	// Slice i is bit p of cache line i mod lines: a line of 8 words holds
+	// 512 bits, and there are enough lines for every slice.
+	line := i & (1<<m.heldShift - 1)
+	p := i >> m.heldShift
+	return &m.held[line*8+p/64&7], 1 << (p % 64)
 }
 
 // alloc pops one slice for n more bytes: from the smallest list whose

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"unsafe"
 )
 
 // Unit tests of the buffer manager (buffer.go) on regions in Go memory:
@@ -246,6 +247,48 @@ func TestBufferReadChainHeld(t *testing.T) {
 	peer.linkSlice(got[0].off, 2, 0)
 	if back, err := peer.readChain(nil, got[0].off); err != nil || len(back) != 1 {
 		t.Errorf("a kept slice sent and published back: %d slices, %v", len(back), err)
+	}
+}
+
+// TestBufferHeldBits: with slices enough for several cache lines of held
+// bits, each slice has a bit of its own (holding one marks no other), and
+// neighbouring slices have theirs on different lines.
+func TestBufferHeldBits(t *testing.T) {
+	m, _ := newHeapBuffer(t, listPlan{sliceCap: 16, count: 700}, listPlan{sliceCap: 64, count: 900})
+	seen := make(map[[2]uintptr]bool)
+	var prevLine uintptr
+	n := 0
+	for li := range m.lists {
+		l := &m.lists[li]
+		for k := uint32(0); k < l.count; k++ {
+			off := l.area + k*l.stride
+			w, bit := m.heldBit(li, off)
+			key := [2]uintptr{uintptr(unsafe.Pointer(w)), uintptr(bit)}
+			if seen[key] {
+				t.Fatalf("list %d slice %d shares its held bit with another slice", li, k)
+			}
+			seen[key] = true
+			line := (uintptr(unsafe.Pointer(w)) - uintptr(unsafe.Pointer(&m.held[0]))) / 64
+			if n > 0 && line == prevLine {
+				t.Errorf("list %d slice %d: held bit on the same cache line as the slice before", li, k)
+			}
+			prevLine = line
+			n++
+			if !m.hold(li, off) || m.hold(li, off) {
+				t.Fatalf("list %d slice %d: hold did not report the first hold alone", li, k)
+			}
+		}
+	}
+	for li := range m.lists {
+		l := &m.lists[li]
+		for k := uint32(0); k < l.count; k++ {
+			m.unhold(li, l.area+k*l.stride)
+		}
+	}
+	for i := range m.held {
+		if m.held[i].Load() != 0 {
+			t.Fatalf("word %d of held is %#x after every slice was released", i, m.held[i].Load())
+		}
 	}
 }
 

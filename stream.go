@@ -185,7 +185,13 @@ func (st *Stream) awaitReadable(n int) error {
 		}
 		polled := !paired && awaiting && st.pollTurn() && s.pollFor(st.readNotify)
 		if !polled {
-			s.sleepers.Add(1)
+			// The count serves the socket's lending and the polling turns,
+			// which a paired session's readers take no part in; an atomic
+			// pair per wait on a line both processors write is what it
+			// would cost them.
+			if !paired {
+				s.sleepers.Add(1)
+			}
 			if !deadline.IsZero() || paired || !s.lead(st) {
 				st.sleptAt.Store(st.notified.Load())
 				st.sleeping.Store(true)
@@ -198,7 +204,9 @@ func (st *Stream) awaitReadable(n int) error {
 					}
 				}
 			}
-			s.sleepers.Add(-1)
+			if !paired {
+				s.sleepers.Add(-1)
+			}
 		}
 		if counted {
 			s.contenders.Add(-1)
