@@ -116,7 +116,7 @@ func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 	switch h.Type() {
 	case wire.TypePolling:
-		s.counters.wakeupsReceived.Add(1)
+		s.counters.of(0).wakeupsReceived.Add(1)
 		if s.localPeer {
 			localWakes.received()
 		}
@@ -173,8 +173,9 @@ func (s *Session) handleElem(e queueElem) error {
 		for _, sl := range slices {
 			n += len(sl.data)
 		}
-		s.counters.messagesIn.Add(1)
-		s.counters.bytesIn.Add(uint64(n))
+		c := s.counters.of(e.id)
+		c.messagesIn.Add(1)
+		c.bytesIn.Add(uint64(n))
 		st, err := s.streamFor(e.id)
 		if err != nil {
 			return err
@@ -274,10 +275,11 @@ func (s *Session) handleFallback(payload []byte) error {
 	if status&statusMask != statusOpened {
 		return fmt.Errorf("%w: FallbackData for stream %d has status %#x", ErrProtocol, id, status)
 	}
-	s.counters.messagesIn.Add(1)
-	s.counters.bytesIn.Add(uint64(len(data)))
-	s.counters.fallbackMessagesIn.Add(1)
-	s.counters.fallbackBytesIn.Add(uint64(len(data)))
+	c := s.counters.of(id)
+	c.messagesIn.Add(1)
+	c.bytesIn.Add(uint64(len(data)))
+	c.fallbackMessagesIn.Add(1)
+	c.fallbackBytesIn.Add(uint64(len(data)))
 	st, err := s.streamFor(id)
 	if err != nil || st == nil {
 		return err

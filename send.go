@@ -42,7 +42,7 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 					return true, s.closedErr()
 				}
 			} else {
-				s.counters.wakeupsSaved.Add(1)
+				s.counters.of(e.id).wakeupsSaved.Add(1)
 			}
 			return true, nil
 		}
@@ -60,10 +60,14 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 // there: a Polling frame, or a direct wake-up for a paired session of this
 // process (pairLocal). st is the stream that published, or nil.
 func (s *Session) wakePeer(st *Stream) error {
-	s.counters.wakeupsSent.Add(1)
+	var id uint32
+	if st != nil {
+		id = st.id
+	}
+	s.counters.of(id).wakeupsSent.Add(1)
 	if peer := s.localPeerSession.Load(); peer != nil && !peer.IsClosed() {
 		if st != nil && st.peerRefs == peer {
-			peer.drainForPeerHeld()
+			peer.drainForPeerHeld(id)
 		} else {
 			peer.drainForPeer()
 		}
@@ -91,7 +95,7 @@ type spaceWait struct {
 func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 	now := time.Now()
 	if w.start.IsZero() {
-		s.counters.spaceWaits.Add(1)
+		s.counters.of(0).spaceWaits.Add(1)
 		w.start, w.delay = now, minSpacePause
 		w.limit = now.Add(s.conf.WriteSpaceTimeout)
 		if st != nil {

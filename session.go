@@ -59,7 +59,7 @@ type Session struct {
 	// epoch of a HotRestart frame (client) or HotRestartAck frame (server).
 	// They must not block.
 	onHotRestart    atomic.Pointer[func(epoch uint64)]
-	counters        sessionCounters
+	counters        stripedCounters
 	onHotRestartAck atomic.Pointer[func(epoch uint64)]
 
 	// The goroutine draining the queue (the consumer token's holder).

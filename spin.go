@@ -151,16 +151,17 @@ func (s *Session) drainForPeer() {
 		return
 	}
 	defer s.buf.region.release()
-	s.drainForPeerHeld()
+	s.drainForPeerHeld(0)
 }
 
 // drainForPeerHeld is drainForPeer for a caller that holds references on
-// s's regions (a stream's peerRefs).
-func (s *Session) drainForPeerHeld() {
+// s's regions (a stream's peerRefs). id is the publishing stream's, for
+// the counters.
+func (s *Session) drainForPeerHeld(id uint32) {
 	if s.IsClosed() {
 		return
 	}
-	s.counters.wakeupsReceived.Add(1)
+	s.counters.of(id).wakeupsReceived.Add(1)
 	kick := false
 	for {
 		s.cons.pollers.Add(1) // outside the accesses, as in pollFor

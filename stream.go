@@ -366,8 +366,9 @@ func (st *Stream) sendShm() error {
 		_ = w.discard()
 		return err
 	}
-	s.counters.messagesOut.Add(1)
-	s.counters.bytesOut.Add(uint64(w.size))
+	c := s.counters.of(st.id)
+	c.messagesOut.Add(1)
+	c.bytesOut.Add(uint64(w.size))
 	st.sent()
 	w.reset()
 	return err
@@ -424,12 +425,14 @@ func (st *Stream) sendFallback() error {
 	}
 	if sent > 0 {
 		st.sent()
-		s.counters.bytesOut.Add(uint64(sent))
-		s.counters.fallbackBytesOut.Add(uint64(sent))
+		c := s.counters.of(st.id)
+		c.bytesOut.Add(uint64(sent))
+		c.fallbackBytesOut.Add(uint64(sent))
 	}
 	if err == nil {
-		s.counters.messagesOut.Add(1)
-		s.counters.fallbackMessagesOut.Add(1)
+		c := s.counters.of(st.id)
+		c.messagesOut.Add(1)
+		c.fallbackMessagesOut.Add(1)
 	} else {
 		st.partSent = sent
 	}
