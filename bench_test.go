@@ -286,6 +286,75 @@ func serveEach(ln net.Listener, serve func(net.Conn)) (wait func()) {
 	return servers.Wait
 }
 
+// BenchmarkPingPongSessions: 8 and 64 clients in one process whose streams
+// come from a SessionManager with SessionNum 1, 2 or 8 (spread round-robin
+// over its sessions), against a Unix socket in the same run. With one
+// session the streams of both processors write the same session's lines
+// (its IO queue, consumer token, stream table) for every message; with
+// more, each session's exchanges mostly stay on one processor. Between
+// two processes the opposite holds (more sessions, more receive loops and
+// more polling for the same messages; example/pingpong), so SessionNum's
+// default stays 1.
+func BenchmarkPingPongSessions(b *testing.B) {
+	startBenchHogs(b, *benchHogs)
+	for _, streams := range []int{8, 64} {
+		for _, sz := range pingPongSizes {
+			if sz.size != 64 && sz.size != 4<<10 {
+				continue
+			}
+			for _, n := range []int{1, 2, 8} {
+				tr := benchTransport{fmt.Sprintf("shm-sessions=%d", n), func(b *testing.B, size int) benchServer {
+					return serveShmManager(b, size, n)
+				}}
+				b.Run(fmt.Sprintf("streams=%d/size=%s/transport=%s", streams, sz.name, tr.name), func(b *testing.B) {
+					benchmarkStreams(b, tr, streams, sz.size)
+				})
+			}
+			b.Run(fmt.Sprintf("streams=%d/size=%s/transport=uds", streams, sz.name), func(b *testing.B) {
+				benchmarkStreams(b, udsTransport, streams, sz.size)
+			})
+		}
+	}
+}
+
+// serveShmManager is serveShm with the clients' streams taken from a
+// SessionManager of sessions sessions.
+func serveShmManager(b *testing.B, size, sessions int) benchServer {
+	sock := sockPath(b)
+	conf := DefaultConfig()
+	ln, err := Listen("unix", sock, conf)
+	if err != nil {
+		b.Fatal(err)
+	}
+	wait := serveEach(ln, func(c net.Conn) { shmEchoServer(c.(*Stream), size) })
+	m, err := NewSessionManager(SessionManagerConfig{Config: conf, Network: "unix", Address: sock, SessionNum: sessions})
+	if err != nil {
+		ln.Close()
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		m.Close()
+		ln.Close()
+		wait()
+	})
+	connect := func() (pingClient, error) {
+		st, err := m.GetStream()
+		if err != nil {
+			return nil, err
+		}
+		return &shmClient{st: st, size: size}, nil
+	}
+	wakeups := func() int64 {
+		var n int64
+		for _, s := range m.Sessions() {
+			st := s.Stats()
+			n += int64(st.WakeupsSent + st.WakeupsReceived)
+		}
+		return n
+	}
+	return benchServer{connect, wakeups}
+}
+
 // ---- shm ---------------------------------------------------------------------
 
 // serveShm listens for shmipc sessions and echoes on their streams. All
