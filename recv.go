@@ -157,6 +157,35 @@ func (s *Session) role() string {
 	return "server"
 }
 
+// handleData hands the message whose first slice is at offset to stream
+// id, opening the stream if it is new (server). scratch is the caller's, to
+// read the chain into; the consumer's (Session.scratch) for queue elements.
+func (s *Session) handleData(id, offset uint32, scratch *[]segment) error {
+	slices, err := s.buf.readChain((*scratch)[:0], offset)
+	if err != nil {
+		return fmt.Errorf("stream %d: %w", id, err)
+	}
+	*scratch = slices
+	n := 0
+	for _, sl := range slices {
+		n += len(sl.data)
+	}
+	c := s.counters.of(id)
+	c.messagesIn.Add(1)
+	c.bytesIn.Add(uint64(n))
+	st, err := s.streamFor(id)
+	if err != nil {
+		return err
+	}
+	if st != nil && n >= handTurnBytes && s.localPeerSession.Load() != nil {
+		st.bigIn.Store(true) // its reader yields after it (awaitReadable)
+	}
+	if st == nil || !st.deliver(slices, nil) {
+		return s.freeSegments(slices)
+	}
+	return nil
+}
+
 // handleElem acts on one queue element: a message or a close.
 func (s *Session) handleElem(e queueElem) error {
 	if e.id == 0 {
@@ -164,29 +193,7 @@ func (s *Session) handleElem(e queueElem) error {
 	}
 	switch e.status & statusMask {
 	case statusOpened:
-		slices, err := s.buf.readChain(s.scratch[:0], e.offset)
-		if err != nil {
-			return fmt.Errorf("stream %d: %w", e.id, err)
-		}
-		s.scratch = slices
-		n := 0
-		for _, sl := range slices {
-			n += len(sl.data)
-		}
-		c := s.counters.of(e.id)
-		c.messagesIn.Add(1)
-		c.bytesIn.Add(uint64(n))
-		st, err := s.streamFor(e.id)
-		if err != nil {
-			return err
-		}
-		if st != nil && n >= handTurnBytes && s.localPeerSession.Load() != nil {
-			st.bigIn.Store(true) // its reader yields after it (awaitReadable)
-		}
-		if st == nil || !st.deliver(slices, nil) {
-			return s.freeSegments(slices)
-		}
-		return nil
+		return s.handleData(e.id, e.offset, &s.scratch)
 	case statusClosed:
 		if e.offset != 0 {
 			return fmt.Errorf("%w: close element for stream %d has offset %d, want 0", ErrProtocol, e.id, e.offset)

@@ -27,7 +27,7 @@ type Stats struct {
 	FallbackBytesIn    uint64 // their payload bytes
 
 	WakeupsSent     uint64 // Polling frames sent: the peer was asleep (between two sessions of one process: drains of the peer's queue by the writer)
-	WakeupsSaved    uint64 // messages published while the peer was awake, so no Polling frame was needed
+	WakeupsSaved    uint64 // messages published while the peer was awake, or handed straight to a session of this process, so no Polling frame was needed
 	WakeupsReceived uint64 // Polling frames received (or drains of this session's queue by the writer of a session of this process)
 
 	// SpaceWaits counts the writes that had to wait for room in the buffer

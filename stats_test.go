@@ -108,7 +108,9 @@ func TestStats(t *testing.T) {
 	if s.FallbackMessagesIn != 1 {
 		t.Errorf("server FallbackMessagesIn %d, want 1", s.FallbackMessagesIn)
 	}
-	if s.WakeupsReceived == 0 || s.WakeupsReceived > c.WakeupsSent {
+	// Between two sessions of one process messages are mostly handed over
+	// with no wake-up at all (deliverDirect).
+	if (c.WakeupsSent > 0 && s.WakeupsReceived == 0) || s.WakeupsReceived > c.WakeupsSent {
 		t.Errorf("server received %d wake-ups, client sent %d", s.WakeupsReceived, c.WakeupsSent)
 	}
 

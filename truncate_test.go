@@ -128,9 +128,14 @@ func truncClientConfig(prefix string) *Config {
 // dialListenerSession dials ln, an echo listener, with conf, and returns
 // the session and the one ln registered for it, once they have done a
 // round trip. The session is closed when the test ends.
+//
+// The server's session is told by the name of the queue region, which is
+// new for each session: a session registered after the last look may be
+// another client's (one dialled just before, whose server side the
+// listener registered late), and taking that one made the test wait for
+// the wrong session to end.
 func dialListenerSession(t *testing.T, ln *Listener, conf *Config) (c, srv *Session) {
 	t.Helper()
-	before := listenerSessions(ln)
 	c, err := Dial("unix", ln.Addr().String(), conf)
 	if err != nil {
 		t.Fatal(err)
@@ -139,13 +144,16 @@ func dialListenerSession(t *testing.T, ln *Listener, conf *Config) (c, srv *Sess
 	if err := echoRoundTrip(c, "first"); err != nil {
 		t.Fatal(err)
 	}
-	for s := range listenerSessions(ln) {
-		if !before[s] {
-			return c, s
+	waitUntil(t, "the listener registers the session", peerTimeout, func() bool {
+		for s := range listenerSessions(ln) {
+			if s.queueRegion != nil && s.queueRegion.path == c.queueRegion.path {
+				srv = s
+				return true
+			}
 		}
-	}
-	t.Fatal("the listener has no session for the new one")
-	return nil, nil
+		return false
+	})
+	return c, srv
 }
 
 // truncTraffic runs four streams of echoes on sess, whose files begin with
