@@ -320,39 +320,13 @@ func BenchmarkPingPongSessions(b *testing.B) {
 // serveShmManager is serveShm with the clients' streams taken from a
 // SessionManager of sessions sessions.
 func serveShmManager(b *testing.B, size, sessions int) benchServer {
-	sock := sockPath(b)
-	conf := DefaultConfig()
-	ln, err := Listen("unix", sock, conf)
-	if err != nil {
-		b.Fatal(err)
-	}
-	wait := serveEach(ln, func(c net.Conn) { shmEchoServer(c.(*Stream), size) })
-	m, err := NewSessionManager(SessionManagerConfig{Config: conf, Network: "unix", Address: sock, SessionNum: sessions})
-	if err != nil {
-		ln.Close()
-		b.Fatal(err)
-	}
-	b.Cleanup(func() {
-		m.Close()
-		ln.Close()
-		wait()
-	})
-	connect := func() (pingClient, error) {
-		st, err := m.GetStream()
+	return serveShmWith(b, size, func(sock string, conf *Config) (shmClients, error) {
+		m, err := NewSessionManager(SessionManagerConfig{Config: conf, Network: "unix", Address: sock, SessionNum: sessions})
 		if err != nil {
-			return nil, err
+			return shmClients{}, err
 		}
-		return &shmClient{st: st, size: size}, nil
-	}
-	wakeups := func() int64 {
-		var n int64
-		for _, s := range m.Sessions() {
-			st := s.Stats()
-			n += int64(st.WakeupsSent + st.WakeupsReceived)
-		}
-		return n
-	}
-	return benchServer{connect, wakeups}
+		return shmClients{open: m.GetStream, sessions: m.Sessions, close: func() { m.Close() }}, nil
+	})
 }
 
 // ---- shm ---------------------------------------------------------------------
@@ -360,6 +334,30 @@ func serveShmManager(b *testing.B, size, sessions int) benchServer {
 // serveShm listens for shmipc sessions and echoes on their streams. All
 // clients share one session, a stream each.
 func serveShm(b *testing.B, size int) benchServer {
+	return serveShmWith(b, size, func(sock string, conf *Config) (shmClients, error) {
+		sess, err := Dial("unix", sock, conf)
+		if err != nil {
+			return shmClients{}, err
+		}
+		return shmClients{
+			open:     sess.OpenStream,
+			sessions: func() []*Session { return []*Session{sess} },
+			close:    func() { sess.Close() },
+		}, nil
+	})
+}
+
+// shmClients is the client side of a shm benchmark: how a client opens its
+// stream, the sessions whose wake-ups are counted, and how they end.
+type shmClients struct {
+	open     func() (*Stream, error)
+	sessions func() []*Session
+	close    func()
+}
+
+// serveShmWith listens for shmipc sessions that echo size-byte messages on
+// their streams, and sets up the clients' side with dial.
+func serveShmWith(b *testing.B, size int, dial func(sock string, conf *Config) (shmClients, error)) benchServer {
 	sock := sockPath(b)
 	conf := DefaultConfig()
 	ln, err := Listen("unix", sock, conf)
@@ -367,26 +365,30 @@ func serveShm(b *testing.B, size int) benchServer {
 		b.Fatal(err)
 	}
 	wait := serveEach(ln, func(c net.Conn) { shmEchoServer(c.(*Stream), size) })
-	sess, err := Dial("unix", sock, conf)
+	clients, err := dial(sock, conf)
 	if err != nil {
 		ln.Close()
 		b.Fatal(err)
 	}
 	b.Cleanup(func() {
-		sess.Close()
+		clients.close()
 		ln.Close()
 		wait()
 	})
 	connect := func() (pingClient, error) {
-		st, err := sess.OpenStream()
+		st, err := clients.open()
 		if err != nil {
 			return nil, err
 		}
 		return &shmClient{st: st, size: size}, nil
 	}
 	wakeups := func() int64 {
-		st := sess.Stats()
-		return int64(st.WakeupsSent + st.WakeupsReceived)
+		var n int64
+		for _, s := range clients.sessions() {
+			st := s.Stats()
+			n += int64(st.WakeupsSent + st.WakeupsReceived)
+		}
+		return n
 	}
 	return benchServer{connect, wakeups}
 }
