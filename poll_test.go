@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"runtime"
 	"sync/atomic"
 	"testing"
@@ -656,5 +657,74 @@ func TestLocalPairPeerClosesAfterWrites(t *testing.T) {
 			t.Fatalf("round %d: read %d of %d bytes before %v", round, len(got), len(want), err)
 		}
 		c.Close()
+	}
+}
+
+// A writer of a paired session hands a message over directly only when
+// nothing published before is still to take effect. While the peer's
+// consumer token is held (a consumer may be handling an element it took),
+// messages go on the queue, and the next ones follow them there until
+// they have been handled, so the peer gets them in order; once the queue
+// is empty again, messages are handed over.
+func TestDirectHandOverKeepsOrder(t *testing.T) {
+	paired(t)
+	conf := DefaultConfig()
+	ln := startEchoListener(t, conf)
+	c, srv := dialListenerSession(t, ln, conf)
+	waitUntil(t, "the sessions are paired", peerTimeout, func() bool {
+		return c.localPeerSession.Load() == srv && srv.localPeerSession.Load() == c
+	})
+	st, err := c.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	roundTrip := func(msg string) {
+		t.Helper()
+		st.SetDeadline(time.Now().Add(peerTimeout))
+		if _, err := st.Write([]byte(msg)); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(st, got); err != nil || string(got) != msg {
+			t.Fatalf("echo of %q: %q, %v", msg, got, err)
+		}
+	}
+	roundTrip("first")
+
+	waitUntil(t, "the server's consumer token is free", peerTimeout, func() bool {
+		return srv.cons.token.CompareAndSwap(false, true)
+	})
+	for _, m := range []string{"m1", "m2"} {
+		if _, err := st.Write([]byte(m)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if d := srv.recvQ.depth(); d != 2 {
+		t.Fatalf("with the token held, %d messages on the server's queue; want both", d)
+	}
+	st.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+	if n, err := st.Read(make([]byte, 4)); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("with the token held, a read returned %d bytes, %v; want a timeout", n, err)
+	}
+	srv.cons.token.Store(false)
+	srv.kick()
+	st.SetReadDeadline(time.Now().Add(peerTimeout))
+	got := make([]byte, 4)
+	if _, err := io.ReadFull(st, got); err != nil || string(got) != "m1m2" {
+		t.Fatalf("after the token was let go: %q, %v; want \"m1m2\"", got, err)
+	}
+	// Handed over again (the request's queue does not move): the receive
+	// loop, kicked, may still hold the token for a moment, so a few round
+	// trips are allowed for it.
+	waitUntil(t, "the server's queue is empty", peerTimeout, func() bool { return srv.recvQ.depth() == 0 })
+	handed := false
+	for i := 0; i < 20 && !handed; i++ {
+		tail := atomic.LoadInt64(srv.recvQ.tail) // moves only when a request is published
+		roundTrip(fmt.Sprintf("n%02d", i))
+		handed = atomic.LoadInt64(srv.recvQ.tail) == tail
+	}
+	if !handed {
+		t.Error("no message was handed over directly in 20 round trips after the queue emptied")
 	}
 }
