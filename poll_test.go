@@ -560,6 +560,17 @@ func paired(t *testing.T) {
 	t.Cleanup(func() { noLocalPairs.Store(true) })
 }
 
+// dialPairedEcho starts an echo listener and dials it with conf, and
+// returns the client's session and the server's once the two are paired.
+func dialPairedEcho(t *testing.T, conf *Config) (c, srv *Session) {
+	t.Helper()
+	c, srv = dialListenerSession(t, startEchoListener(t, conf), conf)
+	waitUntil(t, "the sessions are paired", peerTimeout, func() bool {
+		return c.localPeerSession.Load() == srv && srv.localPeerSession.Load() == c
+	})
+	return c, srv
+}
+
 // Two sessions of this process connected to each other are paired and
 // deliver to each other without the socket: nearly every request is handed
 // over by the writer (deliverDirect, counted as a wake-up saved), the
@@ -570,11 +581,7 @@ func TestLocalPairWakesWithoutSocket(t *testing.T) {
 	for _, spin := range []time.Duration{0, DefaultConfig().ConsumerSpinTime} {
 		conf := DefaultConfig()
 		conf.ConsumerSpinTime = spin
-		ln := startEchoListener(t, conf)
-		c, srv := dialListenerSession(t, ln, conf)
-		waitUntil(t, "the sessions are paired", peerTimeout, func() bool {
-			return c.localPeerSession.Load() == srv && srv.localPeerSession.Load() == c
-		})
+		c, srv := dialPairedEcho(t, conf)
 		st, err := c.OpenStream()
 		if err != nil {
 			t.Fatal(err)
@@ -668,12 +675,7 @@ func TestLocalPairPeerClosesAfterWrites(t *testing.T) {
 // is empty again, messages are handed over.
 func TestDirectHandOverKeepsOrder(t *testing.T) {
 	paired(t)
-	conf := DefaultConfig()
-	ln := startEchoListener(t, conf)
-	c, srv := dialListenerSession(t, ln, conf)
-	waitUntil(t, "the sessions are paired", peerTimeout, func() bool {
-		return c.localPeerSession.Load() == srv && srv.localPeerSession.Load() == c
-	})
+	c, srv := dialPairedEcho(t, DefaultConfig())
 	st, err := c.OpenStream()
 	if err != nil {
 		t.Fatal(err)

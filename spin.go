@@ -159,10 +159,11 @@ func (s *Session) drainForPeer() {
 
 // directPeer returns the paired peer session that st's messages may go to
 // directly (deliverDirect), or nil when they go through the queue: st was
-// opened before its session was paired, or the peer has ended.
+// opened before its session was paired. (deliverDirect looks whether the
+// peer has ended.)
 func (st *Stream) directPeer() *Session {
 	peer := st.s.localPeerSession.Load()
-	if peer == nil || st.peerRefs != peer || peer.IsClosed() {
+	if peer == nil || st.peerRefs != peer {
 		return nil
 	}
 	return peer

@@ -108,7 +108,10 @@ type cacheLinePad [64]byte
 // mostly write different cache lines: with one set, the counters' lines
 // went back and forth between the processors for every message of 8
 // streams in one process.
-const counterStripes = 4
+const (
+	counterStripeBits = 2
+	counterStripes    = 1 << counterStripeBits
+)
 
 // stripedCounters are a session's counters, in counterStripes sets.
 type stripedCounters [counterStripes]sessionCounters
@@ -116,7 +119,7 @@ type stripedCounters [counterStripes]sessionCounters
 // of returns the set that the stream id counts in (id 0 for counts of no
 // stream).
 func (c *stripedCounters) of(id uint32) *sessionCounters {
-	return &c[(id*0x9E3779B1)>>30]
+	return &c[(id*0x9E3779B1)>>(32-counterStripeBits)] // Fibonacci hashing: the top bits
 }
 
 func (c *stripedCounters) addTo(st *Stats) {

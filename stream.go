@@ -364,12 +364,13 @@ func (st *Stream) sendShm() error {
 		s.buf.linkSlice(w.segs[i].off, w.segs[i].n, root)
 		root = w.segs[i].off
 	}
+	c := s.counters.of(st.id)
 	var sent bool
 	var err error
 	if peer := st.directPeer(); peer != nil {
 		if err = s.Err(); err == nil && peer.deliverDirect(st.id, root, &st.directScratch) {
 			sent = true
-			s.counters.of(st.id).wakeupsSaved.Add(1) // handed over: no wake-up needed
+			c.wakeupsSaved.Add(1) // handed over: no wake-up needed
 		}
 	}
 	if !sent && err == nil {
@@ -379,7 +380,6 @@ func (st *Stream) sendShm() error {
 		_ = w.discard()
 		return err
 	}
-	c := s.counters.of(st.id)
 	c.messagesOut.Add(1)
 	c.bytesOut.Add(uint64(w.size))
 	st.sent()
