@@ -37,6 +37,15 @@ type Session struct {
 	localPeerSession atomic.Pointer[Session]
 	closed           chan struct{} // closed when the session ends
 
+	// index finds an open stream by id without taking mu, which every
+	// message would otherwise take on a line written by both cores. Slot
+	// id%streamIndexSize holds the stream of that id, or another one, or
+	// nil; it is written only under mu, and only with a stream in streams,
+	// so a stream found there is one mu would have found (a stream that
+	// does not find its slot takes mu: indexed).
+	_     cacheLinePad
+	index [streamIndexSize]atomic.Pointer[Stream]
+
 	_       cacheLinePad
 	mu      sync.Mutex
 	streams map[uint32]*Stream
@@ -173,6 +182,7 @@ func (s *Session) addStreamLocked(id uint32) (*Stream, error) {
 		}
 	}
 	s.streams[id] = st
+	s.index[id%streamIndexSize].Store(st)
 	return st, nil
 }
 
@@ -273,10 +283,39 @@ func (s *Session) wait(ch <-chan struct{}, deadline time.Time) {
 	}
 }
 
+// streamIndexSize is the number of slots of Session.index: a session's
+// first streams, whose ids follow each other, get a slot each.
+const streamIndexSize = 128
+
+// indexed returns the stream with id from the index, or nil if its slot
+// holds another one or none.
+func (s *Session) indexed(id uint32) *Stream {
+	if st := s.index[id%streamIndexSize].Load(); st != nil && st.id == id {
+		return st
+	}
+	return nil
+}
+
+// lookupLocked returns the open stream with id, or nil, with s.mu held. It
+// puts a stream it finds in the index if its slot is free (taken by a
+// stream since closed).
+func (s *Session) lookupLocked(id uint32) *Stream {
+	st := s.streams[id]
+	if st != nil {
+		if slot := &s.index[id%streamIndexSize]; slot.Load() == nil {
+			slot.Store(st)
+		}
+	}
+	return st
+}
+
 // lookup returns the open stream with id, or nil.
 func (s *Session) lookup(id uint32) *Stream {
+	if st := s.indexed(id); st != nil {
+		return st
+	}
 	s.mu.Lock()
-	st := s.streams[id]
+	st := s.lookupLocked(id)
 	s.mu.Unlock()
 	return st
 }
@@ -286,8 +325,11 @@ func (s *Session) lookup(id uint32) *Stream {
 // Config.MaxStreams open, which ends the session, or the server closed a
 // stream of that id recently (late data; nil); on a client it returns nil.
 func (s *Session) streamFor(id uint32) (*Stream, error) {
+	if st := s.indexed(id); st != nil {
+		return st, nil
+	}
 	s.mu.Lock()
-	st := s.streams[id]
+	st := s.lookupLocked(id)
 	if st != nil || s.isClient || s.IsClosed() || s.closedIDs.has(id) {
 		s.mu.Unlock()
 		return st, nil
@@ -320,6 +362,7 @@ func (s *Session) forgetStream(st *Stream, open bool) {
 	s.mu.Lock()
 	if s.streams[st.id] == st {
 		delete(s.streams, st.id)
+		s.index[st.id%streamIndexSize].CompareAndSwap(st, nil)
 		if open && !s.isClient {
 			s.closedIDs.add(st.id)
 		}

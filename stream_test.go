@@ -1351,3 +1351,82 @@ func (p *streamTestPair) openAccepted(t *testing.T, b byte) (cli, srv *Stream) {
 	srv.SetReadDeadline(time.Time{})
 	return cli, srv
 }
+
+// Streams whose ids share a slot of the session's index (Session.index)
+// each get their own messages, on both ends, while streams open and close
+// around them; and no slot is left holding a stream that is gone.
+func TestStreamIndexSharedSlots(t *testing.T) {
+	conf := DefaultConfig()
+	c, srv := dialListenerSession(t, startEchoListener(t, conf), conf)
+	roundTrip := func(st *Stream, i int) error {
+		msg := fmt.Appendf(nil, "stream %d message %d", st.ID(), i)
+		if _, err := st.Write(msg); err != nil {
+			return err
+		}
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(st, got); err != nil {
+			return err
+		}
+		if !bytes.Equal(got, msg) {
+			return fmt.Errorf("stream %d got %q, want %q", st.ID(), got, msg)
+		}
+		return nil
+	}
+	var open []*Stream
+	openN := func(n int) {
+		for range n {
+			st, err := c.OpenStream()
+			if err != nil {
+				t.Fatal(err)
+			}
+			st.SetDeadline(time.Now().Add(20 * time.Second))
+			open = append(open, st)
+		}
+	}
+	checkAll := func(round int) {
+		t.Helper()
+		for _, st := range open {
+			if err := roundTrip(st, round); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	checkIndex := func(s *Session) {
+		t.Helper()
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		for i := range s.index {
+			if st := s.index[i].Load(); st != nil && s.streams[st.id] != st {
+				t.Errorf("index slot %d holds stream %d, which is not open", i, st.id)
+			}
+		}
+	}
+	// More than two streams per slot.
+	openN(2*streamIndexSize + 5)
+	checkAll(0)
+	// Close every other stream, then open as many again: their ids share
+	// slots with the streams left open.
+	kept := open[:0]
+	for i, st := range open {
+		if i%2 == 0 {
+			st.Close()
+		} else {
+			kept = append(kept, st)
+		}
+	}
+	open = kept
+	waitUntil(t, "the server forgets the closed streams", peerTimeout, func() bool {
+		srv.mu.Lock()
+		defer srv.mu.Unlock()
+		return len(srv.streams) == len(open)
+	})
+	checkIndex(c)
+	checkIndex(srv)
+	openN(streamIndexSize + 3)
+	checkAll(1)
+	checkIndex(c)
+	checkIndex(srv)
+	for _, st := range open {
+		st.Close()
+	}
+}
