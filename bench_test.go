@@ -30,6 +30,13 @@ import (
 //
 //	benchstat -col /transport bench.txt
 //
+// BenchmarkPingPongConn is the same through the net.Conn methods alone,
+// as code written for any connection uses a stream: Write, and io.ReadFull
+// into the caller's buffer, on both sides (transport=shm-conn), against the
+// same code on a Unix socket. Each message is then copied four times per
+// round trip over either transport, where BenchmarkPingPong's shm clients
+// and server copy once (Reserve, ReadBytes).
+//
 // BenchmarkParallelPingPong{ByShmipc,ByUds}{64B…4MB} are the older form:
 // b.RunParallel, GOMAXPROCS goroutines.
 //
@@ -256,10 +263,23 @@ type benchServer struct {
 }
 
 var (
-	shmTransport    = benchTransport{"shm", serveShm}
-	udsTransport    = benchTransport{"uds", serveUds}
-	benchTransports = []benchTransport{shmTransport, udsTransport}
+	shmTransport     = benchTransport{"shm", serveShm}
+	udsTransport     = benchTransport{"uds", serveUds}
+	shmConnTransport = benchTransport{"shm-conn", serveShmConn}
+	benchTransports  = []benchTransport{shmTransport, udsTransport}
 )
+
+func BenchmarkPingPongConn(b *testing.B) {
+	startBenchHogs(b, *benchHogs)
+	for _, streams := range pingPongStreams {
+		for _, sz := range pingPongSizes {
+			for _, tr := range []benchTransport{shmConnTransport, udsTransport} {
+				name := fmt.Sprintf("streams=%d/size=%s/transport=%s", streams, sz.name, tr.name)
+				b.Run(name, func(b *testing.B) { benchmarkStreams(b, tr, streams, sz.size) })
+			}
+		}
+	}
+}
 
 var errEchoDiffers = errors.New("the echo differs from the message")
 
@@ -334,17 +354,34 @@ func serveShmManager(b *testing.B, size, sessions int) benchServer {
 // serveShm listens for shmipc sessions and echoes on their streams. All
 // clients share one session, a stream each.
 func serveShm(b *testing.B, size int) benchServer {
-	return serveShmWith(b, size, func(sock string, conf *Config) (shmClients, error) {
-		sess, err := Dial("unix", sock, conf)
+	return serveShmWith(b, size, dialShmClients)
+}
+
+// serveShmConn is serveShm with both sides using only the streams'
+// net.Conn methods (connEcho, connClient).
+func serveShmConn(b *testing.B, size int) benchServer {
+	srv := serveShmWithEcho(b, size, dialShmClients, func(c net.Conn) { connEcho(c, size) })
+	srv.connect = func() (pingClient, error) {
+		st, err := srv.open()
 		if err != nil {
-			return shmClients{}, err
+			return nil, err
 		}
-		return shmClients{
-			open:     sess.OpenStream,
-			sessions: func() []*Session { return []*Session{sess} },
-			close:    func() { sess.Close() },
-		}, nil
-	})
+		return newConnClient(st, size), nil
+	}
+	return srv.benchServer
+}
+
+// dialShmClients dials one session for all clients.
+func dialShmClients(sock string, conf *Config) (shmClients, error) {
+	sess, err := Dial("unix", sock, conf)
+	if err != nil {
+		return shmClients{}, err
+	}
+	return shmClients{
+		open:     sess.OpenStream,
+		sessions: func() []*Session { return []*Session{sess} },
+		close:    func() { sess.Close() },
+	}, nil
 }
 
 // shmClients is the client side of a shm benchmark: how a client opens its
@@ -358,13 +395,25 @@ type shmClients struct {
 // serveShmWith listens for shmipc sessions that echo size-byte messages on
 // their streams, and sets up the clients' side with dial.
 func serveShmWith(b *testing.B, size int, dial func(sock string, conf *Config) (shmClients, error)) benchServer {
+	return serveShmWithEcho(b, size, dial, func(c net.Conn) { shmEchoServer(c.(*Stream), size) }).benchServer
+}
+
+// shmServer is a shm benchServer with the function that opens a client's
+// stream.
+type shmServer struct {
+	benchServer
+	open func() (*Stream, error)
+}
+
+// serveShmWithEcho is serveShmWith with echo serving each stream.
+func serveShmWithEcho(b *testing.B, size int, dial func(sock string, conf *Config) (shmClients, error), echo func(net.Conn)) shmServer {
 	sock := sockPath(b)
 	conf := DefaultConfig()
 	ln, err := Listen("unix", sock, conf)
 	if err != nil {
 		b.Fatal(err)
 	}
-	wait := serveEach(ln, func(c net.Conn) { shmEchoServer(c.(*Stream), size) })
+	wait := serveEach(ln, echo)
 	clients, err := dial(sock, conf)
 	if err != nil {
 		ln.Close()
@@ -390,7 +439,7 @@ func serveShmWith(b *testing.B, size int, dial func(sock string, conf *Config) (
 		}
 		return n
 	}
-	return benchServer{connect, wakeups}
+	return shmServer{benchServer{connect, wakeups}, clients.open}
 }
 
 // shmEchoServer echoes size-byte messages, zero-copy in and out.
@@ -453,18 +502,7 @@ func serveUds(b *testing.B, size int) benchServer {
 	if err != nil {
 		b.Fatal(err)
 	}
-	wait := serveEach(ln, func(c net.Conn) {
-		defer c.Close()
-		buf := make([]byte, size)
-		for {
-			if _, err := io.ReadFull(c, buf); err != nil {
-				return
-			}
-			if _, err := c.Write(buf); err != nil {
-				return
-			}
-		}
-	})
+	wait := serveEach(ln, func(c net.Conn) { connEcho(c, size) })
 	var (
 		mu      sync.Mutex
 		clients []net.Conn
@@ -486,18 +524,38 @@ func serveUds(b *testing.B, size int) benchServer {
 		mu.Lock()
 		clients = append(clients, c)
 		mu.Unlock()
-		return &udsClient{c: c, out: make([]byte, size), in: make([]byte, size)}, nil
+		return newConnClient(c, size), nil
 	}
 	return benchServer{connect, func() int64 { return -1 }}
 }
 
-// udsClient copies its message into the kernel and the echo out of it.
-type udsClient struct {
+// connEcho echoes size-byte messages on c through its net.Conn methods
+// alone.
+func connEcho(c net.Conn, size int) {
+	defer c.Close()
+	buf := make([]byte, size)
+	for {
+		if _, err := io.ReadFull(c, buf); err != nil {
+			return
+		}
+		if _, err := c.Write(buf); err != nil {
+			return
+		}
+	}
+}
+
+// connClient writes its message from its own buffer and reads the echo into
+// another (into and out of the kernel on a socket).
+type connClient struct {
 	c       net.Conn
 	out, in []byte
 }
 
-func (c *udsClient) roundTrip() error {
+func newConnClient(c net.Conn, size int) *connClient {
+	return &connClient{c: c, out: make([]byte, size), in: make([]byte, size)}
+}
+
+func (c *connClient) roundTrip() error {
 	n := len(c.out)
 	c.out[0], c.out[n-1] = 1, 2
 	if _, err := c.c.Write(c.out); err != nil {
@@ -512,7 +570,7 @@ func (c *udsClient) roundTrip() error {
 	return nil
 }
 
-func (c *udsClient) Close() error { return c.c.Close() }
+func (c *connClient) Close() error { return c.c.Close() }
 
 // ---- CPU hogs ----------------------------------------------------------------
 

@@ -140,7 +140,7 @@ func (r *streamReader) contiguous(n int) ([]byte, bool) {
 func (r *streamReader) copyOut(p []byte) {
 	pos, i := r.pos, r.done
 	for n := 0; n < len(p); i, pos = i+1, 0 {
-		n += copy(p[n:], r.segs[i].data[pos:])
+		n += copyCached(p[n:], r.segs[i].data[pos:])
 	}
 }
 

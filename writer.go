@@ -266,7 +266,7 @@ func writeTo[T string | []byte](w *streamWriter, p T) (int, error) {
 			}
 			l = w.last()
 		}
-		c := copy(l.data[l.n:], p[written:])
+		c := copyCached(l.data[l.n:], p[written:])
 		l.n += c
 		written += c
 	}
@@ -497,4 +497,20 @@ func (b *bufferWriter) Len() int {
 	st.lockWriter()
 	defer st.unlockWriter()
 	return st.writer.size
+}
+
+// copyChunk bounds the pieces copyCached copies at once.
+const copyChunk = 256 << 10
+
+// copyCached is copy, in pieces smaller than a MiB. From a MiB on, the
+// runtime's copy on amd64 writes around the caches (non-temporal stores),
+// which suits a copy nobody reads soon; a message in shared memory is read
+// by the peer right away, and what a reader copies out is read by its
+// caller.
+func copyCached[T string | []byte](dst []byte, src T) int {
+	n := min(len(dst), len(src))
+	for off := 0; off < n; off += copyChunk {
+		copy(dst[off:min(off+copyChunk, n)], src[off:n])
+	}
+	return n
 }
