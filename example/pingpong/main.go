@@ -69,6 +69,12 @@ const serveArg = "-serve"
 // spinTime is the shmipc ConsumerSpinTime of both processes.
 var spinTime = shmipc.DefaultConfig().ConsumerSpinTime
 
+// connAPI: both processes use shmipc streams through their net.Conn
+// methods alone (Write, and io.ReadFull into their own buffer), as code
+// written for any connection does, instead of writing and reading in
+// place in shared memory.
+var connAPI bool
+
 // shmConfig is the configuration of both shm sides.
 func shmConfig() *shmipc.Config {
 	conf := shmipc.DefaultConfig()
@@ -119,6 +125,7 @@ func main() {
 	flag.DurationVar(&def.minRun, "minrun", def.minRun, "repeat short round trips beyond n until a measurement has taken this long (for accurate CPU times)")
 	flag.DurationVar(&def.maxRun, "maxrun", def.maxRun, "stop a measurement's timed round trips after this long")
 	flag.DurationVar(&spinTime, "spin", spinTime, "shmipc ConsumerSpinTime on both sides (how long a waiting receiver polls before it sleeps)")
+	flag.BoolVar(&connAPI, "conn", false, "use shmipc streams only through their net.Conn methods (Write, io.ReadFull) on both sides, copying every message in and out as over a socket, instead of in place")
 	flag.IntVar(&def.hogs, "hogs", def.hogs, "run everything while this many CPU-bound child processes compete for the cores (the contended variant)")
 	flag.IntVar(&def.streams, "streams", def.streams, "many-streams mode: this many clients at once, each with its own stream (shm) or connection, for -duration, -rounds times (default sizes 4k, transports shm,uds)")
 	flag.DurationVar(&def.duration, "duration", def.duration, "many-streams mode: how long each measurement runs")
@@ -365,7 +372,11 @@ func startRun(opts options) (*server, *contention, runEnv, error) {
 
 // platform is the line under a run's title: machine, Go, load and hogs.
 func (e *runEnv) platform(hogs *contention) string {
-	return fmt.Sprintf("%s · %s · GOMAXPROCS %d · load average %s · %s", e.Machine, e.Go, runtime.GOMAXPROCS(0), e.Load, hogs.describe())
+	api := "shm in place"
+	if connAPI {
+		api = "shm through net.Conn (-conn)"
+	}
+	return fmt.Sprintf("%s · %s · GOMAXPROCS %d · load average %s · %s · %s", e.Machine, e.Go, runtime.GOMAXPROCS(0), e.Load, hogs.describe(), api)
 }
 
 // finish stops the hogs and records what they got and the load after the
@@ -558,6 +569,7 @@ type shmPinger struct {
 	st      *shmipc.Stream
 	payload []byte
 	chunk   int
+	in      []byte // the echo, with -conn
 }
 
 // wakeups is how many Polling frames the pinger's session has sent and
@@ -612,6 +624,18 @@ func (p *shmPinger) roundTrip(verify bool) error {
 	if verify {
 		bump(p.payload)
 	}
+	if p.in != nil {
+		if _, err := p.st.Write(p.payload); err != nil {
+			return err
+		}
+		if _, err := io.ReadFull(p.st, p.in); err != nil {
+			return err
+		}
+		if verify && !bytes.Equal(p.in, p.payload) {
+			return errMismatch
+		}
+		return nil
+	}
 	if _, err := p.st.BufferWriter().WriteBytes(p.payload); err != nil {
 		return err
 	}
@@ -648,7 +672,11 @@ func openShm(sess *shmipc.Session, conf *shmipc.Config, size int) (*shmPinger, e
 		st.Close()
 		return nil, err
 	}
-	return &shmPinger{sess: sess, st: st, payload: newPayload(size), chunk: sliceChunk(conf)}, nil
+	p := &shmPinger{sess: sess, st: st, payload: newPayload(size), chunk: sliceChunk(conf)}
+	if connAPI {
+		p.in = make([]byte, size)
+	}
+	return p, nil
 }
 
 // Close closes the stream.

@@ -466,3 +466,27 @@ func parentPID(pid int) int {
 	ppid, _ := strconv.Atoi(f[1])
 	return ppid
 }
+
+// With -conn both processes use the stream's net.Conn methods, and the
+// echoes still match what was sent (the first round trip of each
+// measurement checks its echo).
+func TestConnAPI(t *testing.T) {
+	connAPI = true
+	defer func() { connAPI = false }()
+	opts := quickOptions(defaultOptions(), nil)
+	opts.transports, opts.svg, opts.idle = []string{"shm"}, "", 0
+	var out bytes.Buffer
+	rep, err := run(opts, &out)
+	t.Logf("output:\n%s", out.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Results) != len(opts.sizes) {
+		t.Fatalf("%d results, want %d", len(rep.Results), len(opts.sizes))
+	}
+	for _, s := range rep.Results {
+		if s.N < 1 || s.P50 <= 0 {
+			t.Errorf("implausible result %+v", s)
+		}
+	}
+}

@@ -42,7 +42,7 @@ func startServer(transports []string) (*server, error) {
 		return nil, err
 	}
 	s := &server{dir: dir, shmSock: filepath.Join(dir, "shm.sock"), udsSock: filepath.Join(dir, "uds.sock")}
-	args := []string{serveArg, "-dir", dir, "-transports", strings.Join(transports, ","), "-spin", spinTime.String()}
+	args := []string{serveArg, "-dir", dir, "-transports", strings.Join(transports, ","), "-spin", spinTime.String(), fmt.Sprintf("-conn=%t", connAPI)}
 	if serverProfile != "" {
 		args = append(args, "-cpuprofile", serverProfile)
 	}
@@ -128,6 +128,7 @@ func serveMain(args []string) {
 	dir := fs.String("dir", "", "directory for the Unix sockets")
 	transports := fs.String("transports", strings.Join(allTransports, ","), "transports to serve")
 	fs.DurationVar(&spinTime, "spin", spinTime, "shmipc ConsumerSpinTime")
+	fs.BoolVar(&connAPI, "conn", false, "echo on shmipc streams through their net.Conn methods")
 	profile := fs.String("cpuprofile", "", "write a CPU profile of the server to this file")
 	fs.Parse(args)
 	if *dir == "" {
@@ -169,7 +170,11 @@ func serveMain(args []string) {
 					if err != nil {
 						return
 					}
-					go echoShm(st, chunk)
+					if connAPI {
+						go echoConn(st)
+					} else {
+						go echoShm(st, chunk)
+					}
 				}
 			}()
 		case "uds", "tcp":
