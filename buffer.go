@@ -71,6 +71,9 @@ type sliceList struct {
 	// reserve is how many free slices a writer that holds no slice of the
 	// region leaves on the list for writers that do (see alloc).
 	reserve int32
+	// keepLimit is how many streams of this process may keep a slice of
+	// the list (0: none; reuse.go).
+	keepLimit int32
 }
 
 func (l *sliceList) end() uint32 { return l.area + l.count*l.stride }
@@ -116,10 +119,10 @@ type bufferManager struct {
 	held      []atomic.Uint64
 	heldShift uint // log2 of the number of cache lines of held
 
-	keepers   atomic.Int32 // streams of this process that may keep a slice (reuse.go)
-	keepLimit int32        // the most that may
-
 	space spaceQueues // this process's writers waiting for room, in turn (space_queue.go)
+
+	keepers  []atomic.Int32 // per list, streams of this process that may keep a slice of it (reuse.go)
+	smallest int32          // the list of the smallest slices
 }
 
 // initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.
@@ -247,7 +250,13 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 			m.splitCapacity += uint64(int32(l.count)-1-l.reserve) * uint64(l.sliceCap)
 		}
 	}
-	m.keepLimit = int32(m.lists[m.bySize[0]].count / keepShare)
+	m.keepers = make([]atomic.Int32, n)
+	m.smallest = int32(m.bySize[0])
+	for i := range m.lists {
+		if l := &m.lists[i]; l.sliceCap <= keepMaxCap {
+			l.keepLimit = int32(l.count / keepShare)
+		}
+	}
 	m.space.init(n + 1)
 	return m, nil
 }

@@ -175,7 +175,7 @@ func TestSessionsShareRegion(t *testing.T) {
 		t.Fatal(err)
 	}
 	b.Close()
-	fpEcho(t, a, make([]byte, 1<<20))
+	fpEcho(t, a, make([]byte, 1<<20)).Close() // open, it could keep a slice (reuse.go)
 	sa.Close()
 	fpWaitFull(t, a)
 }

@@ -64,8 +64,8 @@ func TestStreamReusesSlice(t *testing.T) {
 	if t.Failed() {
 		return
 	}
-	if inUse := sess.Stats().Buffer.InUse; inUse > uint64(streams*small) {
-		t.Errorf("Buffer.InUse %d at rest with %d streams open; want at most one %d-byte slice each", inUse, streams, small)
+	if inUse, most := sess.Stats().Buffer.InUse, keptAtMost(sess.buf); inUse > uint64(streams*most) {
+		t.Errorf("Buffer.InUse %d at rest with %d streams open; want at most one slice of at most %d bytes each", inUse, streams, most)
 	}
 	for _, st := range opened {
 		st.Close()
@@ -73,8 +73,19 @@ func TestStreamReusesSlice(t *testing.T) {
 	waitUntil(t, "the closed streams' slices are free", 5*time.Second, func() bool { return sess.Stats().Buffer.InUse == 0 })
 }
 
+// keptAtMost is the capacity of the largest slice a stream may keep.
+func keptAtMost(m *bufferManager) int {
+	most := 0
+	for _, l := range m.lists {
+		if l.keepLimit > 0 {
+			most = max(most, int(l.sliceCap))
+		}
+	}
+	return most
+}
+
 // TestKeptSlicesBounded: however many streams are open, a process keeps at
-// most an eighth of the smallest class, and every stream can still send.
+// most an eighth of each class, and every stream can still send.
 func TestKeptSlicesBounded(t *testing.T) {
 	conf := DefaultConfig()
 	conf.ShareMemoryBufferCap = 1 << 20
@@ -101,8 +112,10 @@ func TestKeptSlicesBounded(t *testing.T) {
 		streams[i] = st
 		echoChecked(t, st, []byte("keep me"))
 	}
-	if kept := int(m.keepers.Load()); kept > limit {
-		t.Errorf("%d streams of this process may keep a slice; want at most %d", kept, limit)
+	for li := range m.lists {
+		if kept, max := m.keepers[li].Load(), int32(m.lists[li].count)/keepShare; kept > max {
+			t.Errorf("%d streams of this process may keep a slice of list %d; want at most %d", kept, li, max)
+		}
 	}
 	// Both processes (here both ends are this test) keep at most limit
 	// each, so the list has slices left for everybody.
@@ -181,5 +194,56 @@ func TestKeptSliceFreeWhenPeerCloses(t *testing.T) {
 	}
 	if _, err := st.Read(make([]byte, 1)); err != io.EOF {
 		t.Errorf("Read after the peer closed the stream: %v, want io.EOF", err)
+	}
+}
+
+// A stream of a paired session whose messages need a larger class than
+// the smallest keeps a slice of that class: its permission moves to the
+// class its messages come in, and it holds one permission throughout.
+// Between processes (unpaired), streams keep slices of the smallest class
+// only.
+func TestStreamKeepsLargerClass(t *testing.T) {
+	conf := DefaultConfig()
+	var sess *Session
+	if noLocalPairs.Load() {
+		sess, _ = dialListenerSession(t, startEchoListener(t, conf), conf)
+	} else {
+		sess, _ = dialPairedEcho(t, conf)
+	}
+	m := sess.buf
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	st.SetDeadline(time.Now().Add(20 * time.Second))
+	keptCap := func() int {
+		v := st.kept.Load()
+		if !holdsSlice(v) {
+			return 0
+		}
+		li, _ := keptSlice(v)
+		return int(m.lists[li].sliceCap)
+	}
+	small := int(m.lists[m.smallest].sliceCap)
+	for _, size := range []int{100, 16 << 10, 16 << 10, 100 << 10, 100, 16 << 10} {
+		echoChecked(t, st, bytes.Repeat([]byte{byte(size)}, size))
+		got := keptCap()
+		switch {
+		case st.peerRefs != nil && got < size:
+			t.Errorf("paired: after an echo of %d bytes the stream keeps a slice of %d bytes; want one that holds the message", size, got)
+		case st.peerRefs == nil && got > small:
+			t.Errorf("unpaired: after an echo of %d bytes the stream keeps a slice of %d bytes; want none larger than the smallest class (%d)", size, got, small)
+		}
+	}
+	kept := int32(0)
+	for li := range m.lists {
+		kept += m.keepers[li].Load()
+	}
+	if kept != 1 {
+		t.Errorf("%d permissions to keep held by the process's one stream; want 1", kept)
+	}
+	if (st.peerRefs == nil) != noLocalPairs.Load() {
+		t.Errorf("the stream's session is paired: %v; want %v", st.peerRefs != nil, !noLocalPairs.Load())
 	}
 }
