@@ -1358,20 +1358,6 @@ func (p *streamTestPair) openAccepted(t *testing.T, b byte) (cli, srv *Stream) {
 func TestStreamIndexSharedSlots(t *testing.T) {
 	conf := DefaultConfig()
 	c, srv := dialListenerSession(t, startEchoListener(t, conf), conf)
-	roundTrip := func(st *Stream, i int) error {
-		msg := fmt.Appendf(nil, "stream %d message %d", st.ID(), i)
-		if _, err := st.Write(msg); err != nil {
-			return err
-		}
-		got := make([]byte, len(msg))
-		if _, err := io.ReadFull(st, got); err != nil {
-			return err
-		}
-		if !bytes.Equal(got, msg) {
-			return fmt.Errorf("stream %d got %q, want %q", st.ID(), got, msg)
-		}
-		return nil
-	}
 	var open []*Stream
 	openN := func(n int) {
 		for range n {
@@ -1386,9 +1372,7 @@ func TestStreamIndexSharedSlots(t *testing.T) {
 	checkAll := func(round int) {
 		t.Helper()
 		for _, st := range open {
-			if err := roundTrip(st, round); err != nil {
-				t.Fatal(err)
-			}
+			echoChecked(t, st, fmt.Appendf(nil, "stream %d message %d", st.ID(), round))
 		}
 	}
 	checkIndex := func(s *Session) {

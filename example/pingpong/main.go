@@ -569,7 +569,7 @@ type shmPinger struct {
 	st      *shmipc.Stream
 	payload []byte
 	chunk   int
-	in      []byte // the echo, with -conn
+	conn    *connPinger // with -conn: the stream used as a net.Conn
 }
 
 // wakeups is how many Polling frames the pinger's session has sent and
@@ -621,20 +621,11 @@ func fmtWakeups(w *float64) string {
 // chunks of at most sliceChunk bytes.) The echo is not copied out: ReadBytes
 // returns it in shared memory, and ReleasePreviousRead hands it back.
 func (p *shmPinger) roundTrip(verify bool) error {
+	if p.conn != nil {
+		return p.conn.roundTrip(verify) // -conn: as over a socket
+	}
 	if verify {
 		bump(p.payload)
-	}
-	if p.in != nil {
-		if _, err := p.st.Write(p.payload); err != nil {
-			return err
-		}
-		if _, err := io.ReadFull(p.st, p.in); err != nil {
-			return err
-		}
-		if verify && !bytes.Equal(p.in, p.payload) {
-			return errMismatch
-		}
-		return nil
 	}
 	if _, err := p.st.BufferWriter().WriteBytes(p.payload); err != nil {
 		return err
@@ -674,7 +665,7 @@ func openShm(sess *shmipc.Session, conf *shmipc.Config, size int) (*shmPinger, e
 	}
 	p := &shmPinger{sess: sess, st: st, payload: newPayload(size), chunk: sliceChunk(conf)}
 	if connAPI {
-		p.in = make([]byte, size)
+		p.conn = &connPinger{c: st, payload: p.payload, buf: make([]byte, size)}
 	}
 	return p, nil
 }
