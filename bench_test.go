@@ -360,15 +360,9 @@ func serveShm(b *testing.B, size int) benchServer {
 // serveShmConn is serveShm with both sides using only the streams'
 // net.Conn methods (connEcho, connClient).
 func serveShmConn(b *testing.B, size int) benchServer {
-	srv := serveShmWithEcho(b, size, dialShmClients, func(c net.Conn) { connEcho(c, size) })
-	srv.connect = func() (pingClient, error) {
-		st, err := srv.open()
-		if err != nil {
-			return nil, err
-		}
-		return newConnClient(st, size), nil
-	}
-	return srv.benchServer
+	return serveShmWithEcho(b, size, dialShmClients,
+		func(c net.Conn) { connEcho(c, size) },
+		func(st *Stream) pingClient { return newConnClient(st, size) })
 }
 
 // dialShmClients dials one session for all clients.
@@ -395,18 +389,14 @@ type shmClients struct {
 // serveShmWith listens for shmipc sessions that echo size-byte messages on
 // their streams, and sets up the clients' side with dial.
 func serveShmWith(b *testing.B, size int, dial func(sock string, conf *Config) (shmClients, error)) benchServer {
-	return serveShmWithEcho(b, size, dial, func(c net.Conn) { shmEchoServer(c.(*Stream), size) }).benchServer
+	return serveShmWithEcho(b, size, dial,
+		func(c net.Conn) { shmEchoServer(c.(*Stream), size) },
+		func(st *Stream) pingClient { return &shmClient{st: st, size: size} })
 }
 
-// shmServer is a shm benchServer with the function that opens a client's
-// stream.
-type shmServer struct {
-	benchServer
-	open func() (*Stream, error)
-}
-
-// serveShmWithEcho is serveShmWith with echo serving each stream.
-func serveShmWithEcho(b *testing.B, size int, dial func(sock string, conf *Config) (shmClients, error), echo func(net.Conn)) shmServer {
+// serveShmWithEcho is serveShmWith with echo serving each stream and
+// client making the client of each stream opened.
+func serveShmWithEcho(b *testing.B, size int, dial func(sock string, conf *Config) (shmClients, error), echo func(net.Conn), client func(*Stream) pingClient) benchServer {
 	sock := sockPath(b)
 	conf := DefaultConfig()
 	ln, err := Listen("unix", sock, conf)
@@ -429,7 +419,7 @@ func serveShmWithEcho(b *testing.B, size int, dial func(sock string, conf *Confi
 		if err != nil {
 			return nil, err
 		}
-		return &shmClient{st: st, size: size}, nil
+		return client(st), nil
 	}
 	wakeups := func() int64 {
 		var n int64
@@ -439,7 +429,7 @@ func serveShmWithEcho(b *testing.B, size int, dial func(sock string, conf *Confi
 		}
 		return n
 	}
-	return shmServer{benchServer{connect, wakeups}, clients.open}
+	return benchServer{connect, wakeups}
 }
 
 // shmEchoServer echoes size-byte messages, zero-copy in and out.

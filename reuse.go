@@ -25,18 +25,20 @@ import "math"
 // turn moves all its lines from one to the other for every message, which
 // costs more than a slice taken from the list: one stream of 16 and 64 KiB
 // took 5.4 and 15 µs per round trip instead of 4.1 and 9.3
-// (example/pingpong). For small messages the list operations weigh more:
-// without keeping, 64 B took 1.8 µs instead of 1.2, and 64 streams of 4
-// KiB made 560 k round trips per second instead of 820 k.
+// (example/pingpong, two runs each). For small messages the list
+// operations weigh more: a build that kept nothing took 1.8 µs instead of
+// 1.2 for 64 B, and 64 streams of 4 KiB made 560 k round trips per second
+// instead of 820 k (two runs each).
 //
 // A stream asks for permission to keep slices of one class when it first
 // has a slice of that class to keep, and holds it until it lets go of the
 // buffer region or receives a slice of another class it may keep, which
 // replaces the one it held (a kept slice serves any message that fits).
 // At most 1/keepShare of a class may be kept by a process's streams, so
-// that many open streams cannot starve its list. PROTOCOL.md §6.6 allows it: a peer may hold
-// slices, and the root slice of a message may have been allocated by the
-// other process (the reference implementations' stream pools do the same).
+// that many open streams cannot starve its list. PROTOCOL.md §6.6 allows
+// it: a peer may hold slices, and the root slice of a message may have
+// been allocated by the other process (the reference implementations'
+// stream pools do the same).
 // A kept slice goes back to its list when the stream lets go of the buffer
 // region (dropRef: Close, or the end of the session), when the peer closes
 // the stream (peerClose: it sends nothing more), and, for a session closed
@@ -75,9 +77,6 @@ func keptSlice(v uint64) (li int, off uint32) { return int(v >> 32), uint32(v) }
 // holdsSlice reports whether slot value v is a kept slice.
 func holdsSlice(v uint64) bool { return v != keptShut && uint32(v) > 1 }
 
-// keepsFree reports whether slot value v is a permission holding no slice.
-func keepsFree(v uint64) bool { return v != keptShut && uint32(v) == 1 }
-
 // keepable reports whether the streams of this process may keep slices of
 // list li.
 func (m *bufferManager) keepable(li int32) bool {
@@ -91,9 +90,6 @@ func (m *bufferManager) keepable(li int32) bool {
 func (st *Stream) freeReceived(segs []segment) error {
 	s := st.s
 	v := st.kept.Load()
-	if len(segs) == 1 && keepsFree(v) && int32(v>>32) == segs[0].list && st.kept.CompareAndSwap(v, uint64(v)&^math.MaxUint32|uint64(segs[0].off)) {
-		return nil // the usual case: a one-slice message of the class it keeps
-	}
 	if v == keptShut {
 		return s.freeSegments(segs)
 	}
