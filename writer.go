@@ -20,10 +20,13 @@ type BufferWriter interface {
 	// caller to fill. They belong to the message and stay valid until the
 	// next Flush or Close. When shared memory cannot hold n bytes in one
 	// slice, the bytes are private memory and the message will be sent as
-	// fallback data.
+	// fallback data. Reserve is for serialising a message in place; to
+	// send bytes you already hold, use WriteBytes.
 	Reserve(n int) ([]byte, error)
 
-	// WriteBytes appends a copy of p to the message.
+	// WriteBytes appends a copy of p to the message. It copies through
+	// the caches, where the runtime's copy of a MiB or more writes around
+	// them and leaves the peer to read the message from memory.
 	WriteBytes(p []byte) (int, error)
 
 	// Len is the number of bytes in the message so far.
