@@ -330,7 +330,7 @@ func (w *streamWriter) copyAt(pos int, src []byte) {
 	}
 	i, off := w.locate(pos)
 	for ; len(src) > 0; i, off = i+1, 0 {
-		c := copy(w.segs[i].data[off:w.segs[i].n], src)
+		c := copyCached(w.segs[i].data[off:w.segs[i].n], src)
 		src = src[c:]
 	}
 }
