@@ -211,6 +211,32 @@ func (s *Session) drainAll() (n int, paused bool, err error) {
 	return s.drainHeld(true, true)
 }
 
+// drainAtEnd dispatches what the peer published on the queue before it
+// closed its end of the connection, closes included: a stream it wrote to
+// and closed before it ended the session ends with all its data and
+// io.EOF, not with the session's error. Without it the end of the socket
+// could overtake a close that a polling reader of ours had seen and left
+// to this loop (only the receive loop applies closes). It takes at most
+// what the queue held when it began, so that a peer that goes on
+// publishing after its end cannot keep the receive loop from ending.
+func (s *Session) drainAtEnd() error {
+	for !s.cons.token.CompareAndSwap(false, true) {
+		runtime.Gosched()
+	}
+	defer s.cons.token.Store(false) // deferred: also after a fault
+	for left := min(s.recvQ.depth(), int64(s.recvQ.cap)); left > 0 && !s.IsClosed(); left-- {
+		e, ok, err := s.recvQ.peek()
+		if err != nil || !ok {
+			return err
+		}
+		s.recvQ.skip()
+		if err := s.handleElem(e); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // drainBefore drains everything, closes included, without pausing behind a
 // pending close: a FallbackData or StreamClose frame must not overtake what
 // the peer published before sending it on the same stream, and the pending

@@ -52,18 +52,14 @@ func (s *Session) recvLoop() {
 	if !s.IsClosed() {
 		switch {
 		case errors.Is(err, io.EOF), errors.Is(err, syscall.ECONNRESET):
-			if s.cons.kicked.Load() {
-				// A kick not acted on: a read finds the end of the socket
-				// before it looks at the deadline the kick set. A paired
-				// peer's writer kicks this session when its drain stops
-				// at a close or finds the token taken (drainForPeer), and
-				// a reader that stopped polling does too: what was
-				// published before the end is drained here, as a Polling
-				// frame would have had it drained.
-				if derr := s.access(s.consumeNow); derr != nil {
-					err = derr
-					break
-				}
+			// What the peer published before its end is applied first
+			// (drainAtEnd). It may have been published with no wake-up
+			// to come (a reader of ours was polling), or with a kick not
+			// acted on: a read finds the end of the socket before it
+			// looks at the deadline a kick set.
+			if derr := s.access(s.drainAtEnd); derr != nil {
+				err = derr
+				break
 			}
 			// Not wrapped: a session that died must not look like the clean
 			// end of a stream to code that checks errors.Is(err, io.EOF).

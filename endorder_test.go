@@ -1,0 +1,173 @@
+package shmipc
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/goshm/shmipc/internal/proctest"
+)
+
+// The child process of TestStreamCloseThenSessionEnd.
+const (
+	eoChildTest = "TestEndOrderChild"
+	eoRole      = "close-then-end"
+)
+
+// eoPayload is what session i's stream carries: sizes from 1 byte to 64
+// KiB, so that some messages take one slice and some several.
+func eoPayload(i int) []byte {
+	return mpPayload(1+(i*7919)%(64<<10), uint64(i))
+}
+
+// TestStreamCloseThenSessionEnd: a peer process that writes on a stream,
+// reads the echo, closes the stream and at once closes its session, many
+// times over. Each
+// stream's reader must get all of its data and then io.EOF: the stream was
+// closed before the session ended, so it ended cleanly, whatever the order
+// in which the close (on the IO queue) and the end of the connection (on
+// the socket) are noticed.
+func TestStreamCloseThenSessionEnd(t *testing.T) {
+	const sessions = 150
+	prefix := shmPrefix(t, "eo")
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	ln, err := Listen("unix", sock, mpConfig(MemMapTypeMemFd, prefix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+
+	type result struct {
+		data []byte
+		err  error
+	}
+	var (
+		mu      sync.Mutex
+		results []result
+		wg      sync.WaitGroup
+	)
+	go func() {
+		for {
+			st, err := ln.AcceptStream()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer st.Close()
+				data, err := eoEchoAll(st)
+				mu.Lock()
+				results = append(results, result{data, err})
+				mu.Unlock()
+			}()
+		}
+	}()
+
+	c, _ := startChild(t, proctest.Config{
+		TestName: eoChildTest,
+		Role:     eoRole,
+		Args:     map[string]string{"SOCK": sock, "PREFIX": prefix, "N": strconv.Itoa(sessions)},
+	})
+	if err := c.Wait(60 * time.Second); err != nil {
+		t.Fatalf("child: %v\n%s", err, c.Output())
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		mu.Lock()
+		n := len(results)
+		mu.Unlock()
+		if n == sessions {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d streams ended", n, sessions)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	wg.Wait()
+
+	want := make(map[string]bool, sessions)
+	for i := range sessions {
+		want[string(eoPayload(i))] = true
+	}
+	var bad []string
+	for _, r := range results {
+		switch {
+		case r.err != nil:
+			bad = append(bad, fmt.Sprintf("read %d bytes, then %v", len(r.data), r.err))
+		case !want[string(r.data)]:
+			bad = append(bad, fmt.Sprintf("read %d bytes that no stream sent", len(r.data)))
+		default:
+			delete(want, string(r.data))
+		}
+	}
+	if len(bad) > 0 {
+		t.Errorf("%d of %d streams closed before their session ended did not end with all their data and io.EOF; first: %s", len(bad), sessions, bad[0])
+	}
+}
+
+// eoEchoAll echoes what it reads on st until the end of the stream, and
+// returns all it read and the error that ended it (nil for io.EOF).
+func eoEchoAll(st *Stream) ([]byte, error) {
+	var all []byte
+	buf := make([]byte, 16<<10)
+	for {
+		n, err := st.Read(buf)
+		all = append(all, buf[:n]...)
+		if n > 0 {
+			if _, werr := st.Write(buf[:n]); werr != nil {
+				return all, fmt.Errorf("echo: %w", werr)
+			}
+		}
+		if err == io.EOF {
+			return all, nil
+		}
+		if err != nil {
+			return all, err
+		}
+	}
+}
+
+// TestEndOrderChild is the child of TestStreamCloseThenSessionEnd. In a
+// normal run it skips itself.
+func TestEndOrderChild(t *testing.T) {
+	if proctest.Role() != eoRole {
+		t.Skip("runs only as the child process of TestStreamCloseThenSessionEnd")
+	}
+	sock := proctest.MustArg(t, "SOCK")
+	conf := mpConfig(MemMapTypeMemFd, proctest.MustArg(t, "PREFIX"))
+	n, err := strconv.Atoi(proctest.MustArg(t, "N"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	proctest.Ready()
+	for i := range n {
+		sess, err := Dial("unix", sock, conf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := sess.OpenStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := eoPayload(i)
+		if _, err := st.Write(p); err != nil {
+			t.Fatalf("session %d: write: %v", i, err)
+		}
+		if _, err := io.ReadFull(st, make([]byte, len(p))); err != nil {
+			t.Fatalf("session %d: read the echo: %v", i, err)
+		}
+		if err := st.Close(); err != nil {
+			t.Fatalf("session %d: close stream: %v", i, err)
+		}
+		if err := sess.Close(); err != nil && !errors.Is(err, ErrSessionClosed) {
+			t.Fatalf("session %d: close: %v", i, err)
+		}
+	}
+}
