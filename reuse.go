@@ -123,6 +123,9 @@ func (st *Stream) freeReceived(segs []segment) error {
 		if !st.kept.CompareAndSwap(keptFreeFor(li), keptValue(li, seg.off)) {
 			break // the stream let go of the region meanwhile
 		}
+		if st.peerRefs == nil {
+			prefetchForWrite(seg.data) // prefetch.go
+		}
 		if err := s.freeSegments(segs[:i]); err != nil {
 			return err
 		}
