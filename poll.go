@@ -1,6 +1,7 @@
 package shmipc
 
 import (
+	"math"
 	"runtime"
 	"sync/atomic"
 	"time"
@@ -204,11 +205,9 @@ func (s *Session) consume(resume bool) error {
 // socket to catch up (Session.closeAfterSocket), and what follows it waits
 // too.
 func (s *Session) drainAll() (n int, paused bool, err error) {
-	for !s.cons.token.CompareAndSwap(false, true) {
-		runtime.Gosched()
-	}
+	s.takeToken()
 	defer s.cons.token.Store(false) // deferred: also after a fault
-	return s.drainHeld(true, true)
+	return s.drainHeld(true, true, noDrainLimit)
 }
 
 // drainAtEnd dispatches what the peer published on the queue before it
@@ -220,21 +219,10 @@ func (s *Session) drainAll() (n int, paused bool, err error) {
 // what the queue held when it began, so that a peer that goes on
 // publishing after its end cannot keep the receive loop from ending.
 func (s *Session) drainAtEnd() error {
-	for !s.cons.token.CompareAndSwap(false, true) {
-		runtime.Gosched()
-	}
+	s.takeToken()
 	defer s.cons.token.Store(false) // deferred: also after a fault
-	for left := min(s.recvQ.depth(), int64(s.recvQ.cap)); left > 0 && !s.IsClosed(); left-- {
-		e, ok, err := s.recvQ.peek()
-		if err != nil || !ok {
-			return err
-		}
-		s.recvQ.skip()
-		if err := s.handleElem(e); err != nil {
-			return err
-		}
-	}
-	return nil
+	_, _, err := s.drainHeld(true, false, int(min(s.recvQ.depth(), int64(s.recvQ.cap))))
+	return err
 }
 
 // drainBefore drains everything, closes included, without pausing behind a
@@ -243,20 +231,29 @@ func (s *Session) drainAtEnd() error {
 // close belongs to another stream (a stream's own close is published after
 // its last data is sent).
 func (s *Session) drainBefore() error {
-	for !s.cons.token.CompareAndSwap(false, true) {
-		runtime.Gosched()
-	}
+	s.takeToken()
 	defer s.cons.token.Store(false) // deferred: also after a fault
-	_, _, err := s.drainHeld(true, false)
+	_, _, err := s.drainHeld(true, false, noDrainLimit)
 	return err
 }
 
-// drainHeld pops and dispatches the elements published so far; the caller
-// holds the token. With pause, it stops (stopped) while a close is pending,
-// so that elements take effect in queue order. A reader (closes false)
-// also stops before a close element: only the receive loop applies closes.
-func (s *Session) drainHeld(closes, pause bool) (n int, stopped bool, err error) {
-	for {
+// takeToken waits for the consumer token and takes it.
+func (s *Session) takeToken() {
+	for !s.cons.token.CompareAndSwap(false, true) {
+		runtime.Gosched()
+	}
+}
+
+// noDrainLimit lets drainHeld go on while elements come.
+const noDrainLimit = math.MaxInt
+
+// drainHeld pops and dispatches the elements published so far, at most
+// limit of them; the caller holds the token. With pause, it stops
+// (stopped) while a close is pending, so that elements take effect in
+// queue order. A reader (closes false) also stops before a close element:
+// only the receive loop applies closes.
+func (s *Session) drainHeld(closes, pause bool, limit int) (n int, stopped bool, err error) {
+	for n < limit {
 		if pause && s.closesPending.Load() {
 			return n, true, nil
 		}
@@ -279,6 +276,7 @@ func (s *Session) drainHeld(closes, pause bool) (n int, stopped bool, err error)
 		}
 		n++
 	}
+	return n, false, nil
 }
 
 // tryDrain drains as a reader if the queue has elements, no close is
@@ -305,17 +303,13 @@ func (s *Session) drainAsReader() (n int, closeAhead, busy bool, err error) {
 		return 0, false, true, nil
 	}
 	defer s.cons.token.Store(false) // deferred: also after a fault
-	n, closeAhead, err = s.drainHeld(false, true)
+	n, closeAhead, err = s.drainHeld(false, true, noDrainLimit)
 	return n, closeAhead, false, err
 }
 
 // sealConsumer takes the token for good: nothing is drained or delivered
 // after it returns. Teardown calls it.
-func (s *Session) sealConsumer() {
-	for !s.cons.token.CompareAndSwap(false, true) {
-		runtime.Gosched()
-	}
-}
+func (s *Session) sealConsumer() { s.takeToken() }
 
 // kick makes the receive loop drain the queue: its socket read returns at
 // once (a read deadline in the past), and it consumes before reading on.

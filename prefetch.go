@@ -10,13 +10,15 @@ package shmipc
 // lines for writing when the slice is kept starts all of those transfers at
 // once, while the stream waits for its peer, and the copy then finds them in
 // its own cache. 64 streams x 4 KiB between processes (example/pingpong
-// -streams 64, three alternating pairs of runs): 3.07-3.19x a Unix socket's
-// round trips per second against 2.83-3.08x, p99 0.09-0.11x against
-// 0.16-0.19x. Between two sessions of one process the writer's core is
-// the one that read the slice, so there is nothing to fetch, and the
-// prefetches cost time (one stream of 16 KB 11 % slower): they are not made
-// there. Prefetching a received message for reading before its reader ran
-// measured worse (fewer round trips per second) and was not kept.
+// -streams 64, six alternating pairs of runs): median 3.11x a Unix
+// socket's round trips per second against 2.88x, p99 0.09-0.11x against
+// 0.13-0.22x; 8 streams 2.36x against 2.01-2.16x (two pairs). Between two
+// sessions of one process the writer's core is the one that read the
+// slice, so there is nothing to fetch, and the prefetches cost time (one
+// stream of 16 KB 11 % slower): they are not made there. Prefetching a
+// received message for reading before its reader ran did not measure
+// better (709 k and 768 k round trips per second against 833 k and 754 k
+// in two pairs) and was not kept.
 
 // prefetchMax bounds how much of a slice is prefetched: a few times the
 // number of lines a core fetches at once, beyond which prefetches queue up
