@@ -27,7 +27,7 @@ const (
 func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 	var wait spaceWait
 	for {
-		if err := s.Err(); err != nil {
+		if err := s.sendable(); err != nil {
 			return false, err
 		}
 		ok, err := s.sendQ.put(e)
@@ -38,8 +38,7 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 		if ok {
 			if s.sendQ.markWorking() {
 				if err := s.wakePeer(st); err != nil {
-					s.closeWithError(fmt.Errorf("send wake-up: %w", err))
-					return true, s.closedErr()
+					return true, s.sendFailed("send wake-up", err)
 				}
 			} else {
 				s.counters.of(e.id).wakeupsSaved.Add(1)
@@ -148,15 +147,14 @@ func (w *spaceWait) waited() time.Duration { return time.Since(w.start).Round(ti
 // write deadline (zero: none) too. A failed write ends the session, unless
 // the deadline passed before any of the frame was written.
 func (s *Session) sendFallbackFrame(id uint32, data [][]byte, deadline time.Time) error {
-	if err := s.Err(); err != nil {
+	if err := s.sendable(); err != nil {
 		return err
 	}
 	if err := s.ec.writeFallback(s.version, id, data, deadline); err != nil {
 		if errors.Is(err, ErrTimeout) && !errors.Is(err, errFrameTorn) {
 			return err // nothing of the frame was written: only this write fails
 		}
-		s.closeWithError(fmt.Errorf("send fallback data: %w", err))
-		return s.closedErr()
+		return s.sendFailed("send fallback data", err)
 	}
 	return nil
 }
@@ -166,7 +164,7 @@ func (s *Session) sendFallbackFrame(id uint32, data [][]byte, deadline time.Time
 // fallback data (so the close cannot overtake data on the socket). It runs
 // inside an access.
 func (s *Session) sendStreamClose(id uint32, byFrame bool) {
-	if s.IsClosed() {
+	if s.sendable() != nil {
 		return
 	}
 	if !byFrame {
@@ -185,14 +183,14 @@ func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 			return ok, err
 		}()
 		if err != nil {
-			s.closeWithError(fmt.Errorf("send close of stream %d: %w", id, err))
+			_ = s.sendFailed(fmt.Sprintf("send close of stream %d", id), err)
 		}
 		if ok || err != nil {
 			return
 		}
 	}
 	if err := s.ec.writeStreamClose(s.version, id); err != nil {
-		s.closeWithError(fmt.Errorf("send close of stream %d: %w", id, err))
+		_ = s.sendFailed(fmt.Sprintf("send close of stream %d", id), err)
 	}
 }
 

@@ -58,8 +58,11 @@ type Session struct {
 	onAccept  func(st *Stream, limit int) error // where new streams go (streamQueue.push); set before start
 	retiring  bool                              // end the session once its last stream is closed (Listener.Close)
 
-	closeOnce  sync.Once
-	err        error // why the session ended; written before closed is closed
+	closeOnce sync.Once
+	err       error // why the session ended; written before closed is closed
+	// sendErr is the failure of a write that found the peer gone; sending
+	// stops while the receive loop reads to the end (peergone.go).
+	sendErr    atomic.Pointer[error]
 	localClose bool
 	loopDone   chan struct{}
 	onTeardown func(*Session)
@@ -111,7 +114,7 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 	s.cons.init(conf.ConsumerSpinTime)
 	s.sock.init()
 	s.accepted.init()
-	s.ec.onAsyncErr = func(err error) { s.closeWithError(fmt.Errorf("send wake-up: %w", err)) }
+	s.ec.onAsyncErr = func(err error) { _ = s.sendFailed("send wake-up", err) }
 	return s
 }
 
@@ -142,8 +145,8 @@ func (s *Session) OpenStream() (*Stream, error) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if err := s.Err(); err != nil {
-		return nil, err
+	if err := s.sendable(); err != nil {
+		return nil, err // ended, or ending: the peer has gone (peergone.go)
 	}
 	if len(s.streams) >= s.conf.MaxStreams {
 		return nil, fmt.Errorf("%w: %d streams are open, the limit set by Config.MaxStreams", ErrLimitExceeded, len(s.streams))

@@ -269,7 +269,7 @@ func (m *SessionManager) PutBack(st *Stream) {
 
 // poolable reports whether st can carry another request.
 func poolable(st *Stream) bool {
-	return !st.writeClosed.Load() && !st.fallback.Load() && !st.s.IsClosed() &&
+	return !st.writeClosed.Load() && !st.fallback.Load() && st.s.sendable() == nil &&
 		st.BufferReader().Len() == 0 && st.BufferWriter().Len() == 0
 }
 

@@ -368,7 +368,7 @@ func (st *Stream) sendShm() error {
 	var sent bool
 	var err error
 	if peer := st.directPeer(); peer != nil {
-		if err = s.Err(); err == nil && peer.deliverDirect(st.id, root, &st.directScratch) {
+		if err = s.sendable(); err == nil && peer.deliverDirect(st.id, root, &st.directScratch) {
 			sent = true
 			c.wakeupsSaved.Add(1) // handed over: no wake-up needed
 		}
@@ -390,7 +390,7 @@ func (st *Stream) sendShm() error {
 // queueFullGiveUp tells a writer waiting for space to stop: the stream was
 // closed, or its write deadline passed.
 func (st *Stream) queueFullGiveUp() error {
-	if err := st.s.Err(); err != nil {
+	if err := st.s.sendable(); err != nil {
 		return err
 	}
 	if st.writeClosed.Load() {

@@ -206,7 +206,7 @@ func (w *streamWriter) appendHeap(want int) {
 // usable reports whether the writer may build a message now.
 func (w *streamWriter) usable() error {
 	st := w.st
-	if err := st.s.Err(); err != nil {
+	if err := st.s.sendable(); err != nil {
 		return err
 	}
 	if st.writeClosed.Load() {
