@@ -30,6 +30,12 @@ type Stats struct {
 	WakeupsSaved    uint64 // messages published while the peer was awake, or handed straight to a session of this process, so no Polling frame was needed
 	WakeupsReceived uint64 // Polling frames received (or drains of this session's queue by the writer of a session of this process)
 
+	// CopiedToReader counts the messages (also in MessagesOut) that Write
+	// copied straight into the buffer of a Read waiting on the peer's
+	// stream, without shared memory: between two sessions of this process
+	// only.
+	CopiedToReader uint64
+
 	// SpaceWaits counts the writes that had to wait for room in the buffer
 	// region or in the peer's IO queue (back-pressure): the peer had not yet
 	// released or taken enough of what was sent.
@@ -94,6 +100,7 @@ type sessionCounters struct {
 	fallbackMessagesOut, fallbackBytesOut atomic.Uint64
 	wakeupsSent, wakeupsSaved             atomic.Uint64
 	spaceWaits                            atomic.Uint64
+	copiedToReader                        atomic.Uint64
 	_                                     cacheLinePad
 	messagesIn, bytesIn                   atomic.Uint64
 	fallbackMessagesIn, fallbackBytesIn   atomic.Uint64
@@ -141,6 +148,7 @@ func (c *sessionCounters) addTo(st *Stats) {
 	st.WakeupsSaved += c.wakeupsSaved.Load()
 	st.WakeupsReceived += c.wakeupsReceived.Load()
 	st.SpaceWaits += c.spaceWaits.Load()
+	st.CopiedToReader += c.copiedToReader.Load()
 }
 
 // Stats returns the session's counters and gauges. The gauges of a closed

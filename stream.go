@@ -37,9 +37,16 @@ type Stream struct {
 	handWakes  atomic.Uint32 // wake-ups of a paired session's reader (awaitReadable)
 	bigIn      atomic.Bool   // a paired session delivered a large message since the reader last yielded
 	rDeadline  time.Time
-	pooled     bool // in a SessionManager's idle pool; guarded by that pool's lock
-	closed     bool // Close was called
-	peerClosed bool // the peer closed its side
+	// A reader waiting in Read on a paired session offers its buffer to
+	// the peer's writer (copyToReader): offered is that buffer, offerN how
+	// much the writer copied into it; readWaiters counts the goroutines in
+	// awaitReadable.
+	offered     []byte
+	offerN      int
+	readWaiters int
+	pooled      bool // in a SessionManager's idle pool; guarded by that pool's lock
+	closed      bool // Close was called
+	peerClosed  bool // the peer closed its side
 
 	wmu    handoverMutex // serialises writers, Flush and Close
 	writer streamWriter
@@ -113,11 +120,21 @@ func (st *Stream) Read(p []byte) (int, error) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	r := &st.reader
-	if err := st.waitReadable(1); err != nil {
+	offered := st.offer(p)
+	err := st.awaitReadable(1, offered)
+	if offered {
+		n := st.offerN
+		st.offered, st.offerN = nil, 0
+		if n > 0 {
+			return n, nil // copied in by the peer's writer (copyToReader)
+		}
+	}
+	if err != nil {
+		st.notify()
 		return 0, err
 	}
 	n := min(len(p), r.unread)
-	err := st.s.access(func() error {
+	err = st.s.access(func() error {
 		r.copyOut(p[:n])
 		r.advance(n)
 		return r.release()
@@ -146,16 +163,33 @@ const (
 // data ended, the deadline passed) passes it on, as the same cause ends
 // the others' waits.
 func (st *Stream) waitReadable(n int) error {
-	err := st.awaitReadable(n)
+	err := st.awaitReadable(n, false)
 	if err != nil {
 		st.notify()
 	}
 	return err
 }
 
-func (st *Stream) awaitReadable(n int) error {
+// awaitReadable is waitReadable without passing an error on. offered says
+// the caller's buffer is the stream's offer (Stream.offer): it also returns
+// once the peer's writer has copied into it.
+func (st *Stream) awaitReadable(n int, offered bool) error {
 	r := &st.reader
+	st.readWaiters++
+	defer func() { st.readWaiters-- }()
 	for r.unread < n {
+		if st.offerN > 0 {
+			if offered {
+				return nil
+			}
+			// Another reader's buffer was filled: let that reader take it
+			// before this one waits, so that this one cannot take the
+			// wake-up meant for it.
+			st.mu.Unlock()
+			runtime.Gosched()
+			st.mu.Lock()
+			continue
+		}
 		if st.closed {
 			return ErrStreamClosed
 		}
@@ -282,6 +316,9 @@ func (st *Stream) Write(p []byte) (int, error) {
 		return 0, err
 	}
 	before := st.writer.size // left by BufferWriter calls: sent first
+	if before == 0 && st.copyToReader(p) {
+		return len(p), nil
+	}
 	st.partSent = 0
 	err := st.s.access(func() error {
 		_, err := writeTo(&st.writer, p)
