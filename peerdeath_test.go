@@ -97,7 +97,7 @@ func pdBehave(t *testing.T, st *Stream, behavior string) {
 		rng := rand.New(rand.NewPCG(rand.Uint64(), 0))
 		for seq := uint32(0); ; seq++ {
 			n := 256<<10 + rng.IntN(2<<20)
-			if err := skSend(st, seq, skBody(rng, n), 0, rng.IntN(3) == 0, nil); err != nil {
+			if err := skSend(st, seq, skBody(rng, n), 0, skReserveIf(rng.IntN(3) == 0), nil); err != nil {
 				return
 			}
 			if seq == 2 {
@@ -116,7 +116,7 @@ func pdBehave(t *testing.T, st *Stream, behavior string) {
 			if r.seq == 8 {
 				rng := rand.New(rand.NewPCG(3, 4))
 				for i := range 8 {
-					if err := skSend(st, uint32(i), skBody(rng, 100<<10), 0, false, nil); err != nil {
+					if err := skSend(st, uint32(i), skBody(rng, 100<<10), 0, skViaWriteBytes, nil); err != nil {
 						return
 					}
 				}
@@ -139,7 +139,7 @@ func pdMixed(st *Stream, seed uint64, max int, werr chan<- error) error {
 		rng := rand.New(rand.NewPCG(seed, 7))
 		var err error
 		for seq := uint32(0); err == nil; seq++ {
-			err = skSend(st, seq, skBody(rng, skSize(rng, max)), 0, rng.IntN(4) == 0, nil)
+			err = skSend(st, seq, skBody(rng, skSize(rng, max)), 0, skReserveIf(rng.IntN(4) == 0), nil)
 		}
 		if werr != nil {
 			werr <- err
@@ -809,7 +809,7 @@ func TestPeerDeathHoldingSlices(t *testing.T) {
 			st := p.streams[0]
 			rng := rand.New(rand.NewPCG(1, 2))
 			for i := range 8 {
-				if err := skSend(st, uint32(i), skBody(rng, 100<<10), 0, false, nil); err != nil {
+				if err := skSend(st, uint32(i), skBody(rng, 100<<10), 0, skViaWriteBytes, nil); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -898,7 +898,7 @@ func TestPeerDeathBlockedWriter(t *testing.T) {
 				calls = append(calls, pdGo(fmt.Sprintf("writer on stream %d", st.ID()), func() error {
 					rng := rand.New(rand.NewPCG(uint64(st.ID()), 1))
 					for seq := uint32(0); ; seq++ {
-						err := skSend(st, seq, skBody(rng, tc.size), 0, false, nil)
+						err := skSend(st, seq, skBody(rng, tc.size), 0, skViaWriteBytes, nil)
 						if err != nil {
 							return err
 						}

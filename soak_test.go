@@ -107,13 +107,49 @@ func skPutHeader(h []byte, id, seq uint32, body []byte, flags uint32) {
 	binary.BigEndian.PutUint32(h[20:], flags)
 }
 
-// skSend sends one message on st: with BufferWriter.Reserve of the whole
-// message if reserve is set (a body larger than the largest slice then goes
-// as fallback data), else with two WriteBytes. A message refused with
-// ErrQueueFull was not sent and is sent again.
-func skSend(st *Stream, seq uint32, body []byte, flags uint32, reserve bool, stats *skStats) error {
+// How skSend builds a message.
+const (
+	skViaReserve    = iota // BufferWriter.Reserve of the whole message (larger than the largest slice: fallback data)
+	skViaWriteBytes        // two BufferWriter.WriteBytes and a Flush
+	skViaWrite             // Write of the header, then Write of the body: two messages, each of which may be copied straight into a waiting Read's buffer between sessions of one process (direct.go)
+)
+
+// skReserveIf is skViaReserve if reserve, else skViaWriteBytes.
+func skReserveIf(reserve bool) int {
+	if reserve {
+		return skViaReserve
+	}
+	return skViaWriteBytes
+}
+
+// skSend sends one message on st, built as via says. A message refused
+// with ErrQueueFull was not sent and is sent again.
+func skSend(st *Stream, seq uint32, body []byte, flags uint32, via int, stats *skStats) error {
 	var h [skHdrSize]byte
 	skPutHeader(h[:], st.ID(), seq, body, flags)
+	if via == skViaWrite {
+		for _, part := range [][]byte{h[:], body} {
+			if len(part) == 0 {
+				continue
+			}
+			for {
+				_, err := st.Write(part)
+				if errors.Is(err, ErrQueueFull) {
+					if stats != nil {
+						stats.queueFullRetries.Add(1)
+					}
+					time.Sleep(time.Millisecond)
+					continue
+				}
+				if err != nil {
+					return err
+				}
+				break
+			}
+		}
+		return nil
+	}
+	reserve := via == skViaReserve
 	for {
 		w := st.BufferWriter()
 		var err error
@@ -233,16 +269,24 @@ func skRunStream(st *Stream, seed uint64, count int, fallback bool, stats *skSta
 			var err error
 			if i == 0 && fallback {
 				stats.fallbackMsgsBuilt.Add(1)
-				err = skSend(st, uint32(i), skBody(rng, skFallbackSize-skHdrSize), 0, true, stats)
+				err = skSend(st, uint32(i), skBody(rng, skFallbackSize-skHdrSize), 0, skViaReserve, stats)
 			} else {
-				err = skSend(st, uint32(i), skBody(rng, skSize(rng, skMaxBody)), 0, rng.IntN(4) == 0, stats)
+				body := skBody(rng, skSize(rng, skMaxBody))
+				via := skViaWriteBytes
+				switch rng.IntN(4) {
+				case 0:
+					via = skViaReserve
+				case 1:
+					via = skViaWrite
+				}
+				err = skSend(st, uint32(i), body, 0, via, stats)
 			}
 			if err != nil {
 				werr <- fmt.Errorf("stream %d: sending message %d: %w", st.ID(), i, err)
 				return
 			}
 		}
-		if err := skSend(st, uint32(count), nil, skFlagEnd, false, stats); err != nil {
+		if err := skSend(st, uint32(count), nil, skFlagEnd, skViaWriteBytes+count%2, stats); err != nil {
 			werr <- fmt.Errorf("stream %d: sending the end marker: %w", st.ID(), err)
 			return
 		}
@@ -641,10 +685,12 @@ func skRunInProcess(t *testing.T, fwf bool) {
 			t.Errorf("client: %v", err)
 		}
 	}
+	var copied uint64
 	for _, e := range ends {
 		if e.cli.localPeerSession.Load() == nil {
 			t.Errorf("the client session was not paired with its server session")
 		}
+		copied += e.cli.Stats().CopiedToReader
 		if !clWaitGroup(&e.srv.active, 2*time.Minute) {
 			t.Errorf("server streams still running 2 min after the clients finished")
 		}
@@ -658,7 +704,7 @@ func skRunInProcess(t *testing.T, fwf bool) {
 		}
 	}
 	clCheckBack(t, "after the soak", base, prefix)
-	t.Logf("verified %d messages, %d body bytes on %d stream ends; %s", stats.msgs.Load(), stats.bytes.Load(), stats.streams.Load(), stats)
+	t.Logf("verified %d messages, %d body bytes on %d stream ends; %s; the clients copied %d writes straight into a waiting Read", stats.msgs.Load(), stats.bytes.Load(), stats.streams.Load(), stats, copied)
 	if stats.streams.Load() == 0 {
 		t.Errorf("no stream finished")
 	}
