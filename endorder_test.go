@@ -52,23 +52,13 @@ func TestStreamCloseThenSessionEnd(t *testing.T) {
 		results []result
 		wg      sync.WaitGroup
 	)
-	go func() {
-		for {
-			st, err := ln.AcceptStream()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer st.Close()
-				data, err := eoEchoAll(st)
-				mu.Lock()
-				results = append(results, result{data, err})
-				mu.Unlock()
-			}()
-		}
-	}()
+	serveStreamsCounted(ln, &wg, func(st *Stream) {
+		defer st.Close()
+		data, err := eoEchoAll(st)
+		mu.Lock()
+		results = append(results, result{data, err})
+		mu.Unlock()
+	})
 
 	c, _ := startChild(t, proctest.Config{
 		TestName: eoChildTest,
@@ -91,6 +81,7 @@ func TestStreamCloseThenSessionEnd(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+	ln.Close() // ends the accept loop, which wg counts too
 	wg.Wait()
 
 	index := make(map[string]int, sessions) // payload → session

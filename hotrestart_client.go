@@ -126,7 +126,7 @@ func (m *SessionManager) runHotRestart(epoch, randID uint64, deadline time.Time)
 			continue
 		}
 		if err := s.ec.write(wire.AppendHotRestart(nil, s.version, wire.TypeHotRestartAck, epoch)); err != nil {
-			s.closeWithError(fmt.Errorf("send HotRestartAck: %w", err))
+			_ = s.sendFailed("send HotRestartAck", err)
 		}
 	}
 	m.endHotRestart(epoch, true)

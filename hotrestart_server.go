@@ -148,7 +148,7 @@ func (l *Listener) HotRestart(epoch uint64) error {
 		}
 		frame := wire.AppendHotRestart(nil, s.version, wire.TypeHotRestart, epoch)
 		if err := s.ec.write(frame); err != nil {
-			s.closeWithError(fmt.Errorf("send HotRestart: %w", err))
+			_ = s.sendFailed("send HotRestart", err)
 		}
 	}
 	go hr.monitor(l)

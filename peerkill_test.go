@@ -368,21 +368,7 @@ func pkRun(t *testing.T, replies bool) {
 		p.dead[c] = make(chan struct{})
 	}
 	var wg sync.WaitGroup // the accepting goroutine and one per stream
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			st, err := ln.AcceptStream()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				p.serve(st)
-			}()
-		}
-	}()
+	serveStreamsCounted(ln, &wg, p.serve)
 
 	start := time.Now()
 	children := make([]*proctest.Child, pkChildren)

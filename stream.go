@@ -121,7 +121,7 @@ func (st *Stream) Read(p []byte) (int, error) {
 	defer st.mu.Unlock()
 	r := &st.reader
 	offered := st.offer(p)
-	err := st.awaitReadable(1, offered)
+	err := st.waitOffered(1, offered)
 	if offered {
 		n := st.offerN
 		st.offered, st.offerN = nil, 0
@@ -130,7 +130,6 @@ func (st *Stream) Read(p []byte) (int, error) {
 		}
 	}
 	if err != nil {
-		st.notify()
 		return 0, err
 	}
 	n := min(len(p), r.unread)
@@ -162,17 +161,20 @@ const (
 // them: one that returns with an error (the stream or session closed, the
 // data ended, the deadline passed) passes it on, as the same cause ends
 // the others' waits.
-func (st *Stream) waitReadable(n int) error {
-	err := st.awaitReadable(n, false)
+func (st *Stream) waitReadable(n int) error { return st.waitOffered(n, false) }
+
+// waitOffered is waitReadable for a reader whose buffer may be the
+// stream's offer (offered, Stream.offer): it also returns once the peer's
+// writer has copied into that buffer.
+func (st *Stream) waitOffered(n int, offered bool) error {
+	err := st.awaitReadable(n, offered)
 	if err != nil {
 		st.notify()
 	}
 	return err
 }
 
-// awaitReadable is waitReadable without passing an error on. offered says
-// the caller's buffer is the stream's offer (Stream.offer): it also returns
-// once the peer's writer has copied into it.
+// awaitReadable is waitOffered without passing an error on.
 func (st *Stream) awaitReadable(n int, offered bool) error {
 	r := &st.reader
 	st.readWaiters++

@@ -14,6 +14,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -157,6 +158,27 @@ func serveStreams(a streamAcceptor, handle func(*Stream)) {
 		}
 		go handle(st)
 	}
+}
+
+// serveStreamsCounted is serveStreams on a goroutine of its own, counting
+// it and every handler in wg, so that wg.Wait returns once a has stopped
+// accepting and every handler has returned.
+func serveStreamsCounted(a streamAcceptor, wg *sync.WaitGroup, handle func(*Stream)) {
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			st, err := a.AcceptStream()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				handle(st)
+			}()
+		}
+	}()
 }
 
 // echoStream echoes a stream until it ends, then closes it.
