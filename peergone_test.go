@@ -3,6 +3,7 @@ package shmipc
 import (
 	"errors"
 	"io"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -55,5 +56,57 @@ func TestWriteToPeerThatStoppedReading(t *testing.T) {
 	}
 	if d := time.Since(start); d < peerGoneGrace/2 {
 		t.Errorf("the session ended %v after the failed write, before the grace of %v", d, peerGoneGrace)
+	}
+}
+
+// A client that stops reading its end of the connection while the server
+// starts a hot restart: the HotRestart frame's write fails, which does not
+// end the server's session at once. A message the client publishes after
+// that still reaches the server, another session of the listener is
+// unaffected, and the session ends
+// with ErrPeerClosed within about peerGoneGrace, though the socket never
+// ends.
+func TestHotRestartToPeerThatStoppedReading(t *testing.T) {
+	env := startTestServer(t, 0)
+	p, victim := connectRawClient(t, env, MemMapTypeMemFd)
+	c := &hpCtx{t: t, p: p, victim: victim, id: 2}
+	if err := c.roundTrip("before", 0); err != nil {
+		t.Fatalf("echo before the client stopped reading: %v", err)
+	}
+	if err := p.conn.CloseRead(); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if err := env.ln.HotRestart(hrEpoch); err != nil {
+		t.Fatalf("HotRestart: %v", err)
+	}
+	// A Unix socket whose peer has shut down its reading side fails every
+	// write at once (EPIPE).
+	e := victim.sendErr.Load()
+	if e == nil || !strings.Contains((*e).Error(), "send HotRestart") {
+		t.Fatalf("the HotRestart frame to a client that stopped reading: session %v, send error %v; want the write to have failed", victim.Err(), e)
+	}
+	if victim.IsClosed() {
+		t.Fatalf("the session ended at the failed write (%v): the client's data still to come would be lost", victim.Err())
+	}
+	// The echo cannot answer (sending to the client has stopped), but it
+	// receives.
+	in := victim.Stats().BytesIn
+	c.publish(c.id, p.msg("after"), 0)
+	waitUntil(t, "the server receives a message sent after the failed write", peerTimeout, func() bool {
+		return victim.Stats().BytesIn == in+uint64(len("after"))
+	})
+	if err := echoRoundTrip(env.good, "another session"); err != nil {
+		t.Fatalf("another session of the listener: %v", err)
+	}
+	err := waitSessionClosed(t, victim, peerGoneGrace+peerTimeout)
+	if !errors.Is(err, ErrSessionClosed) || !errors.Is(err, ErrPeerClosed) {
+		t.Errorf("the session ended with %v; want an error wrapping ErrSessionClosed and ErrPeerClosed", err)
+	}
+	if d := time.Since(start); d < peerGoneGrace/2 {
+		t.Errorf("the session ended %v after the failed write, before the grace of %v", d, peerGoneGrace)
+	}
+	if env.good.IsClosed() {
+		t.Errorf("the other session ended: %v", env.good.Err())
 	}
 }
