@@ -2,6 +2,7 @@ package shmipc
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"strings"
 	"sync/atomic"
@@ -108,5 +109,70 @@ func TestHotRestartToPeerThatStoppedReading(t *testing.T) {
 	}
 	if env.good.IsClosed() {
 		t.Errorf("the other session ended: %v", env.good.Err())
+	}
+}
+
+// A peer that publishes data and a close on a stream without a wake-up (the
+// working flag was up: it counted on our side draining anyway) and then
+// closes its end of the connection: the end of the socket does not drop
+// them, whether we read the end as EOF or as ECONNRESET (the peer left
+// frames of ours unread). The reader gets every byte, then io.EOF, and the
+// session ends with ErrPeerClosed. No reader of ours polls here (ConsumerSpinTime 0), so only
+// the drain at the end of the socket (drainAtEnd) can deliver them.
+func TestPeerPublishesThenCloses(t *testing.T) {
+	for _, tc := range []struct {
+		streams int
+		reset   bool // leave our frames unread: we read ECONNRESET, not EOF
+	}{{1, false}, {8, false}, {1, true}, {8, true}} {
+		streams := tc.streams
+		t.Run(fmt.Sprintf("streams=%d/reset=%v", streams, tc.reset), func(t *testing.T) {
+			p, sess := acceptRawVictim(t, MemMapTypeMemFd, 0)
+			sts := make([]*Stream, streams)
+			for i := range sts {
+				sts[i] = openPinged(t, p, sess)
+			}
+			type result struct {
+				data string
+				err  error
+			}
+			results := make(chan result, streams)
+			for _, st := range sts {
+				go func() {
+					b, err := io.ReadAll(st)
+					results <- result{string(b), err}
+				}()
+			}
+			// The working flag up, as a draining consumer leaves it: a
+			// correct producer then publishes without a Polling frame.
+			atomic.StoreUint32(p.send.u32(queueFlagOff), 1)
+			for i, st := range sts {
+				p.send.put(st.ID(), p.msg(fmt.Sprintf("last words %d", i)), statusOpened)
+				p.send.put(st.ID(), 0, statusClosed)
+			}
+			if !tc.reset {
+				// Read what we sent (Polling frames) first: a socket closed
+				// with nothing unread ends with EOF on our side.
+				p.conn.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+				_, _ = io.Copy(io.Discard, p.conn)
+			}
+			p.conn.Close()
+			for range sts {
+				select {
+				case r := <-results:
+					if r.err != nil || !strings.HasPrefix(r.data, "last words ") {
+						t.Errorf("a stream's reader got %q, %v; want its last words, then io.EOF", r.data, r.err)
+					}
+				case <-time.After(peerTimeout):
+					t.Fatal("a reader still waits after the peer closed")
+				}
+			}
+			err := waitSessionClosed(t, sess, peerTimeout)
+			if !errors.Is(err, ErrPeerClosed) {
+				t.Errorf("the session ended with %v; want ErrPeerClosed", err)
+			}
+			if want := map[bool]string{false: "EOF", true: "reset"}[tc.reset]; err != nil && !strings.Contains(err.Error(), want) {
+				t.Errorf("the session ended with %v; want the end of the socket read as %s", err, want)
+			}
+		})
 	}
 }
