@@ -353,8 +353,11 @@ func skClient(sess *Session, slots int, deadline time.Time, seed uint64, stats *
 // skServer serves every stream accepted by accept until it fails. wg
 // counts the accept loop and active its streams.
 type skServer struct {
-	wg     sync.WaitGroup
-	active sync.WaitGroup
+	wg sync.WaitGroup
+	// active counts the stream handlers running. Not a WaitGroup: the
+	// accept loop starts handlers while the test waits for them to end,
+	// and a WaitGroup's Add from zero must happen before its Wait.
+	active atomic.Int64
 	mu     sync.Mutex
 	errs   []error
 	stats  *skStats
@@ -373,7 +376,7 @@ func (s *skServer) serve(accept func() (*Stream, error), seed uint64) {
 			sseed, count := rng.Uint64(), 1+rng.IntN(12)
 			s.active.Add(1)
 			go func() {
-				defer s.active.Done()
+				defer s.active.Add(-1)
 				if err := skRunStream(st, sseed, count, false, s.stats); err != nil {
 					s.mu.Lock()
 					s.errs = append(s.errs, err)
@@ -382,6 +385,19 @@ func (s *skServer) serve(accept func() (*Stream, error), seed uint64) {
 			}()
 		}
 	}()
+}
+
+// idle waits up to d for every stream handler to end, and reports whether
+// they did.
+func (s *skServer) idle(d time.Duration) bool {
+	deadline := time.Now().Add(d)
+	for s.active.Load() > 0 {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return true
 }
 
 func (s *skServer) errors() []error {
@@ -467,7 +483,7 @@ func TestSoakChild(t *testing.T) {
 	}
 	// The parent opens no more streams; finish ours of session A (they wait
 	// for the parent's end markers) before reporting.
-	if !clWaitGroup(&srv.active, 2*time.Minute) {
+	if !srv.idle(2 * time.Minute) {
 		t.Errorf("child: session A streams still running 2 min after the parent finished")
 	}
 	for _, err := range srv.errors() {
@@ -594,7 +610,7 @@ func skRun(t *testing.T, fwf bool) {
 	}
 	// Every stream the child opened has seen our end marker; wait until we
 	// have read the child's.
-	if !clWaitGroup(&srv.active, 2*time.Minute) {
+	if !srv.idle(2 * time.Minute) {
 		t.Errorf("session B streams still running 2 min after the child finished")
 	}
 	elapsed := time.Since(start)
@@ -691,7 +707,7 @@ func skRunInProcess(t *testing.T, fwf bool) {
 			t.Errorf("the client session was not paired with its server session")
 		}
 		copied += e.cli.Stats().CopiedToReader
-		if !clWaitGroup(&e.srv.active, 2*time.Minute) {
+		if !e.srv.idle(2 * time.Minute) {
 			t.Errorf("server streams still running 2 min after the clients finished")
 		}
 		e.cli.Close()
