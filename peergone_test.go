@@ -64,9 +64,8 @@ func TestWriteToPeerThatStoppedReading(t *testing.T) {
 // starts a hot restart: the HotRestart frame's write fails, which does not
 // end the server's session at once. A message the client publishes after
 // that still reaches the server, another session of the listener is
-// unaffected, and the session ends
-// with ErrPeerClosed within about peerGoneGrace, though the socket never
-// ends.
+// unaffected, and the session ends with ErrPeerClosed within about
+// peerGoneGrace, though the socket never ends.
 func TestHotRestartToPeerThatStoppedReading(t *testing.T) {
 	env := startTestServer(t, 0)
 	p, victim := connectRawClient(t, env, MemMapTypeMemFd)
@@ -83,9 +82,12 @@ func TestHotRestartToPeerThatStoppedReading(t *testing.T) {
 	}
 	// A Unix socket whose peer has shut down its reading side fails every
 	// write at once (EPIPE).
-	e := victim.sendErr.Load()
-	if e == nil || !strings.Contains((*e).Error(), "send HotRestart") {
-		t.Fatalf("the HotRestart frame to a client that stopped reading: session %v, send error %v; want the write to have failed", victim.Err(), e)
+	var sendErr error
+	if e := victim.sendErr.Load(); e != nil {
+		sendErr = *e
+	}
+	if sendErr == nil || !strings.Contains(sendErr.Error(), "send HotRestart") {
+		t.Fatalf("the HotRestart frame to a client that stopped reading: session %v, send error %v; want the write to have failed", victim.Err(), sendErr)
 	}
 	if victim.IsClosed() {
 		t.Fatalf("the session ended at the failed write (%v): the client's data still to come would be lost", victim.Err())
