@@ -270,7 +270,7 @@ func (m *bufferManager) i32(off uint32) *int32 {
 // bounds cannot run past the number of slices the list has.
 func (m *bufferManager) freeCount(li int) int32 {
 	l := &m.lists[li]
-	n := atomic.LoadInt32(m.i32(l.header + listFreeOff))
+	n := shmLoadInt32(m.i32(l.header + listFreeOff))
 	return min(max(n, 0), int32(l.count))
 }
 
@@ -286,12 +286,12 @@ func (m *bufferManager) u32(off uint32) *uint32 {
 
 // flags returns the flags byte of the slice header at off.
 func (m *bufferManager) flags(off uint32) byte {
-	return byte(atomic.LoadUint32(m.u32(off + sliceFlagsOff)))
+	return byte(shmLoadUint32(m.u32(off + sliceFlagsOff)))
 }
 
 // setFlags sets the flags byte of the slice header at off.
 func (m *bufferManager) setFlags(off uint32, f byte) {
-	atomic.StoreUint32(m.u32(off+sliceFlagsOff), uint32(f))
+	shmStoreUint32(m.u32(off+sliceFlagsOff), uint32(f))
 }
 
 // maxSliceCap is the data capacity of the largest slice.
@@ -327,37 +327,37 @@ func (m *bufferManager) popLeaving(li int, keep int32) (uint32, error) {
 func (m *bufferManager) popList(li int, keep int32) (uint32, int32, error) {
 	l := &m.lists[li]
 	free, head := m.i32(l.header+listFreeOff), m.u32(l.header+listHeadOff)
-	h := atomic.LoadUint32(head)
-	left := atomic.AddInt32(free, -1)
+	h := shmLoadUint32(head)
+	left := shmAddInt32(free, -1)
 	if left <= 0 || left < keep {
-		atomic.AddInt32(free, 1)
+		shmAddInt32(free, 1)
 		return 0, 0, nil
 	}
 	for range popAttempts {
 		if !l.validRelative(h) {
-			atomic.AddInt32(free, 1)
+			shmAddInt32(free, 1)
 			return 0, 0, corrupt("list of %d-byte slices: head %d is not a slice", l.sliceCap, h)
 		}
 		hdr := l.area + h
 		if m.flags(hdr)&flagHasNext != 0 {
-			next := atomic.LoadUint32(m.u32(hdr + sliceNextOff))
+			next := shmLoadUint32(m.u32(hdr + sliceNextOff))
 			if !l.validRelative(next) {
-				if atomic.LoadUint32(head) == h {
-					atomic.AddInt32(free, 1)
+				if shmLoadUint32(head) == h {
+					shmAddInt32(free, 1)
 					return 0, 0, corrupt("list of %d-byte slices: free slice %d links to %d, not a slice", l.sliceCap, h, next)
 				}
-			} else if atomic.CompareAndSwapUint32(head, h, next) {
+			} else if shmCASUint32(head, h, next) {
 				m.setFlags(hdr, flagInUse)
-				atomic.AddInt32(m.i32(l.header+m.counter), 1)
+				shmAddInt32(m.i32(l.header+m.counter), 1)
 				return hdr, left, nil
 			}
-		} else if atomic.LoadInt32(free) <= 1 {
-			atomic.AddInt32(free, 1)
+		} else if shmLoadInt32(free) <= 1 {
+			shmAddInt32(free, 1)
 			return 0, 0, nil
 		}
-		h = atomic.LoadUint32(head)
+		h = shmLoadUint32(head)
 	}
-	atomic.AddInt32(free, 1)
+	shmAddInt32(free, 1)
 	return 0, 0, nil
 }
 
@@ -385,16 +385,16 @@ func (m *bufferManager) pushList(li int, off uint32) (int32, error) {
 	rel := off - l.area
 	tail := m.u32(l.header + listTailOff)
 	for range pushAttempts {
-		t := atomic.LoadUint32(tail)
+		t := shmLoadUint32(tail)
 		if !l.validRelative(t) {
 			return 0, corrupt("list of %d-byte slices: tail %d is not a slice", l.sliceCap, t)
 		}
-		if atomic.CompareAndSwapUint32(tail, t, rel) {
+		if shmCASUint32(tail, t, rel) {
 			prev := l.area + t
-			atomic.StoreUint32(m.u32(prev+sliceNextOff), rel)
+			shmStoreUint32(m.u32(prev+sliceNextOff), rel)
 			atomic.OrUint32(m.u32(prev+sliceFlagsOff), flagHasNext)
-			left := atomic.AddInt32(m.i32(l.header+listFreeOff), 1)
-			atomic.AddInt32(m.i32(l.header+m.counter), -1)
+			left := shmAddInt32(m.i32(l.header+listFreeOff), 1)
+			shmAddInt32(m.i32(l.header+m.counter), -1)
 			m.space.freed()
 			return left, nil
 		}
@@ -623,7 +623,7 @@ func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error)
 		sliceCap := binary.LittleEndian.Uint32(m.mem[off+sliceCapOff:])
 		size := binary.LittleEndian.Uint32(m.mem[off+sliceSizeOff:])
 		start := binary.LittleEndian.Uint32(m.mem[off+sliceStartOff:])
-		next := atomic.LoadUint32(m.u32(off + sliceNextOff))
+		next := shmLoadUint32(m.u32(off + sliceNextOff))
 		flags := m.flags(off)
 		want := m.lists[li].sliceCap
 		sl := segment{list: int32(li), off: off}

@@ -194,7 +194,7 @@ func (c *circulation) refillLocked(m *bufferManager, li int) error {
 	defer c.setFloorLocked(li)
 	free := m.i32(m.lists[li].header + listFreeOff)
 	p := c.parked[li]
-	for len(p) > 0 && atomic.LoadInt32(free) < c.spare[li] {
+	for len(p) > 0 && shmLoadInt32(free) < c.spare[li] {
 		off := p[len(p)-1]
 		p = p[:len(p)-1]
 		c.setParkedLocked(li, p)
@@ -325,7 +325,7 @@ func (m *bufferManager) steer(li int) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if atomic.LoadInt32(free) < c.lists[li].floor.Load() {
+	if shmLoadInt32(free) < c.lists[li].floor.Load() {
 		_ = c.refillLocked(m, li)
 	}
 	c.setFloorLocked(li)

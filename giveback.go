@@ -1,7 +1,6 @@
 package shmipc
 
 import (
-	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -46,10 +45,10 @@ func (m *bufferManager) sample(li int) listSample {
 	h := m.lists[li].header
 	return listSample{
 		free:    m.freeCount(li),
-		creator: atomic.LoadInt32(m.i32(h + creatorCounter)),
-		mapper:  atomic.LoadInt32(m.i32(h + mapperCounter)),
-		head:    atomic.LoadUint32(m.u32(h + listHeadOff)),
-		tail:    atomic.LoadUint32(m.u32(h + listTailOff)),
+		creator: shmLoadInt32(m.i32(h + creatorCounter)),
+		mapper:  shmLoadInt32(m.i32(h + mapperCounter)),
+		head:    shmLoadUint32(m.u32(h + listHeadOff)),
+		tail:    shmLoadUint32(m.u32(h + listTailOff)),
 	}
 }
 

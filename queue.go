@@ -97,8 +97,8 @@ func newQueue(mem []byte, want uint32) (*ioQueue, error) {
 	}
 	// A new session starts from whatever counters the region holds (zero
 	// when the client has just created it); they only need to be sane.
-	q.ptail = atomic.LoadInt64(q.tail)
-	head := atomic.LoadInt64(q.head)
+	q.ptail = shmLoadInt64(q.tail)
+	head := shmLoadInt64(q.head)
 	q.chead.Store(head)
 	if head < 0 || q.ptail < 0 {
 		return nil, fmt.Errorf("negative counters: head %d, tail %d", head, q.ptail)
@@ -125,7 +125,7 @@ func (q *ioQueue) put(e queueElem) (bool, error) {
 	q.mu.Lock()
 	defer q.mu.Unlock() // deferred: a fault in a shrunk mapping must not leave it locked
 	t := q.ptail
-	h := atomic.LoadInt64(q.head)
+	h := shmLoadInt64(q.head)
 	if n := t - h; n < 0 || n > int64(q.cap) {
 		return false, q.corrupt(h, t)
 	} else if n == int64(q.cap) {
@@ -136,7 +136,7 @@ func (q *ioQueue) put(e queueElem) (bool, error) {
 	binary.LittleEndian.PutUint32(s[elemOffsetOff:], e.offset)
 	binary.LittleEndian.PutUint32(s[elemStatusOff:], e.status)
 	q.ptail = t + 1
-	atomic.StoreInt64(q.tail, t+1)
+	shmStoreInt64(q.tail, t+1)
 	return true, nil
 }
 
@@ -155,7 +155,7 @@ func (q *ioQueue) pop() (queueElem, bool, error) {
 // whatever the peer writes into the slot meanwhile.
 func (q *ioQueue) peek() (queueElem, bool, error) {
 	h := q.chead.Load()
-	t := atomic.LoadInt64(q.tail)
+	t := shmLoadInt64(q.tail)
 	if n := t - h; n < 0 || n > int64(q.cap) {
 		return queueElem{}, false, q.corrupt(h, t)
 	} else if n == 0 {
@@ -174,18 +174,18 @@ func (q *ioQueue) peek() (queueElem, bool, error) {
 func (q *ioQueue) skip() {
 	h := q.chead.Load() + 1
 	q.chead.Store(h)
-	atomic.StoreInt64(q.head, h)
+	shmStoreInt64(q.head, h)
 }
 
 // depth is the number of elements published and not yet taken, as far as
 // this side can tell.
 func (q *ioQueue) depth() int64 {
-	return max(0, atomic.LoadInt64(q.tail)-atomic.LoadInt64(q.head))
+	return max(0, shmLoadInt64(q.tail)-shmLoadInt64(q.head))
 }
 
 // isEmpty reports whether the consumer has taken every element published.
 func (q *ioQueue) isEmpty() bool {
-	return atomic.LoadInt64(q.tail) == q.chead.Load()
+	return shmLoadInt64(q.tail) == q.chead.Load()
 }
 
 // markWorking sets the working flag if it was clear. The producer sends a
@@ -195,7 +195,7 @@ func (q *ioQueue) isEmpty() bool {
 // awake, free of a write to the shared cache line. It is still ordered after
 // the producer's tail store: both are sequentially consistent.
 func (q *ioQueue) markWorking() bool {
-	return atomic.LoadUint32(q.flag) == 0 && atomic.CompareAndSwapUint32(q.flag, 0, 1)
+	return shmLoadUint32(q.flag) == 0 && shmCASUint32(q.flag, 0, 1)
 }
 
 // setWorking stores the consumer's working flag.
@@ -204,5 +204,5 @@ func (q *ioQueue) setWorking(on bool) {
 	if on {
 		v = 1
 	}
-	atomic.StoreUint32(q.flag, v)
+	shmStoreUint32(q.flag, v)
 }
