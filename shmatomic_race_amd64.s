@@ -14,10 +14,7 @@ TEXT ·shmLoadInt32Asm(SB), NOSPLIT, $0-12
 
 // func shmLoadUint32Asm(p *uint32) uint32
 TEXT ·shmLoadUint32Asm(SB), NOSPLIT, $0-12
-	MOVQ	p+0(FP), AX
-	MOVL	0(AX), AX
-	MOVL	AX, ret+8(FP)
-	RET
+	JMP	·shmLoadInt32Asm(SB)
 
 // func shmLoadInt64Asm(p *int64) int64
 TEXT ·shmLoadInt64Asm(SB), NOSPLIT, $0-16
