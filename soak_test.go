@@ -286,7 +286,11 @@ func skRunStream(st *Stream, seed uint64, count int, fallback bool, stats *skSta
 				return
 			}
 		}
-		if err := skSend(st, uint32(count), nil, skFlagEnd, skViaWriteBytes+count%2, stats); err != nil {
+		endVia := skViaWriteBytes
+		if count%2 == 1 {
+			endVia = skViaWrite
+		}
+		if err := skSend(st, uint32(count), nil, skFlagEnd, endVia, stats); err != nil {
 			werr <- fmt.Errorf("stream %d: sending the end marker: %w", st.ID(), err)
 			return
 		}
