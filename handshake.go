@@ -122,6 +122,11 @@ func (s *Session) clientHandshake() error {
 	if memfd && s.ec.unix == nil {
 		return fmt.Errorf("memfd regions need a Unix socket, not %T; use MemMapTypeDevShmFile over TCP", s.ec.conn)
 	}
+	if memfd {
+		if err := s.exchangeVersion(); err != nil {
+			return err
+		}
+	}
 	queuePath, err := s.clientBuffer()
 	if err != nil {
 		return err
@@ -146,22 +151,26 @@ func (s *Session) clientHandshake() error {
 		}
 		return s.ec.write(frame)
 	}
-	if err := s.ec.writeEvent(wire.MaxVersion, wire.TypeExchangeProtoVersion); err != nil {
-		return err
-	}
-	h, err := s.expect(wire.TypeExchangeProtoVersion)
-	if err != nil {
-		return err
-	}
-	if v := min(wire.MaxVersion, h.Version()); v != wire.VersionMemfd {
-		return fmt.Errorf("server speaks protocol version %d; memfd regions need version %d", h.Version(), wire.VersionMemfd)
-	}
-	s.version = wire.VersionMemfd
 	frame, err := wire.AppendPaths(nil, s.version, wire.TypeShareMemoryByMemfd, queuePath, bufPath)
 	if err != nil {
 		return err
 	}
 	if err := s.ec.write(frame); err != nil {
+		return err
+	}
+	// The regions go to whoever sends the acknowledgement: it must be the
+	// process that answered the version exchange, for which the buffer
+	// region was chosen.
+	if s.serverPid != 0 {
+		sender, err := s.ec.peekSender()
+		if err != nil {
+			return fmt.Errorf("waiting for %v: %w", wire.TypeAckReadyRecvFD, err)
+		}
+		if sender != s.serverPid {
+			return fmt.Errorf("%v sent by process %d, the version exchange by process %d", wire.TypeAckReadyRecvFD, sender, s.serverPid)
+		}
+	}
+	if err := s.ec.passCred(false); err != nil && s.serverPid != 0 {
 		return err
 	}
 	if _, err := s.expect(wire.TypeAckReadyRecvFD); err != nil {
@@ -174,21 +183,46 @@ func (s *Session) clientHandshake() error {
 	return err
 }
 
+// exchangeVersion sends the client's ExchangeProtoVersion frame, reads the
+// server's and learns which process answered (s.serverPid): the socket
+// reports the credentials of the sender of every message until the fds are
+// sent (peercred_linux.go).
+func (s *Session) exchangeVersion() error {
+	// Without credentials (a socket refusing SO_PASSCRED) the server
+	// process stays unknown, and the session gets a region of its own.
+	creds := s.ec.passCred(true) == nil
+	if err := s.ec.writeEvent(wire.MaxVersion, wire.TypeExchangeProtoVersion); err != nil {
+		return err
+	}
+	if creds {
+		sender, err := s.ec.peekSender()
+		if err != nil {
+			return fmt.Errorf("waiting for %v: %w", wire.TypeExchangeProtoVersion, err)
+		}
+		s.serverPid = sender
+	}
+	h, err := s.expect(wire.TypeExchangeProtoVersion)
+	if err != nil {
+		return err
+	}
+	if v := min(wire.MaxVersion, h.Version()); v != wire.VersionMemfd {
+		return fmt.Errorf("server speaks protocol version %d; memfd regions need version %d", h.Version(), wire.VersionMemfd)
+	}
+	s.version = wire.VersionMemfd
+	return nil
+}
+
 // clientBuffer gives a client session its buffer region, s.buf, and names
 // its queue region, queuePath: a region shared with the process's other
 // sessions to the same server (region_pool.go), or a new one of its own.
 func (s *Session) clientBuffer() (queuePath string, err error) {
 	conf := s.conf
-	if conf.MemMapType == MemMapTypeMemFd {
-		if peer, err := peerOf(s.ec.conn); err == nil {
-			if key, ok := poolKeyFor(conf, peer); ok {
-				if s.buf, queuePath, err = sharedBuffer(conf, key); err != nil {
-					return "", err
-				}
-				s.buf.sessions.Add(1)
-				return queuePath, nil
-			}
+	if key, ok := poolKeyFor(conf, s.serverPid); ok {
+		if s.buf, queuePath, err = sharedBuffer(conf, key); err != nil {
+			return "", err
 		}
+		s.buf.sessions.Add(1)
+		return queuePath, nil
 	}
 	prefix := newRegionPrefix(conf)
 	if conf.MemMapType == MemMapTypeDevShmFile {

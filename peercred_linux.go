@@ -178,3 +178,85 @@ func procAddrIs(s string, a *net.TCPAddr) bool {
 	}
 	return ip.Equal(a.IP)
 }
+
+// Which process answers a client.
+//
+// SO_PEERCRED names the process that called listen(2) for the server's
+// socket, not the one that accepted the connection and serves it: with
+// socket activation, a supervisor or a server that forks workers after
+// listening, sessions to different server processes all report the same
+// pid. A client that shares a buffer region among its sessions to one
+// server process (region_pool.go) needs the process that actually reads
+// its frames. With SO_PASSCRED set on the client's socket, the kernel
+// attaches to every message sent to it the credentials of the process that
+// sent it, which that process cannot forge; the client peeks at them on
+// the server's handshake replies (clientHandshake).
+
+// passCred turns SO_PASSCRED on or off on c's socket.
+func (c *eventConn) passCred(on bool) error {
+	if c.unix == nil || c.raw == nil {
+		return errors.New("sender credentials need a Unix socket")
+	}
+	v := 0
+	if on {
+		v = 1
+	}
+	var err error
+	if cerr := c.raw.Control(func(fd uintptr) {
+		err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PASSCRED, v)
+	}); cerr != nil {
+		return cerr
+	}
+	if err != nil {
+		return os.NewSyscallError("setsockopt SO_PASSCRED", err)
+	}
+	return nil
+}
+
+// peekSender waits, with the connection's read deadline, until the socket
+// holds data, and returns the pid of the process that sent its first byte
+// without consuming anything. The pid is 0 when the kernel attached no
+// credentials (SO_PASSCRED was off when the data was sent) or the sender
+// lives in a pid namespace this process cannot see; at the end of the
+// stream it is 0 too, and the read that follows reports it.
+func (c *eventConn) peekSender() (int32, error) {
+	if c.raw == nil {
+		return 0, errors.New("sender credentials need a Unix socket")
+	}
+	var (
+		b       [1]byte
+		oob     = make([]byte, unix.CmsgSpace(unix.SizeofUcred))
+		oobn    int
+		recvErr error
+	)
+	err := c.raw.Read(func(fd uintptr) bool {
+		for {
+			// The control buffer has room for credentials only: were the
+			// peer to attach descriptors, the kernel would not install them.
+			_, oobn, _, _, recvErr = unix.Recvmsg(int(fd), b[:], oob, unix.MSG_PEEK)
+			switch recvErr {
+			case unix.EINTR:
+				continue
+			case unix.EAGAIN:
+				return false
+			}
+			return true
+		}
+	})
+	if err != nil {
+		return 0, err
+	}
+	if recvErr != nil {
+		return 0, os.NewSyscallError("recvmsg", recvErr)
+	}
+	msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+	if err != nil {
+		return 0, nil
+	}
+	for i := range msgs {
+		if cred, err := unix.ParseUnixCredentials(&msgs[i]); err == nil {
+			return cred.Pid, nil
+		}
+	}
+	return 0, nil
+}

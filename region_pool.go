@@ -18,7 +18,8 @@ import (
 // region they have mapped by its path (PROTOCOL.md §3, region_cache.go).
 // clientBuffers is that pool. Sessions share a region when they have the
 // same layout (size and slice sizes), prefix and mapping mode, and talk to
-// the same server process.
+// the same server process: the one that sends the server's handshake frames,
+// as the kernel reports it (peekSender), not the one that listens.
 //
 // Only memfd regions are shared. In file mode a server removes the buffer
 // file when its last session on it ends (PROTOCOL.md §8, trap 12), and the
@@ -63,10 +64,11 @@ func serverGone(pidfd int) bool {
 	return err == nil && n > 0
 }
 
-// poolKeyFor returns the pool key of a client session, or false when its
-// region is not to be shared.
-func poolKeyFor(conf *Config, peer peerID) (poolKey, bool) {
-	if conf.MemMapType != MemMapTypeMemFd || peer.pid <= 0 {
+// poolKeyFor returns the pool key of a client session with the server
+// process server (0 when unknown), or false when its region is not to be
+// shared.
+func poolKeyFor(conf *Config, server int32) (poolKey, bool) {
+	if conf.MemMapType != MemMapTypeMemFd || server <= 0 {
 		return poolKey{}, false
 	}
 	plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
@@ -80,7 +82,7 @@ func poolKeyFor(conf *Config, peer peerID) (poolKey, bool) {
 		b.WriteString(strconv.FormatUint(uint64(p.count), 10))
 		b.WriteByte(',')
 	}
-	return poolKey{size: conf.ShareMemoryBufferCap, layout: b.String(), prefix: conf.ShareMemoryPathPrefix, server: peer.pid}, true
+	return poolKey{size: conf.ShareMemoryBufferCap, layout: b.String(), prefix: conf.ShareMemoryPathPrefix, server: server}, true
 }
 
 // newRegionPrefix returns a fresh name prefix for a client's regions.

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/goshm/shmipc/internal/wire"
 )
 
 // Session is one connection between a client and a server process, with its
@@ -30,7 +32,8 @@ type Session struct {
 	sendQ       *ioQueue
 	recvQ       *ioQueue
 
-	localPeer bool // the peer is this process (both ends in one program)
+	localPeer bool  // the peer is this process (both ends in one program)
+	serverPid int32 // a memfd client's server process (exchangeVersion), 0 if unknown
 	// localPeerSession is the peer's Session when localPeer and the peer
 	// is one (pairLocal): a writer then drains the peer's queue itself
 	// (drainForPeer) instead of waking it.
@@ -120,7 +123,7 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 
 // start runs the receive loop of a session whose handshake is done.
 func (s *Session) start() {
-	if id, err := peerOf(s.ec.conn); err == nil && int(id.pid) == pid {
+	if s.peerPid() == pid {
 		s.localPeer = true
 		pairLocal(s)
 	}
@@ -128,6 +131,20 @@ func (s *Session) start() {
 	s.conf.logger().Debug("shmipc: session started", "role", s.role(), "version", s.version,
 		"local", s.LocalAddr(), "remote", s.RemoteAddr())
 	go s.recvLoop()
+}
+
+// peerPid returns the pid of the peer process, or 0 when it is unknown: for
+// a client that learnt it in a memfd handshake, the process that answered
+// (exchangeVersion); otherwise the one SO_PEERCRED names, which for a client
+// is the process that listens.
+func (s *Session) peerPid() int {
+	if s.isClient && s.version == wire.VersionMemfd {
+		return int(s.serverPid)
+	}
+	if id, err := peerOf(s.ec.conn); err == nil {
+		return int(id.pid)
+	}
+	return 0
 }
 
 // LocalAddr returns the local address of the session's connection.

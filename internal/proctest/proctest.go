@@ -171,6 +171,9 @@ type Config struct {
 	// Timeout is the child's self-destruct timeout (-test.timeout). Zero
 	// means DefaultTimeout.
 	Timeout time.Duration
+	// ExtraFiles are open files the child inherits as descriptors 3, 4 and
+	// so on (exec.Cmd.ExtraFiles); the caller still owns and closes them.
+	ExtraFiles []*os.File
 	// Credential, if set, runs the child as that user and group (the parent
 	// must be root). The test binary usually lies in a build directory only
 	// its owner can enter, so Start then runs a copy of it from a fresh
@@ -238,6 +241,7 @@ func Start(t testing.TB, cfg Config) *Child {
 		env = append(env, ArgEnvPrefix+k+"="+v)
 	}
 	cmd.Env = append(env, cfg.Env...)
+	cmd.ExtraFiles = cfg.ExtraFiles
 	if cfg.Credential != nil {
 		cmd.Dir = dir
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cfg.Credential}
