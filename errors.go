@@ -46,8 +46,8 @@ var (
 	// an operation that failed, because a bound set in Config was reached:
 	// streams open at once (MaxStreams), streams not yet accepted
 	// (MaxPendingAccepts), or fallback data not yet read
-	// (MaxFallbackBuffered, MaxFallbackBufferedPerStream). The message names
-	// the bound.
+	// (MaxFallbackBuffered, MaxFallbackBufferedPerStream); or a Reserve
+	// beyond MaxReserve. The message names the bound.
 	ErrLimitExceeded = errors.New("shmipc: limit exceeded")
 
 	// ErrNotSupported is returned for operations the protocol does not allow

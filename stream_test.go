@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -1412,5 +1413,37 @@ func TestStreamIndexSharedSlots(t *testing.T) {
 	checkIndex(srv)
 	for _, st := range open {
 		st.Close()
+	}
+}
+
+// A count too large to allocate is an error, as a negative one is, not a
+// panic in make; the stream goes on working.
+func TestReserveBeyondMaxReserve(t *testing.T) {
+	s := dialEchoSession(t, nil)
+	st, err := s.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	for _, n := range []int{MaxReserve + 1, 1 << 50, math.MaxInt} {
+		if p, err := st.BufferWriter().Reserve(n); !errors.Is(err, ErrLimitExceeded) || p != nil {
+			t.Errorf("Reserve(%d) = %d bytes, %v; want an error wrapping ErrLimitExceeded", n, len(p), err)
+		}
+		if p, err := st.NetpollWriter().Malloc(n); !errors.Is(err, ErrLimitExceeded) || p != nil {
+			t.Errorf("Malloc(%d) = %d bytes, %v; want an error wrapping ErrLimitExceeded", n, len(p), err)
+		}
+	}
+	p, err := st.BufferWriter().Reserve(5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(p, "hello")
+	if err := st.Flush(false); err != nil {
+		t.Fatal(err)
+	}
+	st.SetReadDeadline(time.Now().Add(peerTimeout))
+	got := make([]byte, 5)
+	if _, err := io.ReadFull(st, got); err != nil || string(got) != "hello" {
+		t.Fatalf("echo after the refused counts: %q, %v", got, err)
 	}
 }

@@ -21,7 +21,8 @@ type BufferWriter interface {
 	// next Flush or Close. When shared memory cannot hold n bytes in one
 	// slice, the bytes are private memory and the message will be sent as
 	// fallback data. Reserve is for serialising a message in place; to
-	// send bytes you already hold, use WriteBytes.
+	// send bytes you already hold, use WriteBytes. A negative n, or one
+	// over MaxReserve, is an error (not a panic, as make's would be).
 	Reserve(n int) ([]byte, error)
 
 	// WriteBytes appends a copy of p to the message. It copies through
@@ -215,10 +216,21 @@ func (w *streamWriter) usable() error {
 	return nil
 }
 
+// MaxReserve is the most bytes one BufferWriter.Reserve (or netpoll
+// Malloc) hands out: 1 TiB, more than any machine this runs on holds, and
+// far below what makes make([]byte, n) panic. A count beyond it, such as
+// a length prefix read from a corrupt message, gets an error that wraps
+// ErrLimitExceeded. A count that fits it but not in memory fails as
+// make([]byte, n) does.
+const MaxReserve = 1 << 40
+
 // reserve returns n contiguous bytes at the end of the message.
 func (w *streamWriter) reserve(n int) ([]byte, error) {
 	if n < 0 {
 		return nil, errNegative
+	}
+	if uint64(n) > MaxReserve {
+		return nil, fmt.Errorf("%w: Reserve of %d bytes, more than MaxReserve (%d)", ErrLimitExceeded, n, MaxReserve)
 	}
 	if err := w.usable(); err != nil {
 		return nil, err
