@@ -206,3 +206,90 @@ func TestFallbackWhenFull(t *testing.T) {
 		t.Fatal("bytes differ across the switch to fallback data")
 	}
 }
+
+// TestReadBeyondFallbackBounds reads, with BufferReader.ReadBytes or Peek,
+// a message sent as fallback data that is larger than the session may hold
+// unread: the receive loop takes the data for the waiting reader, where it
+// would otherwise stop reading until the application made room while the
+// application waited for the data, until FallbackStallTimeout ended the
+// session. The last case holds the session's bound with another stream's
+// unread data first.
+func TestReadBeyondFallbackBounds(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		peek       bool
+		otherHolds bool
+	}{
+		{"ReadBytes", false, false},
+		{"Peek", true, false},
+		{"session bound held by another stream", false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			conf := smallRegion()
+			conf.MaxFallbackFrameSize = minFallbackFrame
+			conf.MaxFallbackBufferedPerStream = 1 << 20
+			conf.MaxFallbackBuffered = 1 << 20
+			conf.FallbackStallTimeout = 5 * time.Second // only a failing run waits for it
+			sess, accepted := bpPair(t, conf)
+			write := func(msg []byte) (*Stream, <-chan error) {
+				st, err := sess.OpenStream()
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { st.Close() })
+				done := make(chan error, 1)
+				go func() {
+					_, err := st.Write(msg)
+					done <- err
+				}()
+				return st, done
+			}
+			receive := func() *Stream {
+				select {
+				case st := <-accepted:
+					t.Cleanup(func() { st.Close() })
+					return st
+				case <-time.After(peerTimeout):
+					t.Fatal("no stream accepted")
+					return nil
+				}
+			}
+			if tc.otherHolds {
+				_, done := write(bytes.Repeat([]byte{'o'}, 600<<10)) // more than half the region: fallback
+				if err := errWithin(t, done, peerTimeout, "Write on the other stream"); err != nil {
+					t.Fatal(err)
+				}
+				other := receive() // and never read
+				waitUntil(t, "the other stream's data received", peerTimeout, func() bool {
+					return other.Session().Stats().FallbackBytesIn >= 600<<10
+				})
+			}
+			msg := make([]byte, 4<<20)
+			for i := range msg {
+				msg[i] = byte(i / 4093)
+			}
+			_, done := write(msg)
+			srv := receive()
+			srv.SetReadDeadline(time.Now().Add(time.Minute))
+			var got []byte
+			var err error
+			if tc.peek {
+				got, err = srv.BufferReader().Peek(len(msg))
+			} else {
+				got, err = srv.BufferReader().ReadBytes(len(msg))
+			}
+			if err != nil {
+				t.Fatalf("reading %d bytes: %v", len(msg), err)
+			}
+			if !bytes.Equal(got, msg) {
+				t.Fatal("the data read differs from the data written")
+			}
+			if err := errWithin(t, done, peerTimeout, "Write"); err != nil {
+				t.Fatalf("Write: %v", err)
+			}
+			if err := sess.Err(); err != nil {
+				t.Fatalf("session: %v", err)
+			}
+		})
+	}
+}

@@ -302,12 +302,17 @@ func (s *Session) handleFallback(payload []byte) error {
 // session, while fallback data the application has not read would exceed
 // Config.MaxFallbackBufferedPerStream or MaxFallbackBuffered with n more
 // bytes. One message is always taken when nothing is held, so a bound below
-// the largest frame cannot wedge a stream. If the application makes no room
+// the largest frame cannot wedge a stream, and messages are taken while the
+// stream's reader waits for more bytes than it has (wantBytes), so a read
+// of more than the bound cannot either. If the application makes no room
 // within FallbackStallTimeout, the session ends with an error naming the
 // bound.
 func (s *Session) waitFallbackRoom(st *Stream, n int) error {
 	var timer *time.Timer
 	for {
+		if st.readShort.Load() > 0 {
+			return nil // a reader waits for more than is held (wantBytes)
+		}
 		stream := st.heldFallback.Load()
 		session := s.fallbackHeld.Load()
 		var bound string

@@ -58,15 +58,21 @@ type Stream struct {
 	spaceTimer *time.Timer
 	wDeadline  atomic.Pointer[time.Time]
 
-	writeClosed  atomic.Bool   // writes fail: closed here or by the peer
-	closeOwed    atomic.Bool   // Close left its writer's part to the goroutine holding wmu (finishClose)
-	closeTells   bool          // whether that part tells the peer; written before closeOwed is set
-	fallback     atomic.Bool   // once set, every message goes as FallbackData
-	refDropped   atomic.Bool   // the stream's references on the regions are gone
-	ended        atomic.Bool   // the session has ended (sessionEnded ran)
-	heldFallback atomic.Int64  // received fallback bytes not yet released
-	awaiting     atomic.Bool   // sent since data last arrived: a reply is likely on its way
-	kept         atomic.Uint64 // a received slice kept for the next message (reuse.go)
+	writeClosed  atomic.Bool  // writes fail: closed here or by the peer
+	closeOwed    atomic.Bool  // Close left its writer's part to the goroutine holding wmu (finishClose)
+	closeTells   bool         // whether that part tells the peer; written before closeOwed is set
+	fallback     atomic.Bool  // once set, every message goes as FallbackData
+	refDropped   atomic.Bool  // the stream's references on the regions are gone
+	ended        atomic.Bool  // the session has ended (sessionEnded ran)
+	heldFallback atomic.Int64 // received fallback bytes not yet released
+	// readWant is the count the stream's waiting reader needs unread
+	// (awaitReadable; 0 while none waits), under mu; readShort is how many
+	// bytes it still lacks, for the receive loop, which takes fallback data
+	// for such a reader whatever the bounds (waitFallbackRoom).
+	readWant  int
+	readShort atomic.Int64
+	awaiting  atomic.Bool   // sent since data last arrived: a reply is likely on its way
+	kept      atomic.Uint64 // a received slice kept for the next message (reuse.go)
 	// peerRefs is the paired peer session (pairLocal) whose queue and
 	// buffer regions the stream holds references on, so that its writer
 	// drains that session's queue (drainForPeer) without taking any; nil
@@ -178,7 +184,12 @@ func (st *Stream) waitOffered(n int, offered bool) error {
 func (st *Stream) awaitReadable(n int, offered bool) error {
 	r := &st.reader
 	st.readWaiters++
-	defer func() { st.readWaiters-- }()
+	defer func() {
+		if st.readWaiters--; st.readWaiters == 0 && st.readWant != 0 {
+			st.readWant = 0
+			st.readShort.Store(0)
+		}
+	}()
 	for r.unread < n {
 		if st.offerN > 0 {
 			if offered {
@@ -210,6 +221,7 @@ func (st *Stream) awaitReadable(n int, offered bool) error {
 		if !deadline.IsZero() && !time.Now().Before(deadline) {
 			return ErrTimeout
 		}
+		st.wantBytes(n)
 		st.mu.Unlock()
 		// Poll only while a reply is awaited: a reader that waits for the
 		// peer to start something (a server between requests) would spin
@@ -256,6 +268,28 @@ func (st *Stream) awaitReadable(n int, offered bool) error {
 	return nil
 }
 
+// wantBytes records, under mu, that a reader is about to wait until n
+// bytes are unread. A reader that waits for more than the fallback bounds
+// let the session hold (BufferReader.ReadBytes of a large message) would
+// otherwise wait for data the receive loop holds back until it reads: so
+// the loop takes fallback data for it regardless, and is told to look
+// again if it is holding some back.
+func (st *Stream) wantBytes(n int) {
+	want := max(st.readWant, n)
+	short := int64(want - st.reader.unread)
+	if want == st.readWant && st.readShort.Load() == short {
+		return
+	}
+	st.readWant = want
+	st.readShort.Store(short)
+	if st.s.fallbackHeld.Load() > 0 {
+		select {
+		case st.s.fallbackRoom <- struct{}{}:
+		default:
+		}
+	}
+}
+
 // holdsReceived reports whether the stream's reader holds received slices
 // of the buffer region that it read in place and has not released.
 func (st *Stream) holdsReceived() bool {
@@ -276,6 +310,9 @@ func (st *Stream) deliver(slices []segment, heap []byte) bool {
 		st.reader.appendHeap(heap)
 	} else {
 		st.reader.append(slices)
+	}
+	if st.readWant != 0 {
+		st.readShort.Store(int64(max(0, st.readWant-st.reader.unread)))
 	}
 	st.mu.Unlock()
 	st.delivered.Add(1)
