@@ -284,7 +284,11 @@ func (l *Listener) AcceptStream() (*Stream, error) {
 //     listening.
 //
 // So a server that stops gracefully closes the listener, lets its handlers
-// finish and close their streams, and its sessions end by themselves.
+// finish and close their streams, and its sessions end by themselves. A
+// SessionManager client moves to a new session on the first stream it
+// finds refused, and closes its pooled streams of the old one; a client
+// that holds streams open for good keeps its session, and the server's
+// handlers, alive: bound the wait and call CloseAll.
 // CloseAll ends them at once instead. Close returns once the accept loop has
 // stopped and the sessions that had no stream left have ended; it may be
 // called more than once, and returns the error of closing the listening

@@ -74,6 +74,11 @@ type Session struct {
 	// epoch of a HotRestart frame (client) or HotRestartAck frame (server).
 	// They must not block.
 	onHotRestart    atomic.Pointer[func(epoch uint64)]
+	// onRefused, set before the receive loop starts, runs on it when the
+	// server closes a stream this client opened without having sent
+	// anything on it: a stopping server's Listener refuses new streams so
+	// (SessionManager.refused). It must not block.
+	onRefused func()
 	counters        stripedCounters
 	onHotRestartAck atomic.Pointer[func(epoch uint64)]
 

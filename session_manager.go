@@ -69,6 +69,18 @@ type SessionManagerConfig struct {
 // GetStreamContext waits for one. Streams already handed out on a dead
 // session fail with errors wrapping ErrSessionClosed.
 //
+// A server stopping gracefully (Listener.Close) keeps its sessions while
+// streams are open on them and closes every new stream as it arrives; the
+// stream's user reads io.EOF. When the server closes a stream the manager
+// opened without having sent anything on it, on a session older than a
+// second, the manager dials a new session to the address, where a new
+// server may listen by now, and retires the old one: its pooled streams
+// are closed, the streams handed out are closed when put back, and the
+// session ends with the last of them, which lets the old server finish.
+// If the dial fails the old session stays, and the next refusal tries
+// again. (A server whose application closes new streams without answering
+// costs at most one such dial a second.)
+//
 // Hot restart (PROTOCOL.md §7, hotrestart.go): the first HotRestart frame
 // from the server makes the manager dial SessionNum new sessions to the same
 // address (where the new server now answers), with regions named
@@ -145,7 +157,7 @@ func NewSessionManager(conf SessionManagerConfig) (*SessionManager, error) {
 	}
 	m.slots = make([]*smSlot, conf.SessionNum)
 	for i, s := range sessions {
-		sl := &smSlot{m: m, index: i, sess: s}
+		sl := &smSlot{m: m, index: i, sess: s, refused: make(chan *Session, 1)}
 		m.slots[i] = sl
 		m.wg.Add(1)
 		go sl.watch(s)
@@ -158,6 +170,30 @@ func NewSessionManager(conf SessionManagerConfig) (*SessionManager, error) {
 	m.hr.ready = true // HotRestart frames are acted on from now on
 	m.hr.mu.Unlock()
 	return m, nil
+}
+
+// setupSession installs the manager's hooks on a session it dialed, before
+// its receive loop starts.
+func (m *SessionManager) setupSession(s *Session) {
+	m.hotRestartSetup(s)
+	s.onRefused = func() { m.refused(s) }
+}
+
+// refused tells the slot whose session s is that the server refused a
+// stream on it (Session.onRefused). It runs on s's receive loop.
+func (m *SessionManager) refused(s *Session) {
+	for _, sl := range m.slots {
+		sl.mu.Lock()
+		cur := sl.sess
+		sl.mu.Unlock()
+		if cur == s {
+			select {
+			case sl.refused <- s:
+			default:
+			}
+			return
+		}
+	}
 }
 
 // dial dials one session; Close aborts it.
@@ -174,7 +210,7 @@ func (m *SessionManager) dialWith(ctx context.Context, conf *Config) (*Session, 
 		return nil, fmt.Errorf("shmipc: dial %s %s: %w", m.conf.Network, m.conf.Address, err)
 	}
 	stop := context.AfterFunc(ctx, func() { conn.Close() }) // abort the handshake
-	s, err := handshake(conn, conf, true, m.hotRestartSetup)
+	s, err := handshake(conn, conf, true, m.setupSession)
 	if !stop() && err == nil { // Close came during the handshake
 		s.Close()
 		return nil, ErrSessionManagerClosed

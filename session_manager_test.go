@@ -585,3 +585,89 @@ func TestSessionManagerClose(t *testing.T) {
 	}
 	smWaitGoroutines(t, before)
 }
+
+// TestSessionManagerServerStopsGracefully stops the server as Listener.Close
+// says to, while the manager pools streams to it, and starts a new server
+// at the same address. The old server's Listener closes each new stream as
+// it arrives and its sessions end only once their last stream is closed:
+// a manager that went on reusing its pooled streams would keep the old
+// server from ever stopping, and every stream it opened would fail. A
+// refused stream makes the manager move to the new server and let go of
+// the old one.
+func TestSessionManagerServerStopsGracefully(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	old := smStartEcho(t, sock)
+	t.Cleanup(func() { old.ln.CloseAll() })
+	m := smNewManager(t, sock, 1)
+	defer m.Close()
+	var pooled []*Stream
+	for range 2 {
+		st, err := m.GetStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := smRoundTrip(st, []byte("hello")); err != nil {
+			t.Fatal(err)
+		}
+		pooled = append(pooled, st)
+	}
+	for _, st := range pooled {
+		m.PutBack(st)
+	}
+	time.Sleep(refusedMinAge) // a younger session ignores refusals
+
+	if err := old.ln.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(listenerSessions(old.ln)); n != 1 {
+		t.Fatalf("%d sessions of the closed listener left; want 1, kept by the pooled streams", n)
+	}
+	nw := smStartEcho(t, sock)
+	defer nw.close(t)
+
+	// Three requests at once, one more than the pool holds, until the new
+	// server serves one.
+	var failed atomic.Int64
+	burst := func() {
+		var wg sync.WaitGroup
+		for range 3 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				st, err := m.GetStreamContext(ctx)
+				if err != nil {
+					failed.Add(1)
+					return
+				}
+				st.SetDeadline(time.Now().Add(10 * time.Second))
+				if err := smRoundTrip(st, []byte("request")); err != nil {
+					failed.Add(1)
+					st.Close()
+					return
+				}
+				m.PutBack(st)
+			}()
+		}
+		wg.Wait()
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for nw.accepted.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("30s after the old server stopped accepting, the new one has served nothing (%d requests failed)", failed.Load())
+		}
+		burst()
+	}
+	t.Logf("%d requests failed before the manager moved", failed.Load())
+	waitUntil(t, "the old server's sessions to end", 10*time.Second, func() bool {
+		return len(listenerSessions(old.ln)) == 0
+	})
+	failed.Store(0)
+	for range 50 {
+		burst()
+	}
+	if n := failed.Load(); n != 0 {
+		t.Errorf("%d of 150 requests failed after the move to the new server", n)
+	}
+}

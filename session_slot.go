@@ -19,7 +19,14 @@ type smSlot struct {
 	sess    *Session // nil while it is being re-dialed
 	idle    []idleStream
 	lastErr error // why the last dial failed
+
+	refused chan *Session // a session whose server refused a stream (SessionManager.refused)
 }
+
+// refusedMinAge is how long a session serves before a refused stream makes
+// its slot dial a replacement (watch): the server whose application closes
+// some new streams without answering costs at most a dial a second.
+const refusedMinAge = time.Second
 
 type idleStream struct {
 	st    *Stream
@@ -106,6 +113,16 @@ func (sl *smSlot) watch(s *Session) {
 	for {
 		select {
 		case <-s.closed:
+		case r := <-sl.refused:
+			if r == s && !s.IsClosed() && time.Since(born) >= refusedMinAge {
+				if ns := sl.replaceRefused(s); ns != nil {
+					s, born = ns, time.Now()
+				}
+			}
+			if m.ctx.Err() != nil {
+				return
+			}
+			continue
 		case <-m.ctx.Done():
 			return
 		}
@@ -159,6 +176,35 @@ func (sl *smSlot) watch(s *Session) {
 			sl.mu.Unlock()
 		}
 	}
+}
+
+// replaceRefused handles a stream refused on the slot's session s, healthy
+// otherwise. A server refuses new streams when its Listener has been
+// closed to stop gracefully: its sessions then end only once their last
+// stream is closed, so a pool that goes on reusing its streams would keep
+// it from ever stopping, while every stream the pool opens fails. So the
+// slot dials a new session, to the server that now listens at the address,
+// and retires s: its idle streams are closed, the streams handed out are
+// closed as they are put back, and s ends with the last of them. When the
+// dial fails (nobody listens yet), s stays, and the next refusal tries
+// again. It returns the new session, or nil.
+func (sl *smSlot) replaceRefused(s *Session) *Session {
+	ns, err := sl.m.dial()
+	if err != nil {
+		return nil
+	}
+	old, idle, ok := sl.replace(ns)
+	if !ok {
+		ns.Close()
+		return nil
+	}
+	for _, is := range idle {
+		is.st.Close()
+	}
+	if old != nil {
+		old.retire()
+	}
+	return ns
 }
 
 // attach installs a re-dialed session and returns it, unless the manager

@@ -338,6 +338,9 @@ func (st *Stream) peerClose() {
 	st.mu.Lock()
 	st.peerClosed = true
 	st.mu.Unlock()
+	if f := st.s.onRefused; f != nil && st.delivered.Load() == 0 {
+		f()
+	}
 	st.writeClosed.Store(true)
 	st.notify()
 	st.dropKept()
