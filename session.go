@@ -73,12 +73,12 @@ type Session struct {
 	// Hot restart (PROTOCOL.md §7): called on the receive loop with the
 	// epoch of a HotRestart frame (client) or HotRestartAck frame (server).
 	// They must not block.
-	onHotRestart    atomic.Pointer[func(epoch uint64)]
+	onHotRestart atomic.Pointer[func(epoch uint64)]
 	// onRefused, set before the receive loop starts, runs on it when the
 	// server closes a stream this client opened without having sent
 	// anything on it: a stopping server's Listener refuses new streams so
 	// (SessionManager.refused). It must not block.
-	onRefused func()
+	onRefused       func()
 	counters        stripedCounters
 	onHotRestartAck atomic.Pointer[func(epoch uint64)]
 
