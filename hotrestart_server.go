@@ -38,10 +38,12 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/goshm/shmipc/internal/wire"
+	"golang.org/x/sys/unix"
 )
 
 // hotRestartTimeout bounds a hot restart on both sides (PROTOCOL.md §7):
@@ -125,8 +127,11 @@ func (l *Listener) HotRestart(epoch uint64) error {
 	l.mu.Unlock()
 
 	// The socket path now belongs to the new server.
-	if ul, ok := l.ln.(*net.UnixListener); ok {
-		ul.SetUnlinkOnClose(false)
+	switch ln := l.ln.(type) {
+	case *pathListener:
+		ln.keep.Store(true)
+	case *net.UnixListener:
+		ln.SetUnlinkOnClose(false)
 	}
 
 	// Hooks first, so that no acknowledgement can be missed.
@@ -253,11 +258,10 @@ func ListenTakeover(address string, conf *Config) (*Listener, error) {
 		return nil, fmt.Errorf("shmipc: listen (takeover) unix %s: %w", address, err)
 	}
 	tmp := filepath.Join(filepath.Dir(address), fmt.Sprintf(".shmipc-tk-%016x", rand.Uint64()))
-	ul, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
+	ul, err := listenUnixAt(tmp)
 	if err != nil {
 		return fail(err)
 	}
-	ul.SetUnlinkOnClose(false)
 	if err := os.Chmod(tmp, conf.SocketFileMode); err != nil {
 		ul.Close()
 		os.Remove(tmp)
@@ -274,24 +278,61 @@ func ListenTakeover(address string, conf *Config) (*Listener, error) {
 		os.Remove(tmp)
 		return fail(err)
 	}
-	tl := &takeoverListener{UnixListener: ul, path: address, dev: uint64(st.Dev), ino: uint64(st.Ino)}
-	return NewListener(tl, conf), nil
+	pl := &pathListener{UnixListener: ul, path: address, dev: uint64(st.Dev), ino: uint64(st.Ino)}
+	return NewListener(pl, conf), nil
 }
 
-// takeoverListener is a Unix listener whose socket file was renamed into
-// place; it reports the final path and removes it only while it is its own.
-type takeoverListener struct {
-	*net.UnixListener
-	path     string
-	dev, ino uint64
-}
-
-func (t *takeoverListener) Addr() net.Addr { return &net.UnixAddr{Name: t.path, Net: "unix"} }
-
-func (t *takeoverListener) Close() error {
-	var st syscall.Stat_t
-	if syscall.Stat(t.path, &st) == nil && uint64(st.Dev) == t.dev && uint64(st.Ino) == t.ino {
-		os.Remove(t.path)
+// listenUnixAt listens on a new Unix socket file at path, which the caller
+// removes. A path too long for a socket address (108 bytes with its NUL)
+// is bound through /proc/self/fd and a descriptor of its directory, so
+// that a temporary name longer than the final one cannot fail where the
+// final one would not.
+func listenUnixAt(path string) (*net.UnixListener, error) {
+	name := path
+	if len(path) >= len(syscall.RawSockaddrUnix{}.Path) {
+		dir, err := os.OpenFile(filepath.Dir(path), os.O_RDONLY|unix.O_DIRECTORY|unix.O_PATH, 0)
+		if err != nil {
+			return nil, err
+		}
+		defer dir.Close()
+		name = fmt.Sprintf("/proc/self/fd/%d/%s", dir.Fd(), filepath.Base(path))
 	}
-	return t.UnixListener.Close()
+	ul, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
+	if err != nil {
+		return nil, err
+	}
+	ul.SetUnlinkOnClose(false)
+	return ul, nil
+}
+
+// pathListener is a Unix listener on a socket file that it removes on
+// Close only while the file is still its own socket: a server that has
+// taken the path over since (ListenTakeover) keeps its socket, and so does
+// one that HotRestart handed the path to (keep).
+type pathListener struct {
+	*net.UnixListener
+	path     string // as given; Addr reports it
+	dev, ino uint64
+	keep     atomic.Bool
+}
+
+// ownSocketFile wraps ul, listening on the socket file at path, in a
+// pathListener.
+func ownSocketFile(ul *net.UnixListener, path string) (*pathListener, error) {
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		return nil, &os.PathError{Op: "stat", Path: path, Err: err}
+	}
+	ul.SetUnlinkOnClose(false)
+	return &pathListener{UnixListener: ul, path: path, dev: uint64(st.Dev), ino: uint64(st.Ino)}, nil
+}
+
+func (p *pathListener) Addr() net.Addr { return &net.UnixAddr{Name: p.path, Net: "unix"} }
+
+func (p *pathListener) Close() error {
+	var st syscall.Stat_t
+	if !p.keep.Load() && syscall.Stat(p.path, &st) == nil && uint64(st.Dev) == p.dev && uint64(st.Ino) == p.ino {
+		os.Remove(p.path)
+	}
+	return p.UnixListener.Close()
 }

@@ -88,7 +88,13 @@ func Listen(network, address string, conf *Config) (*Listener, error) {
 		return nil, fmt.Errorf("shmipc: listen %s %s: %w", network, address, err)
 	}
 	if ul, ok := ln.(*net.UnixListener); ok && !strings.HasPrefix(address, "@") {
-		if err := os.Chmod(address, conf.SocketFileMode); err != nil {
+		err := os.Chmod(address, conf.SocketFileMode)
+		if err == nil {
+			// Removed on Close only while it is this listener's: a new
+			// server may have taken the path over (ListenTakeover).
+			ln, err = ownSocketFile(ul, address)
+		}
+		if err != nil {
 			ul.Close()
 			return nil, fmt.Errorf("shmipc: listen %s %s: %w", network, address, err)
 		}
@@ -272,8 +278,9 @@ func (l *Listener) AcceptStream() (*Stream, error) {
 // established connections, here the streams already accepted, live on.
 //
 //   - The listening socket is closed, so no new session can start; a Unix
-//     socket file created by Listen is removed (unless a hot restart handed
-//     the path to a new server). Connections still in their handshake are
+//     socket file created by Listen is removed, unless it is no longer its
+//     own (a new server took the path over with ListenTakeover) or a hot
+//     restart handed the path on. Connections still in their handshake are
 //     dropped.
 //   - Accept and AcceptStream fail with ErrListenerClosed. Streams opened
 //     and not yet accepted are closed, and so is every stream a client opens
