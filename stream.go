@@ -401,6 +401,9 @@ func (st *Stream) writeDeadlineErr() error {
 func (st *Stream) flushLocked() error {
 	w := &st.writer
 	if w.size == 0 {
+		if w.closedUnsent {
+			return ErrStreamClosed
+		}
 		return w.discard()
 	}
 	raceReleaseIO()
@@ -569,6 +572,9 @@ func (st *Stream) finishClose() error {
 		if !st.closeOwed.Swap(false) {
 			st.wmu.Unlock()
 			continue
+		}
+		if len(st.writer.segs) > 0 {
+			st.writer.closedUnsent = true
 		}
 		err := st.s.access(st.writer.discard)
 		st.wmu.Unlock()

@@ -1447,3 +1447,46 @@ func TestReserveBeyondMaxReserve(t *testing.T) {
 		t.Fatalf("echo after the refused counts: %q, %v", got, err)
 	}
 }
+
+// TestFlushAfterCloseFails builds a message with each writing API, has
+// another goroutine Close the stream, which discards the message, and
+// then flushes: the Flush must fail with ErrStreamClosed, not report the
+// message sent.
+func TestFlushAfterCloseFails(t *testing.T) {
+	s := dialEchoSession(t, nil)
+	msg := []byte("a message Close discards")
+	for _, api := range []string{"WriteBytes", "Reserve", "Malloc"} {
+		t.Run(api, func(t *testing.T) {
+			st, err := s.OpenStream()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var p []byte
+			switch api {
+			case "WriteBytes":
+				_, err = st.BufferWriter().WriteBytes(msg)
+			case "Reserve":
+				p, err = st.BufferWriter().Reserve(len(msg))
+			case "Malloc":
+				p, err = st.NetpollWriter().Malloc(len(msg))
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			copy(p, msg)
+			closed := make(chan error, 1)
+			go func() { closed <- st.Close() }()
+			if err := errWithin(t, closed, peerTimeout, "Close"); err != nil {
+				t.Fatal(err)
+			}
+			if api == "Malloc" {
+				err = st.NetpollWriter().Flush()
+			} else {
+				err = st.Flush(false)
+			}
+			if !errors.Is(err, ErrStreamClosed) {
+				t.Errorf("Flush after Close discarded the message: %v, want ErrStreamClosed", err)
+			}
+		})
+	}
+}

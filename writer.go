@@ -45,6 +45,9 @@ type streamWriter struct {
 	segs []segment
 	size int
 	heap bool // some segment is private memory: the message goes as fallback
+	// closedUnsent: Close discarded a message built and not yet flushed,
+	// whose Flush must then fail rather than find nothing to send.
+	closedUnsent bool
 }
 
 func (w *streamWriter) last() *segment {
