@@ -293,3 +293,25 @@ func TestReadBeyondFallbackBounds(t *testing.T) {
 		})
 	}
 }
+
+// TestFallbackFramesFitAnyPeer echoes messages sent as fallback data
+// between peers with different MaxFallbackFrameSize: the server takes
+// frames of the smallest size allowed, the client of the default size.
+// Frames are sized for any peer, since neither learns the other's limit.
+func TestFallbackFramesFitAnyPeer(t *testing.T) {
+	srvConf := smallRegion()
+	srvConf.MaxFallbackFrameSize = minFallbackFrame
+	ln := startEchoListener(t, srvConf)
+	s, err := Dial("unix", ln.Addr().String(), smallRegion())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	msg := bytes.Repeat([]byte("fallback"), (3<<20)/8) // more than the region: fallback data
+	if err := echoRoundTrip(s, string(msg)); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.FallbackMessagesOut == 0 || st.FallbackMessagesIn < 3 {
+		t.Errorf("stats %+v: want the message to go and come back as fallback frames", st)
+	}
+}

@@ -147,9 +147,9 @@ type Config struct {
 	Logger *slog.Logger
 
 	// MaxFallbackFrameSize is the largest FallbackData frame accepted from
-	// the peer, header included. Larger frames end the session. Frames this
-	// implementation sends are at most min(this, 32 MiB), which other
-	// implementations accept.
+	// the peer, header included (at least 1 MiB). Larger frames end the
+	// session. Frames this implementation sends are at most 1 MiB, so that
+	// every peer takes them whatever its setting.
 	MaxFallbackFrameSize uint32
 
 	// Bounds on what a peer can make this side hold. A peer that reaches
@@ -205,8 +205,12 @@ const (
 	defaultFallbackStallTimeout   = 10 * time.Second
 
 	// maxFallbackFrameSent is the largest FallbackData frame we send: the
-	// Rust reference cannot receive larger ones.
-	maxFallbackFrameSent = 32 << 20
+	// smallest MaxFallbackFrameSize Verify allows, since a peer's limit is
+	// never learnt, and a peer of this implementation configured at that
+	// minimum must take every frame (the references take frames of up to
+	// 32 MiB). A writev of 1 MiB costs a system call per MiB of a message
+	// that goes over the socket anyway.
+	maxFallbackFrameSent = minFallbackFrame
 
 	minBufferCap = 1 << 20
 	// maxPathBudget is the file-mode length guard: a prefix longer than

@@ -487,7 +487,7 @@ func (st *Stream) queueFullGiveUp() error {
 func (st *Stream) sendFallback() error {
 	s, w := st.s, &st.writer
 	st.fallback.Store(true)
-	limit := int(min(s.conf.MaxFallbackFrameSize, maxFallbackFrameSent)) - 16
+	limit := maxFallbackFrameSent - 16 // whatever the peer's MaxFallbackFrameSize
 	var deadline time.Time // bounds the socket writes too
 	if d := st.wDeadline.Load(); d != nil {
 		deadline = *d

@@ -1309,7 +1309,7 @@ const stalledWriteSize = 100 << 20
 // stalledFallbackWrite starts a write of stalledWriteSize bytes on the
 // client stream cli, whose server end nobody reads, and returns once the
 // write is stalled in a fallback frame: more than the region holds goes
-// over the socket in frames of up to 32 MiB, and the server's receive loop
+// over the socket in frames of up to 1 MiB, and the server's receive loop
 // stops reading its socket once it holds MaxFallbackBufferedPerStream of
 // it unread. The channel gets the write's result.
 func (p *streamTestPair) stalledFallbackWrite(t *testing.T, cli *Stream) <-chan writeResult {
