@@ -67,7 +67,10 @@ type Config struct {
 	ShareMemoryBufferCap uint32
 
 	// BufferSliceSizes are the size classes of the buffer region. Sizes must
-	// be distinct multiples of 4 and percentages must add up to 100.
+	// be distinct multiples of 4 and percentages must add up to 100. Each
+	// class gets its percentage of the region in slices; a list never hands
+	// out its last slice, so a class of one slice is never used, and at
+	// least one class must get two.
 	BufferSliceSizes []SizePercentPair
 
 	// ShareMemoryPathPrefix names the regions a client creates:
@@ -296,6 +299,10 @@ func (c *Config) Verify() error {
 		// The server maps only a file named by a clean absolute path.
 		return bad("ShareMemoryPathPrefix %q must be an absolute path without . or .. elements in file mode", c.ShareMemoryPathPrefix)
 	}
+	if len(c.ShareMemoryPathPrefix) > maxMemfdPrefix {
+		// Region names go into the handshake with 16-bit lengths.
+		return bad("ShareMemoryPathPrefix is %d bytes long; at most %d", len(c.ShareMemoryPathPrefix), maxMemfdPrefix)
+	}
 	if c.MemMapType == MemMapTypeDevShmFile && len(c.ShareMemoryPathPrefix)+len(pathUniquePart) > maxPathBudget {
 		return bad("ShareMemoryPathPrefix %q is too long for file mode (at most %d bytes)", c.ShareMemoryPathPrefix, maxPathBudget-len(pathUniquePart))
 	}
@@ -338,6 +345,11 @@ const ReferenceBufferCap = 32 << 20
 // minFallbackFrame is the smallest MaxFallbackFrameSize allowed: the largest
 // slice of the default configuration must fit in one frame.
 const minFallbackFrame = 1 << 20
+
+// maxMemfdPrefix bounds ShareMemoryPathPrefix in memfd mode too (file mode
+// has the tighter maxPathBudget): the region names a client sends, with
+// what hot restart adds to them, must fit the handshake's 16-bit lengths.
+const maxMemfdPrefix = 4096
 
 // pathUniquePart stands for what a client appends to the prefix: "_<pid>_<random>".
 const pathUniquePart = "_4294967295_ffffffffffffffff"
@@ -385,6 +397,16 @@ func planLists(size uint32, pairs []SizePercentPair) ([]listPlan, error) {
 			return nil, fmt.Errorf("slice size %d at %d%% of %d bytes gives no slices (a smaller region needs smaller BufferSliceSizes, e.g. ReferenceSliceSizes())", p.Size, p.Percent, size)
 		}
 		plans[i] = listPlan{sliceCap: p.Size, count: uint32(count)}
+	}
+	// A free list never hands out its last slice (bufferManager.alloc): a
+	// class of one slice is never used, and a layout of such classes
+	// would send everything over the socket.
+	usable := false
+	for _, p := range plans {
+		usable = usable || p.count >= 2
+	}
+	if !usable {
+		return nil, fmt.Errorf("no slice size gets the 2 slices a size class needs to hand one out (a list keeps its last) in %d bytes: use smaller BufferSliceSizes, e.g. ReferenceSliceSizes()", size)
 	}
 	return plans, nil
 }

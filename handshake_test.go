@@ -955,6 +955,18 @@ func TestConfigVerify(t *testing.T) {
 			c.MemMapType = MemMapTypeDevShmFile
 			c.ShareMemoryPathPrefix = "/dev/shm/" + strings.Repeat("p", 200)
 		}},
+		{"memfd prefix too long for the handshake", func(c *Config) {
+			c.ShareMemoryPathPrefix = "/dev/shm/" + strings.Repeat("p", 70000)
+		}},
+		// A free list never hands out its last slice: one slice is none.
+		{"one slice in the only class", func(c *Config) {
+			c.ShareMemoryBufferCap = 1 << 20
+			c.BufferSliceSizes = []SizePercentPair{{1<<20 - 1024, 100}}
+		}},
+		{"one slice in each class", func(c *Config) {
+			c.ShareMemoryBufferCap = 1 << 20
+			c.BufferSliceSizes = []SizePercentPair{{300 << 10, 50}, {400 << 10, 50}}
+		}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

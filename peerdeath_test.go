@@ -501,9 +501,10 @@ func pdConnect(t *testing.T, side, behavior, conf string, mode MemMapType, prefi
 	}
 	p.raw = ln
 	p.c = proctest.Start(t, proctest.Config{TestName: pdChildTest, Role: "peerdeath", Args: args})
+	ln.(*net.UnixListener).SetDeadline(time.Now().Add(childStartTimeout)) // a child that fails never dials
 	conn, err := ln.Accept()
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("the child did not dial: %v\n%s", err, p.c.Output())
 	}
 	if p.sess, err = Server(conn, pdConfig(conf, mode, prefix)); err != nil {
 		t.Fatalf("server handshake: %v\n%s", err, p.c.Output())

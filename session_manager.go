@@ -13,6 +13,7 @@ import (
 // Defaults of SessionManagerConfig.
 const (
 	defaultSessionNum          = 1
+	maxSessionNum              = 4096
 	defaultMaxIdleStreams      = 1024
 	defaultMinReconnectBackoff = 10 * time.Millisecond
 	defaultMaxReconnectBackoff = 2 * time.Second
@@ -30,7 +31,7 @@ type SessionManagerConfig struct {
 	Address string
 
 	// SessionNum is the number of sessions kept open to the server (default
-	// 1). New streams are spread over them round-robin.
+	// 1, at most 4096). New streams are spread over them round-robin.
 	SessionNum int
 
 	// MaxIdleStreams bounds the idle streams pooled per session (default
@@ -126,6 +127,9 @@ func NewSessionManager(conf SessionManagerConfig) (*SessionManager, error) {
 	}
 	if conf.SessionNum == 0 {
 		conf.SessionNum = defaultSessionNum
+	}
+	if conf.SessionNum > maxSessionNum {
+		return nil, fmt.Errorf("%w: SessionNum %d is above %d", ErrInvalidConfig, conf.SessionNum, maxSessionNum)
 	}
 	if conf.MaxIdleStreams == 0 {
 		conf.MaxIdleStreams = defaultMaxIdleStreams

@@ -580,6 +580,11 @@ func TestSessionManagerClose(t *testing.T) {
 	if _, err := NewSessionManager(SessionManagerConfig{Network: "unix", Address: filepath.Join(t.TempDir(), "none.sock")}); err == nil {
 		t.Error("NewSessionManager without a server succeeded")
 	}
+	for _, n := range []int{maxSessionNum + 1, 1 << 62} {
+		if _, err := NewSessionManager(SessionManagerConfig{Network: "unix", Address: "x", SessionNum: n}); !errors.Is(err, ErrInvalidConfig) {
+			t.Errorf("NewSessionManager with SessionNum %d: %v, want ErrInvalidConfig", n, err)
+		}
+	}
 	if _, err := NewSessionManager(SessionManagerConfig{Network: "unix"}); !errors.Is(err, ErrInvalidConfig) {
 		t.Errorf("NewSessionManager without an address: %v, want ErrInvalidConfig", err)
 	}
