@@ -22,6 +22,7 @@ type smHotRestart struct {
 	running bool
 	epoch   uint64 // of the running (or last) restart
 	randID  uint64
+	started time.Time // when the running (or last) restart started
 
 	// Results, for inspection.
 	completed int    // restarts that replaced every session and acknowledged
@@ -37,14 +38,24 @@ func (m *SessionManager) hotRestartSetup(s *Session) {
 	s.onHotRestart.Store(&f)
 }
 
+// minHotRestartInterval is the least time between the starts of two hot
+// restarts of a manager: a server sending HotRestart over and over (on the
+// new sessions as soon as they are current) would otherwise have it dial
+// new sessions and create new regions in a loop.
+const minHotRestartInterval = time.Second
+
 // onHotRestart runs on s's receive loop and must not block. The first
 // HotRestart on a current session starts the switch to the new server;
-// HotRestart on a parked session, or during a switch, is ignored.
+// HotRestart on a parked session, during a switch, or within
+// minHotRestartInterval of the start of the last one, is ignored.
 func (m *SessionManager) onHotRestart(s *Session, epoch uint64) {
 	m.hr.mu.Lock()
 	defer m.hr.mu.Unlock()
 	if !m.hr.ready || m.hr.running || !m.isCurrent(s) {
 		return
+	}
+	if !m.hr.started.IsZero() && time.Since(m.hr.started) < minHotRestartInterval {
+		return // a server repeating HotRestart must not make the manager dial in a loop
 	}
 	m.mu.Lock()
 	if m.closed {
@@ -54,6 +65,7 @@ func (m *SessionManager) onHotRestart(s *Session, epoch uint64) {
 	m.wg.Add(1)
 	m.mu.Unlock()
 	m.hr.running = true
+	m.hr.started = time.Now()
 	m.hr.epoch = epoch
 	m.hr.randID = uint64(time.Now().UnixNano()) + rand.Uint64()
 	go m.runHotRestart(epoch, m.hr.randID, time.Now().Add(hotRestartTimeout))

@@ -8,6 +8,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/signal"
@@ -647,5 +648,67 @@ func TestTakeoverLongPath(t *testing.T) {
 	mustEcho(t, s)
 	if fi, err := os.Stat(sock); err != nil || fi.Mode().Perm() != conf.SocketFileMode {
 		t.Errorf("the socket file: %v, %v; want mode %v", fi.Mode(), err, conf.SocketFileMode)
+	}
+}
+
+// TestHotRestartRepeatedByServer: a server that sends HotRestart over and
+// over, on every session and so on the new ones too, must not make a
+// SessionManager dial new sessions (and create new regions) in a loop: a
+// restart starts at most once a second.
+func TestHotRestartRepeatedByServer(t *testing.T) {
+	ln, sock := listenRaw(t)
+	var accepted atomic.Int64
+	stop := make(chan struct{})
+	var conns sync.WaitGroup
+	acceptDone := make(chan struct{})
+	go func() {
+		defer close(acceptDone)
+		for {
+			c, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			accepted.Add(1)
+			conns.Add(1)
+			go func() {
+				defer conns.Done()
+				defer c.Close()
+				buf, q, _, err := serveRawHandshake(c, MemMapTypeMemFd)
+				if err != nil {
+					return
+				}
+				defer unix.Munmap(buf)
+				defer unix.Munmap(q)
+				go io.Copy(io.Discard, c)
+				for epoch := uint64(1); ; epoch++ {
+					select {
+					case <-stop:
+						return
+					case <-time.After(5 * time.Millisecond):
+					}
+					c.SetWriteDeadline(time.Now().Add(time.Second))
+					if _, err := c.Write(hrFrame(8, epoch)); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	conf := smTestConfig()
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "hrstorm")
+	m, err := NewSessionManager(SessionManagerConfig{Config: conf, Network: "unix", Address: sock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond)
+	n := accepted.Load()
+	m.Close()
+	close(stop)
+	ln.Close()
+	<-acceptDone
+	conns.Wait()
+	// The first session, and one for each restart: at 0 s and at 1 s.
+	if n > 4 {
+		t.Errorf("HotRestart every 5 ms for 1.5 s made the manager dial %d sessions; want at most 4", n-1)
 	}
 }

@@ -83,7 +83,9 @@ type SessionManagerConfig struct {
 // costs at most one such dial a second.)
 //
 // Hot restart (PROTOCOL.md §7, hotrestart.go): the first HotRestart frame
-// from the server makes the manager dial SessionNum new sessions to the same
+// from the server (more than a second after the last restart began: a
+// server repeating it cannot make the manager dial in a loop) makes the
+// manager dial SessionNum new sessions to the same
 // address (where the new server now answers), with regions named
 // <prefix>_epoch_<epoch>_<randID>_<pid>_<random>_buffer and _queue_0. Each
 // new session replaces one old session, whose pooled streams are closed;
