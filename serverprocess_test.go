@@ -2,10 +2,12 @@ package shmipc
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 	"unsafe"
@@ -146,4 +148,73 @@ func TestServingProcessChild(t *testing.T) {
 	default:
 		t.Fatalf("unknown role %q", proctest.Role())
 	}
+}
+
+// TestHandshakeRepliesFromTwoProcesses: this process answers the version
+// exchange, another process holding the same socket sends AckReadyRecvFD.
+// The client chose its buffer region for the first; it must not send the
+// region's descriptors to the second.
+func TestHandshakeRepliesFromTwoProcesses(t *testing.T) {
+	conf := peerConfig(t, MemMapTypeMemFd, 0)
+	ln, sock := listenRaw(t)
+	dialed := startHandshake(func() (*Session, error) { return Dial("unix", sock, conf) })
+	c := acceptRaw(t, ln)
+	c.SetDeadline(time.Now().Add(peerTimeout))
+	if _, err := readN(c, 8); err != nil { // ExchangeProtoVersion
+		t.Fatal(err)
+	}
+	if _, err := c.Write(rawFrame(8, rawMagic, 3, 4)); err != nil {
+		t.Fatal(err)
+	}
+	h, err := readN(c, 8) // ShareMemoryByMemfd
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := readN(c, int(binary.BigEndian.Uint32(h))-8); err != nil {
+		t.Fatal(err)
+	}
+	f, err := c.File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	child, _ := startChild(t, proctest.Config{TestName: "TestHandshakeRepliesChild", Role: "ack", ExtraFiles: []*os.File{f}})
+	res := awaitHandshake(t, dialed, 3*peerTimeout)
+	if res.err == nil {
+		res.s.Close()
+		t.Fatal("Dial succeeded with AckReadyRecvFD from another process")
+	}
+	if !strings.Contains(res.err.Error(), "sent by process") {
+		t.Errorf("Dial: %v; want it to name the two processes", res.err)
+	}
+	line, err := child.ReadLine(30 * time.Second)
+	if err != nil {
+		t.Fatalf("the child did not report: %v", err)
+	}
+	if !strings.HasPrefix(line, "fds 0") {
+		t.Errorf("the process that sent AckReadyRecvFD reports %q; want no descriptors", line)
+	}
+}
+
+// TestHandshakeRepliesChild is the child of
+// TestHandshakeRepliesFromTwoProcesses: it sends AckReadyRecvFD on the
+// connection it inherits and reports the descriptors it then receives.
+func TestHandshakeRepliesChild(t *testing.T) {
+	if !proctest.IsChild() {
+		t.Skip("a child of TestHandshakeRepliesFromTwoProcesses")
+	}
+	fc, err := net.FileConn(os.NewFile(3, "conn"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := fc.(*net.UnixConn)
+	proctest.Ready()
+	if _, err := c.Write(rawFrame(8, rawMagic, 3, 7)); err != nil {
+		t.Fatal(err)
+	}
+	c.SetReadDeadline(time.Now().Add(3 * time.Second))
+	fds, err := rawRecvFds(c)
+	closeFds(fds...)
+	proctest.Println(fmt.Sprintf("fds %d %v", len(fds), err))
+	<-proctest.StdinClosed()
 }
