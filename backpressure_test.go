@@ -315,3 +315,55 @@ func TestFallbackFramesFitAnyPeer(t *testing.T) {
 		t.Errorf("stats %+v: want the message to go and come back as fallback frames", st)
 	}
 }
+
+// TestWaitingReadersKeepFallbackBound: a reader waiting in Read for a byte
+// makes no exception to the fallback bounds. Twelve streams each send a
+// fallback message while their server handlers wait in Read; the session
+// must hold no more than MaxFallbackBuffered plus a frame, and end when
+// nobody makes room.
+func TestWaitingReadersKeepFallbackBound(t *testing.T) {
+	conf := smallRegion()
+	conf.MaxFallbackFrameSize = minFallbackFrame
+	conf.MaxFallbackBufferedPerStream = 1 << 20
+	conf.MaxFallbackBuffered = 1 << 20
+	conf.FallbackStallTimeout = 2 * time.Second
+	sess, accepted := bpPair(t, conf)
+	block := make(chan struct{})
+	defer close(block)
+	var srvSess *Session
+	for range 12 {
+		st, err := sess.OpenStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer st.Close()
+		if _, err := st.Write([]byte{1}); err != nil {
+			t.Fatal(err)
+		}
+		var srv *Stream
+		select {
+		case srv = <-accepted:
+		case <-time.After(peerTimeout):
+			t.Fatal("no stream accepted")
+		}
+		defer srv.Close()
+		srvSess = srv.Session()
+		go func() {
+			b := make([]byte, 1)
+			srv.Read(b) // the first message
+			srv.Read(b) // waits for the next
+			<-block     // and does not read again
+		}()
+		go st.Write(bytes.Repeat([]byte{'x'}, 900<<10)) // more than half the region: fallback
+	}
+	limit := int64(conf.MaxFallbackBuffered) + int64(conf.MaxFallbackFrameSize)
+	waitUntil(t, "the server session to end or exceed its bound", 30*time.Second, func() bool {
+		return srvSess.IsClosed() || srvSess.fallbackHeld.Load() > limit
+	})
+	if held := srvSess.fallbackHeld.Load(); held > limit {
+		t.Errorf("the server holds %d bytes of fallback data; MaxFallbackBuffered is %d, plus a frame %d", held, conf.MaxFallbackBuffered, limit)
+	}
+	if err := srvSess.Err(); !errors.Is(err, ErrLimitExceeded) {
+		t.Errorf("server session: %v, want ErrLimitExceeded", err)
+	}
+}

@@ -179,8 +179,8 @@ type Config struct {
 	// plus one frame (MaxFallbackFrameSize); with the frame being read and
 	// garbage not yet collected, the process grows by up to about twice
 	// that (a flood of 255 MiB against an 8 MiB bound and 1 MiB frames grew
-	// it by 12.9 MiB). A reader waiting for more bytes than a bound
-	// allows (BufferReader.ReadBytes or Peek of a large message) is given
+	// it by 12.9 MiB). A reader waiting for more bytes than a bound leaves
+	// room for (BufferReader.ReadBytes or Peek of a large message) is given
 	// them: the session holds up to what it asked for plus one frame. If
 	// the application makes no room for FallbackStallTimeout (default
 	// 10 s), the session ends.

@@ -71,6 +71,13 @@ func (m *SessionManager) onHotRestart(s *Session, epoch uint64) {
 	go m.runHotRestart(epoch, m.hr.randID, time.Now().Add(hotRestartTimeout))
 }
 
+// hotRestarting reports whether a hot restart is switching the sessions.
+func (m *SessionManager) hotRestarting() bool {
+	m.hr.mu.Lock()
+	defer m.hr.mu.Unlock()
+	return m.hr.running
+}
+
 // isCurrent reports whether s is the session of one of the slots.
 func (m *SessionManager) isCurrent(s *Session) bool {
 	for _, sl := range m.slots {
@@ -230,10 +237,10 @@ func (sl *smSlot) replace(s *Session) (old *Session, idle []idleStream, installe
 	old, idle = sl.sess, sl.idle
 	sl.sess, sl.idle, sl.lastErr = s, nil, nil
 	sl.mu.Unlock()
-	if old == nil {
-		close(m.healthy)
-		m.healthy = make(chan struct{})
-	}
+	// Waiters for a healthy session (GetStreamContext) look again: the
+	// slot may have been empty, or its session dead and not yet noticed.
+	close(m.healthy)
+	m.healthy = make(chan struct{})
 	return old, idle, true
 }
 

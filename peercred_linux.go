@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"net"
 	"os"
@@ -217,8 +218,8 @@ func (c *eventConn) passCred(on bool) error {
 // holds data, and returns the pid of the process that sent its first byte
 // without consuming anything. The pid is 0 when the kernel attached no
 // credentials (SO_PASSCRED was off when the data was sent) or the sender
-// lives in a pid namespace this process cannot see; at the end of the
-// stream it is 0 too, and the read that follows reports it.
+// lives in a pid namespace this process cannot see. At the end of the
+// stream it returns io.EOF.
 func (c *eventConn) peekSender() (int32, error) {
 	if c.raw == nil {
 		return 0, errors.New("sender credentials need a Unix socket")
@@ -226,14 +227,14 @@ func (c *eventConn) peekSender() (int32, error) {
 	var (
 		b       [1]byte
 		oob     = make([]byte, unix.CmsgSpace(unix.SizeofUcred))
-		oobn    int
+		n, oobn int
 		recvErr error
 	)
 	err := c.raw.Read(func(fd uintptr) bool {
 		for {
 			// The control buffer has room for credentials only: were the
 			// peer to attach descriptors, the kernel would not install them.
-			_, oobn, _, _, recvErr = unix.Recvmsg(int(fd), b[:], oob, unix.MSG_PEEK)
+			n, oobn, _, _, recvErr = unix.Recvmsg(int(fd), b[:], oob, unix.MSG_PEEK)
 			switch recvErr {
 			case unix.EINTR:
 				continue
@@ -248,6 +249,9 @@ func (c *eventConn) peekSender() (int32, error) {
 	}
 	if recvErr != nil {
 		return 0, os.NewSyscallError("recvmsg", recvErr)
+	}
+	if n == 0 {
+		return 0, io.EOF
 	}
 	msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
 	if err != nil {

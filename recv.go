@@ -303,16 +303,15 @@ func (s *Session) handleFallback(payload []byte) error {
 // Config.MaxFallbackBufferedPerStream or MaxFallbackBuffered with n more
 // bytes. One message is always taken when nothing is held, so a bound below
 // the largest frame cannot wedge a stream, and messages are taken while the
-// stream's reader waits for more bytes than it has (wantBytes), so a read
-// of more than the bound cannot either. If the application makes no room
+// stream's reader waits for more bytes than the bound leaves room for
+// (wantBytes), so a read of more than the bound cannot either, unless
+// other streams' unread data holds the session's bound meanwhile. If the
+// application makes no room
 // within FallbackStallTimeout, the session ends with an error naming the
 // bound.
 func (s *Session) waitFallbackRoom(st *Stream, n int) error {
 	var timer *time.Timer
 	for {
-		if st.readShort.Load() > 0 {
-			return nil // a reader waits for more than is held (wantBytes)
-		}
 		stream := st.heldFallback.Load()
 		session := s.fallbackHeld.Load()
 		var bound string
@@ -326,6 +325,11 @@ func (s *Session) waitFallbackRoom(st *Stream, n int) error {
 			if timer != nil {
 				timer.Stop()
 			}
+			return nil
+		}
+		// The stream's reader waits for more than the bound leaves room
+		// for with this frame: it cannot make room, so the frame is its.
+		if st.readShort.Load() > 0 && st.readWantN.Load()+int64(n) > limit {
 			return nil
 		}
 		if timer == nil {

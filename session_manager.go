@@ -79,8 +79,11 @@ type SessionManagerConfig struct {
 // are closed, the streams handed out are closed when put back, and the
 // session ends with the last of them, which lets the old server finish.
 // If the dial fails the old session stays, and the next refusal tries
-// again. (A server whose application closes new streams without answering
-// costs at most one such dial a second.)
+// again, a second later at the earliest. (A server whose application
+// closes new streams without answering costs such a dial a second at
+// first; while the new session reaches the same server process as the old
+// one, the wait doubles, up to about a minute.) Close also ends the
+// retired sessions that are still open.
 //
 // Hot restart (PROTOCOL.md §7, hotrestart.go): the first HotRestart frame
 // from the server (more than a second after the last restart began: a

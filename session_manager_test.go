@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
 	"path/filepath"
 	"runtime"
 	"sync"
@@ -675,4 +676,185 @@ func TestSessionManagerServerStopsGracefully(t *testing.T) {
 	if n := failed.Load(); n != 0 {
 		t.Errorf("%d of 150 requests failed after the move to the new server", n)
 	}
+}
+
+// slowAcceptListener delays each accepted connection, and says when one
+// arrived.
+type slowAcceptListener struct {
+	net.Listener
+	accepted chan struct{}
+	delay    time.Duration
+}
+
+func (l *slowAcceptListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		select {
+		case l.accepted <- struct{}{}:
+		default:
+		}
+		time.Sleep(l.delay)
+	}
+	return c, err
+}
+
+// smRefuseOnce keeps a stream open on the manager's session, waits until
+// the session may be replaced, stops the server gracefully, and has a new
+// stream refused; it returns the stream kept.
+func smRefuseOnce(t *testing.T, m *SessionManager, old *smEchoServer, start func()) *Stream {
+	t.Helper()
+	keep, err := m.GetStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { keep.Close() })
+	if err := smRoundTrip(keep, []byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(refusedMinAge)
+	if err := old.ln.Close(); err != nil {
+		t.Fatal(err)
+	}
+	start()
+	st, err := m.GetStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.SetDeadline(time.Now().Add(peerTimeout))
+	if err := smRoundTrip(st, []byte("refused")); err == nil {
+		t.Fatal("a stream opened after the server stopped accepting was answered")
+	}
+	st.Close()
+	return keep
+}
+
+// TestSessionManagerRefusalWakesWaiters: the old session dies while the
+// slot dials its replacement after a refusal; a GetStreamContext that found
+// no healthy session meanwhile is woken when the replacement is installed.
+func TestSessionManagerRefusalWakesWaiters(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	old := smStartEcho(t, sock)
+	t.Cleanup(func() { old.ln.CloseAll() })
+	m := smNewManager(t, sock, 1)
+	defer m.Close()
+	var slow *slowAcceptListener
+	keep := smRefuseOnce(t, m, old, func() {
+		raw, err := net.Listen("unix", sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		slow = &slowAcceptListener{Listener: raw, accepted: make(chan struct{}, 1), delay: 700 * time.Millisecond}
+		nw := NewListener(slow, smTestConfig())
+		t.Cleanup(func() { nw.CloseAll() })
+		go nw.Serve((&smEchoServer{ln: nw}).handle)
+	})
+	select {
+	case <-slow.accepted:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no dial after the refusal")
+	}
+	old.ln.CloseAll() // the old session dies while the dial waits
+	waitUntil(t, "the old session to end", 10*time.Second, func() bool { return keep.Session().IsClosed() })
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	st, err := m.GetStreamContext(ctx)
+	if err != nil {
+		t.Fatalf("GetStreamContext: %v", err)
+	}
+	defer st.Close()
+	if err := smRoundTrip(st, []byte("on the new server")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestSessionManagerCloseEndsRetiredSessions: a session the manager
+// retired after a refusal still carries a stream handed out; Close ends it
+// as it ends the current ones.
+func TestSessionManagerCloseEndsRetiredSessions(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	old := smStartEcho(t, sock)
+	t.Cleanup(func() { old.ln.CloseAll() })
+	m := smNewManager(t, sock, 1)
+	keep := smRefuseOnce(t, m, old, func() {
+		nw := smStartEcho(t, sock)
+		t.Cleanup(func() { nw.close(t) })
+	})
+	waitUntil(t, "the slot to move to a new session", 10*time.Second, func() bool {
+		ss := m.Sessions()
+		return len(ss) == 1 && ss[0] != keep.Session()
+	})
+	if keep.Session().IsClosed() {
+		t.Fatal("the retired session ended with a stream still open on it")
+	}
+	m.Close()
+	if !keep.Session().IsClosed() {
+		t.Error("the retired session is still open after SessionManager.Close")
+	}
+}
+
+// TestSessionManagerRefusalDialsAreRateLimited: refusals make a slot dial
+// at most once a second, whether the dial fails (a listener that drops
+// every connection) or reaches the same server process again (one whose
+// application closes new streams without answering: the wait then
+// doubles).
+func TestSessionManagerRefusalDialsAreRateLimited(t *testing.T) {
+	t.Run("failed dials", func(t *testing.T) {
+		sock := filepath.Join(t.TempDir(), "s.sock")
+		old := smStartEcho(t, sock)
+		t.Cleanup(func() { old.ln.CloseAll() })
+		m := smNewManager(t, sock, 1)
+		defer m.Close()
+		var dials atomic.Int64
+		smRefuseOnce(t, m, old, func() {
+			raw, err := net.Listen("unix", sock)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { raw.Close() })
+			go func() {
+				for {
+					c, err := raw.Accept()
+					if err != nil {
+						return
+					}
+					dials.Add(1)
+					c.Close()
+				}
+			}()
+		})
+		for end := time.Now().Add(time.Second); time.Now().Before(end); {
+			if st, err := m.GetStream(); err == nil {
+				st.SetDeadline(time.Now().Add(time.Second))
+				_ = smRoundTrip(st, []byte("x"))
+				st.Close()
+			}
+			time.Sleep(time.Millisecond)
+		}
+		if n := dials.Load(); n > 2 {
+			t.Errorf("%d dials within a second of refusals", n)
+		}
+	})
+	t.Run("same server", func(t *testing.T) {
+		sock := filepath.Join(t.TempDir(), "s.sock")
+		srv := smStartEcho(t, sock)
+		defer srv.close(t)
+		m := smNewManager(t, sock, 1)
+		defer m.Close()
+		// A zero length makes the server close the stream unanswered.
+		for end := time.Now().Add(2500 * time.Millisecond); time.Now().Before(end); {
+			st, err := m.GetStream()
+			if err != nil {
+				t.Fatal(err)
+			}
+			st.SetDeadline(time.Now().Add(peerTimeout))
+			st.Write(make([]byte, 4))
+			io.Copy(io.Discard, st)
+			st.Close()
+			time.Sleep(time.Millisecond)
+		}
+		// Dials at 1 s, then not before 3 s: two sessions in 2.5 s.
+		if n := len(srv.serverSessions()); n > 2 {
+			t.Errorf("streams closed unanswered by one server made the manager use %d sessions in 2.5 s; want at most 2", n)
+		}
+	})
 }

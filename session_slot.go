@@ -23,10 +23,16 @@ type smSlot struct {
 	refused chan *Session // a session whose server refused a stream (SessionManager.refused)
 }
 
-// refusedMinAge is how long a session serves before a refused stream makes
-// its slot dial a replacement (watch): the server whose application closes
-// some new streams without answering costs at most a dial a second.
-const refusedMinAge = time.Second
+// refusedMinAge is how long a session serves, and how long after the last
+// attempt, before a refused stream makes its slot dial a replacement
+// (watch). When the replacement is answered by the same server process
+// as the session it replaced, the wait doubles, up to refusedMaxWait: a
+// server whose application closes new streams without answering costs a
+// dial a second at first and one a minute or so later.
+const (
+	refusedMinAge  = time.Second
+	refusedMaxWait = 64 * time.Second
+)
 
 type idleStream struct {
 	st    *Stream
@@ -110,12 +116,22 @@ func (sl *smSlot) watch(s *Session) {
 	defer m.wg.Done()
 	backoff := m.conf.MinReconnectBackoff
 	born := time.Now()
+	refuseWait, lastTry := refusedMinAge, time.Time{}
 	for {
 		select {
 		case <-s.closed:
 		case r := <-sl.refused:
-			if r == s && !s.IsClosed() && time.Since(born) >= refusedMinAge {
+			if r == s && !s.IsClosed() && time.Since(born) >= refuseWait && time.Since(lastTry) >= refuseWait && !m.hotRestarting() {
+				lastTry = time.Now()
 				if ns := sl.replaceRefused(s); ns != nil {
+					// The same server process answering again is not a
+					// stopping server but one whose application closes
+					// new streams unanswered: wait longer before the next.
+					if pid := ns.peerPid(); pid != 0 && pid == s.peerPid() {
+						refuseWait = min(2*refuseWait, refusedMaxWait)
+					} else {
+						refuseWait = refusedMinAge
+					}
 					s, born = ns, time.Now()
 				}
 			}
@@ -203,8 +219,30 @@ func (sl *smSlot) replaceRefused(s *Session) *Session {
 	}
 	if old != nil {
 		old.retire()
+		sl.m.closeRetired(old)
 	}
 	return ns
+}
+
+// closeRetired closes a retired session s when the manager closes, if it
+// has not ended by then.
+func (m *SessionManager) closeRetired(s *Session) {
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		s.Close()
+		return
+	}
+	m.wg.Add(1)
+	m.mu.Unlock()
+	go func() {
+		defer m.wg.Done()
+		select {
+		case <-s.closed:
+		case <-m.ctx.Done():
+			s.Close()
+		}
+	}()
 }
 
 // attach installs a re-dialed session and returns it, unless the manager
