@@ -181,9 +181,10 @@ type Config struct {
 	// that (a flood of 255 MiB against an 8 MiB bound and 1 MiB frames grew
 	// it by 12.9 MiB). A reader waiting for more bytes than a bound leaves
 	// room for (BufferReader.ReadBytes or Peek of a large message) is given
-	// them: the session holds up to what it asked for plus one frame. If
-	// the application makes no room for FallbackStallTimeout (default
-	// 10 s), the session ends.
+	// them: the session holds up to what it asked for plus one frame
+	// (while other streams' unread data fills MaxFallbackBuffered, their
+	// frames still wait, and so may it). If the application makes no room
+	// for FallbackStallTimeout (default 10 s), the session ends.
 	// Streams carrying shared-memory messages are bounded by the buffer
 	// region itself.
 	MaxFallbackBufferedPerStream int
