@@ -3,10 +3,12 @@ package shmipc
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 )
@@ -212,68 +214,34 @@ func TestFallbackWhenFull(t *testing.T) {
 // unread: the receive loop takes the data for the waiting reader, where it
 // would otherwise stop reading until the application made room while the
 // application waited for the data, until FallbackStallTimeout ended the
-// session. The last case holds the session's bound with another stream's
-// unread data first.
+// session.
 func TestReadBeyondFallbackBounds(t *testing.T) {
-	for _, tc := range []struct {
-		name       string
-		peek       bool
-		otherHolds bool
-	}{
-		{"ReadBytes", false, false},
-		{"Peek", true, false},
-		{"session bound held by another stream", false, true},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
+	for _, peek := range []bool{false, true} {
+		t.Run(fmt.Sprintf("peek=%v", peek), func(t *testing.T) {
 			conf := smallRegion()
 			conf.MaxFallbackFrameSize = minFallbackFrame
 			conf.MaxFallbackBufferedPerStream = 1 << 20
 			conf.MaxFallbackBuffered = 1 << 20
 			conf.FallbackStallTimeout = 5 * time.Second // only a failing run waits for it
 			sess, accepted := bpPair(t, conf)
-			write := func(msg []byte) (*Stream, <-chan error) {
-				st, err := sess.OpenStream()
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { st.Close() })
-				done := make(chan error, 1)
-				go func() {
-					_, err := st.Write(msg)
-					done <- err
-				}()
-				return st, done
+			st, err := sess.OpenStream()
+			if err != nil {
+				t.Fatal(err)
 			}
-			receive := func() *Stream {
-				select {
-				case st := <-accepted:
-					t.Cleanup(func() { st.Close() })
-					return st
-				case <-time.After(peerTimeout):
-					t.Fatal("no stream accepted")
-					return nil
-				}
-			}
-			if tc.otherHolds {
-				_, done := write(bytes.Repeat([]byte{'o'}, 600<<10)) // more than half the region: fallback
-				if err := errWithin(t, done, peerTimeout, "Write on the other stream"); err != nil {
-					t.Fatal(err)
-				}
-				other := receive() // and never read
-				waitUntil(t, "the other stream's data received", peerTimeout, func() bool {
-					return other.Session().Stats().FallbackBytesIn >= 600<<10
-				})
-			}
+			defer st.Close()
 			msg := make([]byte, 4<<20)
 			for i := range msg {
 				msg[i] = byte(i / 4093)
 			}
-			_, done := write(msg)
-			srv := receive()
+			done := make(chan error, 1)
+			go func() {
+				_, err := st.Write(msg)
+				done <- err
+			}()
+			srv := bpAccepted(t, accepted)
 			srv.SetReadDeadline(time.Now().Add(time.Minute))
 			var got []byte
-			var err error
-			if tc.peek {
+			if peek {
 				got, err = srv.BufferReader().Peek(len(msg))
 			} else {
 				got, err = srv.BufferReader().ReadBytes(len(msg))
@@ -294,25 +262,165 @@ func TestReadBeyondFallbackBounds(t *testing.T) {
 	}
 }
 
-// TestFallbackFramesFitAnyPeer echoes messages sent as fallback data
-// between peers with different MaxFallbackFrameSize: the server takes
-// frames of the smallest size allowed, the client of the default size.
-// Frames are sized for any peer, since neither learns the other's limit.
-func TestFallbackFramesFitAnyPeer(t *testing.T) {
-	srvConf := smallRegion()
-	srvConf.MaxFallbackFrameSize = minFallbackFrame
-	ln := startEchoListener(t, srvConf)
-	s, err := Dial("unix", ln.Addr().String(), smallRegion())
+// bpAccepted returns the next stream the server accepted, closed when the
+// test ends.
+func bpAccepted(t *testing.T, accepted <-chan *Stream) *Stream {
+	t.Helper()
+	select {
+	case st := <-accepted:
+		t.Cleanup(func() { st.Close() })
+		return st
+	case <-time.After(peerTimeout):
+		t.Fatal("no stream accepted")
+		return nil
+	}
+}
+
+// TestReadsThatFillTheSessionTogether: three streams' readers each wait
+// in ReadBytes for a message that fits the bounds alone but not all three
+// at once, and their data arrives interleaved. None of them can make room
+// until it has its message, so the receive loop takes their data.
+func TestReadsThatFillTheSessionTogether(t *testing.T) {
+	conf := smallRegion()
+	conf.MaxFallbackFrameSize = minFallbackFrame
+	conf.MaxFallbackBufferedPerStream = 3 << 20
+	conf.MaxFallbackBuffered = 3 << 20
+	conf.FallbackStallTimeout = 5 * time.Second
+	sess, accepted := bpPair(t, conf)
+	part1, part2 := minFallbackFrame-16, 900<<10
+	var clients, servers []*Stream
+	for range 3 {
+		st, err := sess.OpenStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer st.Close()
+		if _, err := st.Write(bytes.Repeat([]byte{1}, part1)); err != nil {
+			t.Fatal(err)
+		}
+		clients = append(clients, st)
+		servers = append(servers, bpAccepted(t, accepted))
+	}
+	errs := make(chan error, len(servers))
+	for _, srv := range servers {
+		go func() {
+			srv.SetReadDeadline(time.Now().Add(time.Minute))
+			b, err := srv.BufferReader().ReadBytes(part1 + part2)
+			if err == nil && (b[0] != 1 || b[part1] != 2) {
+				err = errors.New("the data read differs from the data written")
+			}
+			srv.BufferReader().ReleasePreviousRead()
+			errs <- err
+		}()
+	}
+	time.Sleep(100 * time.Millisecond) // the readers wait
+	for _, st := range clients {
+		go st.Write(bytes.Repeat([]byte{2}, part2))
+	}
+	for range servers {
+		if err := errWithin(t, errs, time.Minute, "ReadBytes"); err != nil {
+			t.Fatalf("ReadBytes: %v", err)
+		}
+	}
+}
+
+// TestReadWhileHoldingAnEarlierRead: a reader keeps the bytes of one
+// message (not released) while it reads the next; both fit the stream's
+// bound alone. Only that reader could make room for the second, so the
+// receive loop takes its data.
+func TestReadWhileHoldingAnEarlierRead(t *testing.T) {
+	conf := smallRegion()
+	conf.MaxFallbackFrameSize = minFallbackFrame
+	conf.MaxFallbackBufferedPerStream = 4 << 20
+	conf.MaxFallbackBuffered = 8 << 20
+	conf.FallbackStallTimeout = 5 * time.Second
+	sess, accepted := bpPair(t, conf)
+	st, err := sess.OpenStream()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer s.Close()
-	msg := bytes.Repeat([]byte("fallback"), (3<<20)/8) // more than the region: fallback data
-	if err := echoRoundTrip(s, string(msg)); err != nil {
-		t.Fatal(err)
+	defer st.Close()
+	m1 := bytes.Repeat([]byte{1}, 5<<19) // 2.5 MiB each
+	m2 := bytes.Repeat([]byte{2}, 5<<19)
+	go func() {
+		st.Write(m1)
+		st.Write(m2)
+	}()
+	srv := bpAccepted(t, accepted)
+	srv.SetReadDeadline(time.Now().Add(time.Minute))
+	br := srv.BufferReader()
+	a, err := br.ReadBytes(len(m1))
+	if err != nil || !bytes.Equal(a, m1) {
+		t.Fatalf("the first message: %v", err)
 	}
-	if st := s.Stats(); st.FallbackMessagesOut == 0 || st.FallbackMessagesIn < 3 {
-		t.Errorf("stats %+v: want the message to go and come back as fallback frames", st)
+	b, err := br.ReadBytes(len(m2)) // a is still held
+	if err != nil {
+		t.Fatalf("the second message while the first is held: %v", err)
+	}
+	if !bytes.Equal(b, m2) || !bytes.Equal(a, m1) {
+		t.Fatal("the data read differs from the data written")
+	}
+	br.ReleasePreviousRead()
+}
+
+// TestHostileFramesForWaitingReaders: a peer sends a frame as large as the
+// session accepts to each of eight streams whose readers wait (in
+// ReadBytes for a header, or in Read). Waiting readers get no exception
+// from the session's bound for that: it holds at most the bound and a
+// frame.
+func TestHostileFramesForWaitingReaders(t *testing.T) {
+	for _, tc := range []struct {
+		name               string
+		perStream, session int
+		want               int // 0: Stream.Read
+	}{
+		{"ReadBytes of a header", 512 << 10, 1 << 20, 32},
+		{"Read, bounds below a frame", 256 << 10, 512 << 10, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, victim := acceptRawVictimWith(t, MemMapTypeDevShmFile, defaultConsumerSpinTime, func(c *Config) {
+				c.MaxFallbackFrameSize = minFallbackFrame
+				c.MaxFallbackBufferedPerStream = tc.perStream
+				c.MaxFallbackBuffered = tc.session
+				c.FallbackStallTimeout = 2 * time.Second
+			})
+			defer victim.Close()
+			block := make(chan struct{})
+			defer close(block)
+			var ids []uint32
+			for range 8 {
+				st := openPinged(t, p, victim)
+				st.SetDeadline(time.Time{})
+				ids = append(ids, st.ID())
+				go func() {
+					if tc.want > 0 {
+						st.BufferReader().ReadBytes(tc.want)
+					} else {
+						st.Read(make([]byte, 1))
+					}
+					<-block // and never reads again
+				}()
+			}
+			time.Sleep(100 * time.Millisecond) // the readers wait
+			data := strings.Repeat("x", minFallbackFrame-16)
+			go func() {
+				for _, id := range ids {
+					p.write(rawFallbackFrame(p.version, 0, id, 0, data))
+				}
+			}()
+			limit := int64(tc.session) + minFallbackFrame
+			var most int64
+			for deadline := time.Now().Add(30 * time.Second); !victim.IsClosed() && time.Now().Before(deadline); {
+				most = max(most, victim.fallbackHeld.Load())
+				time.Sleep(time.Millisecond)
+			}
+			if most > limit {
+				t.Errorf("the session held %d bytes of fallback data; MaxFallbackBuffered and a frame are %d", most, limit)
+			}
+			if err := victim.Err(); !errors.Is(err, ErrLimitExceeded) {
+				t.Errorf("session: %v, want ErrLimitExceeded", err)
+			}
+		})
 	}
 }
 

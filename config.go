@@ -179,12 +179,15 @@ type Config struct {
 	// plus one frame (MaxFallbackFrameSize); with the frame being read and
 	// garbage not yet collected, the process grows by up to about twice
 	// that (a flood of 255 MiB against an 8 MiB bound and 1 MiB frames grew
-	// it by 12.9 MiB). A reader waiting for more bytes than a bound leaves
-	// room for (BufferReader.ReadBytes or Peek of a large message) is given
-	// them: the session holds up to what it asked for plus one frame
-	// (while other streams' unread data fills MaxFallbackBuffered, their
-	// frames still wait, and so may it). If the application makes no room
-	// for FallbackStallTimeout (default 10 s), the session ends.
+	// it by 12.9 MiB). Data for a stream whose reader waits for more than
+	// it has is taken past the stream's bound, and past the session's as
+	// long as the data of streams whose readers do not wait leaves room
+	// (only their applications can make room), so a ReadBytes or Peek of a
+	// large message, or a read while holding an earlier one, cannot wedge
+	// the session; a peer still cannot make it hold more than the bound and
+	// a frame besides what waiting readers asked for. If the application
+	// makes no room for FallbackStallTimeout (default 10 s), the session
+	// ends.
 	// Streams carrying shared-memory messages are bounded by the buffer
 	// region itself.
 	MaxFallbackBufferedPerStream int

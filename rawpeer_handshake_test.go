@@ -313,7 +313,17 @@ func mapRawClient(t *testing.T, c *net.UnixConn, mode MemMapType) (buf, q []byte
 // client session.
 func acceptRawVictim(t *testing.T, mode MemMapType, spin time.Duration) (*rawPeer, *Session) {
 	t.Helper()
+	return acceptRawVictimWith(t, mode, spin, nil)
+}
+
+// acceptRawVictimWith is acceptRawVictim with the client's configuration
+// changed by edit first.
+func acceptRawVictimWith(t *testing.T, mode MemMapType, spin time.Duration, edit func(*Config)) (*rawPeer, *Session) {
+	t.Helper()
 	conf := peerConfig(t, mode, spin)
+	if edit != nil {
+		edit(conf)
+	}
 	ln, sock := listenRaw(t)
 	ch := startHandshake(func() (*Session, error) { return Dial("unix", sock, conf) })
 	c := acceptRaw(t, ln)

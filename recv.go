@@ -302,34 +302,35 @@ func (s *Session) handleFallback(payload []byte) error {
 // session, while fallback data the application has not read would exceed
 // Config.MaxFallbackBufferedPerStream or MaxFallbackBuffered with n more
 // bytes. One message is always taken when nothing is held, so a bound below
-// the largest frame cannot wedge a stream, and messages are taken while the
-// stream's reader waits for more bytes than the bound leaves room for
-// (wantBytes), so a read of more than the bound cannot either, unless
-// other streams' unread data holds the session's bound meanwhile. If the
-// application makes no room
-// within FallbackStallTimeout, the session ends with an error naming the
-// bound.
+// the largest frame cannot wedge a stream. Nor can a read of more than a
+// bound leaves room for (BufferReader.ReadBytes of a large message): room
+// comes only from an application that reads, and one whose reader waits
+// for more data than it holds will not. So a frame for a stream whose
+// reader waits is taken past the stream's bound, which only that reader
+// could free, and past the session's bound as long as the data held by
+// streams whose readers do not wait, which the applications may yet read,
+// leaves room for it (stuckFallback). A peer thus cannot make the session
+// hold more than the bound and a frame beyond what the waiting readers
+// asked for. If the application makes no room within FallbackStallTimeout,
+// the session ends with an error naming the bound.
 func (s *Session) waitFallbackRoom(st *Stream, n int) error {
 	var timer *time.Timer
+	perStream, perSession := int64(s.conf.MaxFallbackBufferedPerStream), int64(s.conf.MaxFallbackBuffered)
 	for {
 		stream := st.heldFallback.Load()
 		session := s.fallbackHeld.Load()
+		waits := st.readShort.Load() > 0
 		var bound string
 		var limit, held int64
 		switch {
-		case stream > 0 && stream+int64(n) > int64(s.conf.MaxFallbackBufferedPerStream):
-			bound, limit, held = "Config.MaxFallbackBufferedPerStream", int64(s.conf.MaxFallbackBufferedPerStream), stream
-		case session > 0 && session+int64(n) > int64(s.conf.MaxFallbackBuffered):
-			bound, limit, held = "Config.MaxFallbackBuffered", int64(s.conf.MaxFallbackBuffered), session
+		case !waits && stream > 0 && stream+int64(n) > perStream:
+			bound, limit, held = "Config.MaxFallbackBufferedPerStream", perStream, stream
+		case session > 0 && session+int64(n) > perSession && (!waits || session-s.stuckFallback()+int64(n) > perSession):
+			bound, limit, held = "Config.MaxFallbackBuffered", perSession, session
 		default:
 			if timer != nil {
 				timer.Stop()
 			}
-			return nil
-		}
-		// The stream's reader waits for more than the bound leaves room
-		// for with this frame: it cannot make room, so the frame is its.
-		if st.readShort.Load() > 0 && st.readWantN.Load()+int64(n) > limit {
 			return nil
 		}
 		if timer == nil {
@@ -345,4 +346,20 @@ func (s *Session) waitFallbackRoom(st *Stream, n int) error {
 				ErrLimitExceeded, n, st.id, bound, limit, held, s.conf.FallbackStallTimeout)
 		}
 	}
+}
+
+// stuckFallback returns the fallback data held by the session's streams
+// whose readers wait for more than they have: their applications will not
+// free it until more arrives. It looks at every stream, which only a
+// receive loop held back by a bound does.
+func (s *Session) stuckFallback() int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var stuck int64
+	for _, st := range s.streams {
+		if st.readShort.Load() > 0 {
+			stuck += st.heldFallback.Load()
+		}
+	}
+	return stuck
 }

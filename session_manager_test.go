@@ -858,3 +858,48 @@ func TestSessionManagerRefusalDialsAreRateLimited(t *testing.T) {
 		}
 	})
 }
+
+// TestSessionManagerEarlyRefusalActedOnLater: a stream refused on a session
+// younger than refusedMinAge still moves the slot to the new server, once
+// the wait is over, without another refusal to remind it.
+func TestSessionManagerEarlyRefusalActedOnLater(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	old := smStartEcho(t, sock)
+	t.Cleanup(func() { old.ln.CloseAll() })
+	m := smNewManager(t, sock, 1)
+	defer m.Close()
+	keep, err := m.GetStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer keep.Close()
+	if err := smRoundTrip(keep, []byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	if err := old.ln.Close(); err != nil {
+		t.Fatal(err)
+	}
+	nw := smStartEcho(t, sock)
+	defer nw.close(t)
+	st, err := m.GetStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.SetDeadline(time.Now().Add(peerTimeout))
+	if err := smRoundTrip(st, []byte("refused")); err == nil {
+		t.Fatal("a stream opened after the server stopped accepting was answered")
+	}
+	st.Close()
+	waitUntil(t, "the slot to move to the new server", 20*time.Second, func() bool {
+		ss := m.Sessions()
+		return len(ss) == 1 && ss[0] != keep.Session()
+	})
+	st, err = m.GetStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	if err := smRoundTrip(st, []byte("on the new server")); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -25,13 +25,14 @@ type smSlot struct {
 
 // refusedMinAge is how long a session serves, and how long after the last
 // attempt, before a refused stream makes its slot dial a replacement
-// (watch). When the replacement is answered by the same server process
-// as the session it replaced, the wait doubles, up to refusedMaxWait: a
-// server whose application closes new streams without answering costs a
-// dial a second at first and one a minute or so later.
+// (watch); a refusal that comes sooner is acted on once the wait is over.
+// When the replacement is answered by the same server process as the
+// session it replaced, the wait doubles, up to refusedMaxWait (refusals):
+// a server whose application closes new streams without answering costs a
+// dial a second at first and one every 16 s later.
 const (
 	refusedMinAge  = time.Second
-	refusedMaxWait = 64 * time.Second
+	refusedMaxWait = 16 * time.Second
 )
 
 type idleStream struct {
@@ -116,28 +117,31 @@ func (sl *smSlot) watch(s *Session) {
 	defer m.wg.Done()
 	backoff := m.conf.MinReconnectBackoff
 	born := time.Now()
-	refuseWait, lastTry := refusedMinAge, time.Time{}
+	var ref refusals
+	defer ref.stop()
 	for {
 		select {
 		case <-s.closed:
 		case r := <-sl.refused:
-			if r == s && !s.IsClosed() && time.Since(born) >= refuseWait && time.Since(lastTry) >= refuseWait && !m.hotRestarting() {
-				lastTry = time.Now()
-				if ns := sl.replaceRefused(s); ns != nil {
-					// The same server process answering again is not a
-					// stopping server but one whose application closes
-					// new streams unanswered: wait longer before the next.
-					if pid := ns.peerPid(); pid != 0 && pid == s.peerPid() {
-						refuseWait = min(2*refuseWait, refusedMaxWait)
-					} else {
-						refuseWait = refusedMinAge
-					}
-					s, born = ns, time.Now()
-				}
+			if r != s || s.IsClosed() {
+				continue
 			}
-			if m.ctx.Err() != nil {
-				return
+			if wait := ref.due(born); wait > 0 || m.hotRestarting() {
+				ref.later(s, max(wait, refusedMinAge/4)) // not yet: once the wait is over
+				continue
 			}
+			s, born = ref.replace(sl, s, born)
+			continue
+		case <-ref.retry:
+			ref.retry = nil
+			if ref.pending != s || s.IsClosed() {
+				continue
+			}
+			if wait := ref.due(born); wait > 0 || m.hotRestarting() {
+				ref.later(s, max(wait, refusedMinAge/4))
+				continue
+			}
+			s, born = ref.replace(sl, s, born)
 			continue
 		case <-m.ctx.Done():
 			return
@@ -194,6 +198,63 @@ func (sl *smSlot) watch(s *Session) {
 	}
 }
 
+// refusals paces a slot's replacements after refused streams (watch).
+type refusals struct {
+	wait    time.Duration // between replacements; 0 means refusedMinAge
+	last    time.Time     // of the last attempt
+	timer   *time.Timer
+	retry   <-chan time.Time // fires when a deferred refusal is due
+	pending *Session         // the session that deferred refusal was on
+}
+
+// due returns how long a session born at born must still serve, or the
+// slot wait since its last attempt, before a refusal replaces it. After a
+// quiet spell of four waits the wait starts again from refusedMinAge.
+func (r *refusals) due(born time.Time) time.Duration {
+	if r.wait == 0 || (!r.last.IsZero() && time.Since(r.last) > 4*r.wait) {
+		r.wait = refusedMinAge
+	}
+	return max(r.wait-time.Since(born), r.wait-time.Since(r.last))
+}
+
+// later remembers a refusal on s to act on after d, unless one is pending.
+func (r *refusals) later(s *Session, d time.Duration) {
+	if r.retry != nil && r.pending == s {
+		return
+	}
+	r.stop()
+	r.timer = time.NewTimer(d)
+	r.retry, r.pending = r.timer.C, s
+}
+
+func (r *refusals) stop() {
+	if r.timer != nil {
+		r.timer.Stop()
+	}
+	r.timer, r.retry, r.pending = nil, nil, nil
+}
+
+// replace replaces s after a refusal (replaceRefused) and returns the
+// slot's session and its birth time. A replacement that reaches the same
+// server process as s, or one that cannot be told apart (pid 0), is not a
+// stopping server but one whose application closes new streams
+// unanswered, as far as the manager can tell: the wait doubles, up to
+// refusedMaxWait. Another process resets it.
+func (r *refusals) replace(sl *smSlot, s *Session, born time.Time) (*Session, time.Time) {
+	r.stop()
+	r.last = time.Now()
+	ns := sl.replaceRefused(s)
+	if ns == nil {
+		return s, born
+	}
+	if pid := ns.peerPid(); pid == 0 || pid == s.peerPid() {
+		r.wait = min(2*r.wait, refusedMaxWait)
+	} else {
+		r.wait = refusedMinAge
+	}
+	return ns, time.Now()
+}
+
 // replaceRefused handles a stream refused on the slot's session s, healthy
 // otherwise. A server refuses new streams when its Listener has been
 // closed to stop gracefully: its sessions then end only once their last
@@ -207,6 +268,10 @@ func (sl *smSlot) watch(s *Session) {
 func (sl *smSlot) replaceRefused(s *Session) *Session {
 	ns, err := sl.m.dial()
 	if err != nil {
+		return nil
+	}
+	if sl.m.hotRestarting() { // it replaces the sessions itself
+		ns.Close()
 		return nil
 	}
 	old, idle, ok := sl.replace(ns)

@@ -67,12 +67,10 @@ type Stream struct {
 	heldFallback atomic.Int64 // received fallback bytes not yet released
 	// readWant is the count the stream's waiting reader needs unread
 	// (awaitReadable; 0 while none waits; the largest while several wait),
-	// under mu, and readWantN the same for the receive loop; readShort is
-	// how many bytes it still lacks. The loop takes fallback data for a
-	// reader that waits for more than a bound leaves room for
-	// (waitFallbackRoom).
+	// under mu; readShort is how many bytes it still lacks, for the
+	// receive loop, which takes fallback data for a waiting reader beyond
+	// the bounds that only it could make room under (waitFallbackRoom).
 	readWant  int
-	readWantN atomic.Int64
 	readShort atomic.Int64
 	awaiting  atomic.Bool   // sent since data last arrived: a reply is likely on its way
 	kept      atomic.Uint64 // a received slice kept for the next message (reuse.go)
@@ -190,7 +188,6 @@ func (st *Stream) awaitReadable(n int, offered bool) error {
 	defer func() {
 		if st.readWaiters--; st.readWaiters == 0 && st.readWant != 0 {
 			st.readWant = 0
-			st.readWantN.Store(0)
 			st.readShort.Store(0)
 		}
 	}()
@@ -273,13 +270,9 @@ func (st *Stream) awaitReadable(n int, offered bool) error {
 }
 
 // wantBytes records, under mu, that a reader is about to wait until n
-// bytes are unread. A reader that waits for more than the fallback bounds
-// leave room for (BufferReader.ReadBytes of a large message) would
-// otherwise wait for data the receive loop holds back until it reads: so
-// the loop takes fallback data for it regardless, and is told to look
-// again if it is holding some back. (A reader that waits for less is not
-// served beyond the bounds: many readers each waiting for a byte must not
-// let a peer make the session hold a frame for each.)
+// bytes are unread, for the receive loop, which may take fallback data
+// beyond the bounds for it (waitFallbackRoom), and tells the loop to look
+// again if it is holding some back.
 func (st *Stream) wantBytes(n int) {
 	want := max(st.readWant, n)
 	short := int64(want - st.reader.unread)
@@ -287,7 +280,6 @@ func (st *Stream) wantBytes(n int) {
 		return
 	}
 	st.readWant = want
-	st.readWantN.Store(int64(want))
 	st.readShort.Store(short)
 	if st.s.fallbackHeld.Load() > 0 {
 		select {
