@@ -475,3 +475,39 @@ func TestWaitingReadersKeepFallbackBound(t *testing.T) {
 		t.Errorf("server session: %v, want ErrLimitExceeded", err)
 	}
 }
+
+// TestHostileFramesForScanningReader: a reader looking for a delimiter
+// (netpoll Until) waits for one byte more each time and has no count of
+// its own; a peer that sends frame after frame without the delimiter must
+// still meet the fallback bounds.
+func TestHostileFramesForScanningReader(t *testing.T) {
+	p, victim := acceptRawVictimWith(t, MemMapTypeDevShmFile, defaultConsumerSpinTime, func(c *Config) {
+		c.MaxFallbackFrameSize = minFallbackFrame
+		c.MaxFallbackBufferedPerStream = 512 << 10
+		c.MaxFallbackBuffered = 1 << 20
+		c.FallbackStallTimeout = 2 * time.Second
+	})
+	defer victim.Close()
+	st := openPinged(t, p, victim)
+	st.SetDeadline(time.Time{})
+	go st.NetpollReader().Until('\n')
+	time.Sleep(100 * time.Millisecond) // the reader waits
+	data := strings.Repeat("x", minFallbackFrame-16)
+	go func() {
+		for range 8 {
+			p.write(rawFallbackFrame(p.version, 0, st.ID(), 0, data))
+		}
+	}()
+	limit := int64(512<<10) + minFallbackFrame
+	var most int64
+	for deadline := time.Now().Add(30 * time.Second); !victim.IsClosed() && time.Now().Before(deadline); {
+		most = max(most, victim.fallbackHeld.Load())
+		time.Sleep(time.Millisecond)
+	}
+	if most > limit {
+		t.Errorf("the session held %d bytes of fallback data for a reader scanning for a delimiter; the stream's bound and a frame are %d", most, limit)
+	}
+	if err := victim.Err(); !errors.Is(err, ErrLimitExceeded) {
+		t.Errorf("session: %v, want ErrLimitExceeded", err)
+	}
+}

@@ -72,6 +72,7 @@ type Stream struct {
 	// the bounds that only it could make room under (waitFallbackRoom).
 	readWant  int
 	readShort atomic.Int64
+	scanning  bool // a reader waits for a delimiter (waitScanning); under mu
 	awaiting  atomic.Bool   // sent since data last arrived: a reply is likely on its way
 	kept      atomic.Uint64 // a received slice kept for the next message (reuse.go)
 	// peerRefs is the paired peer session (pairLocal) whose queue and
@@ -161,6 +162,16 @@ const (
 	handTurnBytes = 256 << 10
 )
 
+// waitScanning is waitReadable for a reader looking for a delimiter, which
+// waits for one byte more each time: it has no count of its own, so the
+// fallback bounds hold for it as for data nobody reads (wantBytes).
+func (st *Stream) waitScanning(n int) error {
+	st.scanning = true
+	err := st.waitReadable(n)
+	st.scanning = false
+	return err
+}
+
 // waitReadable blocks until n bytes are unread. It is called and returns
 // with st.mu held, which it does not hold while it waits or polls.
 //
@@ -222,7 +233,9 @@ func (st *Stream) awaitReadable(n int, offered bool) error {
 		if !deadline.IsZero() && !time.Now().Before(deadline) {
 			return ErrTimeout
 		}
-		st.wantBytes(n)
+		if !st.scanning {
+			st.wantBytes(n)
+		}
 		st.mu.Unlock()
 		// Poll only while a reply is awaited: a reader that waits for the
 		// peer to start something (a server between requests) would spin
