@@ -72,7 +72,7 @@ type Stream struct {
 	// the bounds that only it could make room under (waitFallbackRoom).
 	readWant  int
 	readShort atomic.Int64
-	scanning  bool // a reader waits for a delimiter (waitScanning); under mu
+	scanning  bool          // a reader waits for a delimiter (waitScanning); under mu
 	awaiting  atomic.Bool   // sent since data last arrived: a reply is likely on its way
 	kept      atomic.Uint64 // a received slice kept for the next message (reuse.go)
 	// peerRefs is the paired peer session (pairLocal) whose queue and
