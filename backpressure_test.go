@@ -363,64 +363,155 @@ func TestReadWhileHoldingAnEarlierRead(t *testing.T) {
 	br.ReleasePreviousRead()
 }
 
-// TestHostileFramesForWaitingReaders: a peer sends a frame as large as the
-// session accepts to each of eight streams whose readers wait (in
-// ReadBytes for a header, or in Read). Waiting readers get no exception
-// from the session's bound for that: it holds at most the bound and a
-// frame.
+// hostileFlood has the raw peer p send count frames of a frame's worth to
+// each stream of ids, while the test watches how much fallback data the
+// victim holds, until the victim ends or 30 s pass. The writes run in a
+// goroutine that ends, with the victim closed, before hostileFlood returns.
+func hostileFlood(p *rawPeer, victim *Session, ids []uint32, count int) (most int64) {
+	data := strings.Repeat("x", minFallbackFrame-16)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range count {
+			for _, id := range ids {
+				p.conn.SetWriteDeadline(time.Now().Add(peerTimeout))
+				if _, err := p.conn.Write(rawFallbackFrame(p.version, 0, id, 0, data)); err != nil {
+					return // the victim ended the session
+				}
+			}
+		}
+	}()
+	for deadline := time.Now().Add(30 * time.Second); !victim.IsClosed() && time.Now().Before(deadline); {
+		most = max(most, victim.fallbackHeld.Load())
+		time.Sleep(time.Millisecond)
+	}
+	victim.Close()
+	<-done
+	return most
+}
+
+// hostileVictim is a client session of a raw server, with fallback bounds
+// perStream and session and frames of at most 1 MiB.
+func hostileVictim(t *testing.T, perStream, session int) (*rawPeer, *Session) {
+	t.Helper()
+	return acceptRawVictimWith(t, MemMapTypeDevShmFile, defaultConsumerSpinTime, func(c *Config) {
+		c.MaxFallbackFrameSize = minFallbackFrame
+		c.MaxFallbackBufferedPerStream = perStream
+		c.MaxFallbackBuffered = session
+		c.FallbackStallTimeout = 2 * time.Second
+	})
+}
+
+// TestHostileFramesForWaitingReaders: a peer sends frames as large as the
+// session accepts to streams whose readers wait: readers that each want a
+// header or a byte, one scanning for a delimiter (netpoll Until, which
+// waits for one byte more each time), one reading byte by byte and
+// releasing only at the end of a line. None of them gets an exception from
+// the bounds for that: the session holds at most its bound and a frame,
+// and ends when nobody makes room.
 func TestHostileFramesForWaitingReaders(t *testing.T) {
 	for _, tc := range []struct {
 		name               string
 		perStream, session int
-		want               int // 0: Stream.Read
+		streams, frames    int
+		read               func(st *Stream)
 	}{
-		{"ReadBytes of a header", 512 << 10, 1 << 20, 32},
-		{"Read, bounds below a frame", 256 << 10, 512 << 10, 0},
+		{"ReadBytes of a header", 512 << 10, 1 << 20, 8, 1, func(st *Stream) { st.BufferReader().ReadBytes(32) }},
+		{"Read, bounds below a frame", 256 << 10, 512 << 10, 8, 1, func(st *Stream) { st.Read(make([]byte, 1)) }},
+		{"Until", 1 << 20, 2 << 20, 1, 8, func(st *Stream) { st.NetpollReader().Until('\n') }},
+		{"ReadByte, released at a newline", 1 << 20, 2 << 20, 1, 8, func(st *Stream) {
+			r := st.NetpollReader()
+			for {
+				c, err := r.ReadByte()
+				if err != nil {
+					return
+				}
+				if c == '\n' {
+					r.Release()
+				}
+			}
+		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			p, victim := acceptRawVictimWith(t, MemMapTypeDevShmFile, defaultConsumerSpinTime, func(c *Config) {
-				c.MaxFallbackFrameSize = minFallbackFrame
-				c.MaxFallbackBufferedPerStream = tc.perStream
-				c.MaxFallbackBuffered = tc.session
-				c.FallbackStallTimeout = 2 * time.Second
-			})
+			p, victim := hostileVictim(t, tc.perStream, tc.session)
 			defer victim.Close()
 			block := make(chan struct{})
 			defer close(block)
 			var ids []uint32
-			for range 8 {
+			for range tc.streams {
 				st := openPinged(t, p, victim)
 				st.SetDeadline(time.Time{})
 				ids = append(ids, st.ID())
 				go func() {
-					if tc.want > 0 {
-						st.BufferReader().ReadBytes(tc.want)
-					} else {
-						st.Read(make([]byte, 1))
-					}
+					tc.read(st)
 					<-block // and never reads again
 				}()
 			}
 			time.Sleep(100 * time.Millisecond) // the readers wait
-			data := strings.Repeat("x", minFallbackFrame-16)
-			go func() {
-				for _, id := range ids {
-					p.write(rawFallbackFrame(p.version, 0, id, 0, data))
-				}
-			}()
 			limit := int64(tc.session) + minFallbackFrame
-			var most int64
-			for deadline := time.Now().Add(30 * time.Second); !victim.IsClosed() && time.Now().Before(deadline); {
-				most = max(most, victim.fallbackHeld.Load())
-				time.Sleep(time.Millisecond)
-			}
-			if most > limit {
+			if most := hostileFlood(p, victim, ids, tc.frames); most > limit {
 				t.Errorf("the session held %d bytes of fallback data; MaxFallbackBuffered and a frame are %d", most, limit)
 			}
 			if err := victim.Err(); !errors.Is(err, ErrLimitExceeded) {
 				t.Errorf("session: %v, want ErrLimitExceeded", err)
 			}
 		})
+	}
+}
+
+// TestReadBeyondSessionBoundBelowFrame: a session bound smaller than a
+// frame does not wedge a read of a message larger than both bounds.
+func TestReadBeyondSessionBoundBelowFrame(t *testing.T) {
+	conf := smallRegion()
+	conf.MaxFallbackFrameSize = minFallbackFrame
+	conf.MaxFallbackBufferedPerStream = 256 << 10
+	conf.MaxFallbackBuffered = 512 << 10
+	conf.FallbackStallTimeout = 5 * time.Second
+	sess, accepted := bpPair(t, conf)
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	msg := bytes.Repeat([]byte{7}, 3<<20)
+	done := make(chan error, 1)
+	go func() {
+		_, err := st.Write(msg)
+		done <- err
+	}()
+	srv := bpAccepted(t, accepted)
+	srv.SetReadDeadline(time.Now().Add(time.Minute))
+	got, err := srv.BufferReader().ReadBytes(len(msg))
+	if err != nil {
+		t.Fatalf("ReadBytes: %v", err)
+	}
+	if !bytes.Equal(got, msg) {
+		t.Fatal("the data read differs from the data written")
+	}
+	if err := errWithin(t, done, peerTimeout, "Write"); err != nil {
+		t.Fatalf("Write: %v", err)
+	}
+}
+
+// TestFallbackFramesFitAnyPeer echoes messages sent as fallback data
+// between peers with different MaxFallbackFrameSize: the server takes
+// frames of the smallest size allowed, the client of the default size.
+// Frames are sized for any peer, since neither learns the other's limit.
+func TestFallbackFramesFitAnyPeer(t *testing.T) {
+	srvConf := smallRegion()
+	srvConf.MaxFallbackFrameSize = minFallbackFrame
+	ln := startEchoListener(t, srvConf)
+	s, err := Dial("unix", ln.Addr().String(), smallRegion())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	msg := bytes.Repeat([]byte("fallback"), (3<<20)/8) // more than the region: fallback data
+	if err := echoRoundTrip(s, string(msg)); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.FallbackMessagesOut == 0 || st.FallbackMessagesIn < 3 {
+		t.Errorf("stats %+v: want the message to go and come back as fallback frames", st)
 	}
 }
 
@@ -473,41 +564,5 @@ func TestWaitingReadersKeepFallbackBound(t *testing.T) {
 	}
 	if err := srvSess.Err(); !errors.Is(err, ErrLimitExceeded) {
 		t.Errorf("server session: %v, want ErrLimitExceeded", err)
-	}
-}
-
-// TestHostileFramesForScanningReader: a reader looking for a delimiter
-// (netpoll Until) waits for one byte more each time and has no count of
-// its own; a peer that sends frame after frame without the delimiter must
-// still meet the fallback bounds.
-func TestHostileFramesForScanningReader(t *testing.T) {
-	p, victim := acceptRawVictimWith(t, MemMapTypeDevShmFile, defaultConsumerSpinTime, func(c *Config) {
-		c.MaxFallbackFrameSize = minFallbackFrame
-		c.MaxFallbackBufferedPerStream = 512 << 10
-		c.MaxFallbackBuffered = 1 << 20
-		c.FallbackStallTimeout = 2 * time.Second
-	})
-	defer victim.Close()
-	st := openPinged(t, p, victim)
-	st.SetDeadline(time.Time{})
-	go st.NetpollReader().Until('\n')
-	time.Sleep(100 * time.Millisecond) // the reader waits
-	data := strings.Repeat("x", minFallbackFrame-16)
-	go func() {
-		for range 8 {
-			p.write(rawFallbackFrame(p.version, 0, st.ID(), 0, data))
-		}
-	}()
-	limit := int64(512<<10) + minFallbackFrame
-	var most int64
-	for deadline := time.Now().Add(30 * time.Second); !victim.IsClosed() && time.Now().Before(deadline); {
-		most = max(most, victim.fallbackHeld.Load())
-		time.Sleep(time.Millisecond)
-	}
-	if most > limit {
-		t.Errorf("the session held %d bytes of fallback data for a reader scanning for a delimiter; the stream's bound and a frame are %d", most, limit)
-	}
-	if err := victim.Err(); !errors.Is(err, ErrLimitExceeded) {
-		t.Errorf("session: %v, want ErrLimitExceeded", err)
 	}
 }

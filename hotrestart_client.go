@@ -227,6 +227,15 @@ func (m *SessionManager) drainParked(parked []*Session) {
 // session's idle streams, which the caller closes. installed is false if the
 // manager has closed.
 func (sl *smSlot) replace(s *Session) (old *Session, idle []idleStream, installed bool) {
+	return sl.swap(s, nil)
+}
+
+// swap installs s as the slot's session, if the slot's current session
+// passes ok (any does when ok is nil), and returns the one it replaces
+// and that one's idle streams. It fails once the manager has closed.
+// Waiters for a healthy session (GetStreamContext) look again: the slot
+// may have been empty, or its session dead and not yet noticed.
+func (sl *smSlot) swap(s *Session, ok func(cur *Session) bool) (old *Session, idle []idleStream, swapped bool) {
 	m := sl.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -234,11 +243,13 @@ func (sl *smSlot) replace(s *Session) (old *Session, idle []idleStream, installe
 		return nil, nil, false
 	}
 	sl.mu.Lock()
+	if ok != nil && !ok(sl.sess) {
+		sl.mu.Unlock()
+		return nil, nil, false
+	}
 	old, idle = sl.sess, sl.idle
 	sl.sess, sl.idle, sl.lastErr = s, nil, nil
 	sl.mu.Unlock()
-	// Waiters for a healthy session (GetStreamContext) look again: the
-	// slot may have been empty, or its session dead and not yet noticed.
 	close(m.healthy)
 	m.healthy = make(chan struct{})
 	return old, idle, true

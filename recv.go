@@ -306,26 +306,29 @@ func (s *Session) handleFallback(payload []byte) error {
 // bound leaves room for (BufferReader.ReadBytes of a large message): room
 // comes only from an application that reads, and one whose reader waits
 // for more data than it holds will not. So a frame for a stream whose
-// reader waits is taken past the stream's bound, which only that reader
-// could free, and past the session's bound as long as the data held by
-// streams whose readers do not wait, which the applications may yet read,
-// leaves room for it (stuckFallback). A peer thus cannot make the session
-// hold more than the bound and a frame beyond what the waiting readers
-// asked for. If the application makes no room within FallbackStallTimeout,
-// the session ends with an error naming the bound.
+// reader waits for want bytes is taken while the stream holds less than
+// its bound plus want, and past the session's bound as long as the data
+// held beyond what waiting readers asked for, which the applications may
+// yet free, leaves room for it (unstuckFallback). A peer thus cannot make
+// the session hold more than the bound and a frame beyond what waiting
+// readers asked for. If the application makes no room within
+// FallbackStallTimeout, the session ends with an error naming the bound.
 func (s *Session) waitFallbackRoom(st *Stream, n int) error {
 	var timer *time.Timer
 	perStream, perSession := int64(s.conf.MaxFallbackBufferedPerStream), int64(s.conf.MaxFallbackBuffered)
 	for {
 		stream := st.heldFallback.Load()
 		session := s.fallbackHeld.Load()
-		waits := st.readShort.Load() > 0
+		want := int64(0) // what the stream's reader waits for, if it lacks some
+		if st.readShort.Load() > 0 {
+			want = st.readWantN.Load()
+		}
 		var bound string
 		var limit, held int64
 		switch {
-		case !waits && stream > 0 && stream+int64(n) > perStream:
+		case stream > 0 && stream+int64(n) > perStream && (want == 0 || stream >= perStream+want):
 			bound, limit, held = "Config.MaxFallbackBufferedPerStream", perStream, stream
-		case session > 0 && session+int64(n) > perSession && (!waits || session-s.stuckFallback()+int64(n) > perSession):
+		case session > 0 && session+int64(n) > perSession && (want == 0 || s.unstuckFallback(session, perSession, n)):
 			bound, limit, held = "Config.MaxFallbackBuffered", perSession, session
 		default:
 			if timer != nil {
@@ -348,18 +351,22 @@ func (s *Session) waitFallbackRoom(st *Stream, n int) error {
 	}
 }
 
-// stuckFallback returns the fallback data held by the session's streams
-// whose readers wait for more than they have: their applications will not
-// free it until more arrives. It looks at every stream, which only a
+// unstuckFallback reports whether the fallback data the session holds
+// (session bytes), less what is stuck, leaves no room for n bytes under the
+// session's bound. Stuck is what waiting readers hold of what they asked
+// for: up to its want, the data of a stream whose reader waits for more
+// than it has will not be freed until more arrives; beyond it (data read
+// and not released) it might. It looks at every stream, which only a
 // receive loop held back by a bound does.
-func (s *Session) stuckFallback() int64 {
+func (s *Session) unstuckFallback(session, bound int64, n int) bool {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	var stuck int64
 	for _, st := range s.streams {
 		if st.readShort.Load() > 0 {
-			stuck += st.heldFallback.Load()
+			stuck += min(st.heldFallback.Load(), st.readWantN.Load())
 		}
 	}
-	return stuck
+	s.mu.Unlock()
+	free := session - stuck
+	return free > 0 && free+int64(n) > bound
 }

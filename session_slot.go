@@ -123,8 +123,11 @@ func (sl *smSlot) watch(s *Session) {
 		select {
 		case <-s.closed:
 		case r := <-sl.refused:
-			if r != s || s.IsClosed() {
+			if r != sl.current() || r.IsClosed() {
 				continue
+			}
+			if r != s { // a hot restart installed r while s, parked, drains
+				s, born = r, time.Now()
 			}
 			if wait := ref.due(born); wait > 0 || m.hotRestarting() {
 				ref.later(s, max(wait, refusedMinAge/4)) // not yet: once the wait is over
@@ -134,7 +137,7 @@ func (sl *smSlot) watch(s *Session) {
 			continue
 		case <-ref.retry:
 			ref.retry = nil
-			if ref.pending != s || s.IsClosed() {
+			if ref.pending != s || s.IsClosed() || sl.current() != s {
 				continue
 			}
 			if wait := ref.due(born); wait > 0 || m.hotRestarting() {
@@ -274,7 +277,7 @@ func (sl *smSlot) replaceRefused(s *Session) *Session {
 		ns.Close()
 		return nil
 	}
-	old, idle, ok := sl.replace(ns)
+	old, idle, ok := sl.replaceIf(s, ns)
 	if !ok {
 		ns.Close()
 		return nil
@@ -287,6 +290,19 @@ func (sl *smSlot) replaceRefused(s *Session) *Session {
 		sl.m.closeRetired(old)
 	}
 	return ns
+}
+
+// current returns the slot's session (nil while it is re-dialed).
+func (sl *smSlot) current() *Session {
+	sl.mu.Lock()
+	defer sl.mu.Unlock()
+	return sl.sess
+}
+
+// replaceIf is replace, only while s is the slot's session: a hot restart
+// may have replaced it meanwhile.
+func (sl *smSlot) replaceIf(s, ns *Session) (old *Session, idle []idleStream, ok bool) {
+	return sl.swap(ns, func(cur *Session) bool { return cur == s })
 }
 
 // closeRetired closes a retired session s when the manager closes, if it

@@ -71,6 +71,7 @@ type Stream struct {
 	// receive loop, which takes fallback data for a waiting reader beyond
 	// the bounds that only it could make room under (waitFallbackRoom).
 	readWant  int
+	readWantN atomic.Int64 // readWant, for the receive loop
 	readShort atomic.Int64
 	scanning  bool          // a reader waits for a delimiter (waitScanning); under mu
 	awaiting  atomic.Bool   // sent since data last arrived: a reply is likely on its way
@@ -199,6 +200,7 @@ func (st *Stream) awaitReadable(n int, offered bool) error {
 	defer func() {
 		if st.readWaiters--; st.readWaiters == 0 && st.readWant != 0 {
 			st.readWant = 0
+			st.readWantN.Store(0)
 			st.readShort.Store(0)
 		}
 	}()
@@ -293,6 +295,7 @@ func (st *Stream) wantBytes(n int) {
 		return
 	}
 	st.readWant = want
+	st.readWantN.Store(int64(want))
 	st.readShort.Store(short)
 	if st.s.fallbackHeld.Load() > 0 {
 		select {
