@@ -530,6 +530,7 @@ func TestWaitingReadersKeepFallbackBound(t *testing.T) {
 	block := make(chan struct{})
 	defer close(block)
 	var srvSess *Session
+	var clients []*Stream
 	for range 12 {
 		st, err := sess.OpenStream()
 		if err != nil {
@@ -553,6 +554,13 @@ func TestWaitingReadersKeepFallbackBound(t *testing.T) {
 			srv.Read(b) // waits for the next
 			<-block     // and does not read again
 		}()
+		clients = append(clients, st)
+	}
+	// Only once every stream is accepted: the receive loop that the
+	// fallback data holds back is also what delivers the first messages
+	// (between two processes, or sessions of one left unpaired).
+	time.Sleep(100 * time.Millisecond) // the readers wait
+	for _, st := range clients {
 		go st.Write(bytes.Repeat([]byte{'x'}, 900<<10)) // more than half the region: fallback
 	}
 	limit := int64(conf.MaxFallbackBuffered) + int64(conf.MaxFallbackFrameSize)
