@@ -321,7 +321,7 @@ func (s *Session) waitFallbackRoom(st *Stream, n int) error {
 		session := s.fallbackHeld.Load()
 		want := int64(0) // what the stream's reader waits for, if it lacks some
 		if st.readShort.Load() > 0 {
-			want = st.readWantN.Load()
+			want = st.readWant.Load()
 		}
 		var bound string
 		var limit, held int64
@@ -363,7 +363,7 @@ func (s *Session) unstuckFallback(session, bound int64, n int) bool {
 	var stuck int64
 	for _, st := range s.streams {
 		if st.readShort.Load() > 0 {
-			stuck += min(st.heldFallback.Load(), st.readWantN.Load())
+			stuck += min(st.heldFallback.Load(), st.readWant.Load())
 		}
 	}
 	s.mu.Unlock()

@@ -66,12 +66,12 @@ type Stream struct {
 	ended        atomic.Bool  // the session has ended (sessionEnded ran)
 	heldFallback atomic.Int64 // received fallback bytes not yet released
 	// readWant is the count the stream's waiting reader needs unread
-	// (awaitReadable; 0 while none waits; the largest while several wait),
-	// under mu; readShort is how many bytes it still lacks, for the
-	// receive loop, which takes fallback data for a waiting reader beyond
-	// the bounds that only it could make room under (waitFallbackRoom).
-	readWant  int
-	readWantN atomic.Int64 // readWant, for the receive loop
+	// (awaitReadable; 0 while none waits; the largest while several wait)
+	// and readShort how many bytes it still lacks; both are written under
+	// mu and read by the receive loop, which takes fallback data for a
+	// waiting reader beyond the bounds that only it could make room under
+	// (waitFallbackRoom).
+	readWant  atomic.Int64
 	readShort atomic.Int64
 	scanning  bool          // a reader waits for a delimiter (waitScanning); under mu
 	awaiting  atomic.Bool   // sent since data last arrived: a reply is likely on its way
@@ -198,9 +198,8 @@ func (st *Stream) awaitReadable(n int, offered bool) error {
 	r := &st.reader
 	st.readWaiters++
 	defer func() {
-		if st.readWaiters--; st.readWaiters == 0 && st.readWant != 0 {
-			st.readWant = 0
-			st.readWantN.Store(0)
+		if st.readWaiters--; st.readWaiters == 0 && st.readWant.Load() != 0 {
+			st.readWant.Store(0)
 			st.readShort.Store(0)
 		}
 	}()
@@ -289,13 +288,13 @@ func (st *Stream) awaitReadable(n int, offered bool) error {
 // beyond the bounds for it (waitFallbackRoom), and tells the loop to look
 // again if it is holding some back.
 func (st *Stream) wantBytes(n int) {
-	want := max(st.readWant, n)
-	short := int64(want - st.reader.unread)
-	if want == st.readWant && st.readShort.Load() == short {
+	old := st.readWant.Load()
+	want := max(old, int64(n))
+	short := want - int64(st.reader.unread)
+	if want == old && st.readShort.Load() == short {
 		return
 	}
-	st.readWant = want
-	st.readWantN.Store(int64(want))
+	st.readWant.Store(want)
 	st.readShort.Store(short)
 	if st.s.fallbackHeld.Load() > 0 {
 		select {
@@ -326,8 +325,8 @@ func (st *Stream) deliver(slices []segment, heap []byte) bool {
 	} else {
 		st.reader.append(slices)
 	}
-	if st.readWant != 0 {
-		st.readShort.Store(int64(max(0, st.readWant-st.reader.unread)))
+	if want := st.readWant.Load(); want != 0 {
+		st.readShort.Store(max(0, want-int64(st.reader.unread)))
 	}
 	st.mu.Unlock()
 	st.delivered.Add(1)
