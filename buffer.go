@@ -351,7 +351,10 @@ func (m *bufferManager) popList(li int, keep int32) (uint32, int32, error) {
 				shmAddInt32(m.i32(l.header+m.counter), 1)
 				return hdr, left, nil
 			}
-		} else if shmLoadInt32(free) <= 1 {
+		} else if shmLoadUint32(head) == h && shmLoadInt32(free) <= 1 {
+			// h is the last slice on the list. A head that moved on means
+			// h was taken meanwhile (its flags no longer say a slice
+			// follows): try the new head.
 			shmAddInt32(free, 1)
 			return 0, 0, nil
 		}
