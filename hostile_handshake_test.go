@@ -6,8 +6,10 @@ package shmipc
 
 import (
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
+	"strings"
 	"testing"
 	"time"
 )
@@ -165,6 +167,26 @@ func TestHostileServerHandshake(t *testing.T) {
 			}
 			return write(c, rawFrame(9, rawMagic, 3, 6, 0))
 		}, []string{"AckShareMemory", "9"}},
+		// A server that goes away mid-handshake: the client reports the end
+		// of the connection (io.EOF) and what it was waiting for.
+		{"closed instead of ExchangeProtoVersion", func(c *net.UnixConn) error {
+			if err := read(c); err != nil {
+				return err
+			}
+			return c.Close()
+		}, []string{"ExchangeProtoVersion", "EOF"}},
+		{"closed instead of AckReadyRecvFD", func(c *net.UnixConn) error {
+			if err := toPaths(c); err != nil {
+				return err
+			}
+			return c.Close()
+		}, []string{"AckReadyRecvFD", "EOF"}},
+		{"closed instead of AckShareMemory", func(c *net.UnixConn) error {
+			if err := toFds(c); err != nil {
+				return err
+			}
+			return c.Close()
+		}, []string{"AckShareMemory", "EOF"}},
 	}
 	env := startTestServer(t, defaultConsumerSpinTime)
 	for _, tc := range cases {
@@ -182,6 +204,9 @@ func TestHostileServerHandshake(t *testing.T) {
 				t.Fatal("Dial succeeded")
 			}
 			checkVictimError(t, "Dial error", res.err, ErrHandshake, tc.want)
+			if strings.Contains(tc.name, "closed") && !errors.Is(res.err, io.EOF) {
+				t.Errorf("Dial error %v: want it to wrap io.EOF", res.err)
+			}
 			env.checkGood(t)
 		})
 	}
