@@ -678,6 +678,109 @@ func TestSessionManagerServerStopsGracefully(t *testing.T) {
 	}
 }
 
+// TestSessionManagerStopsGracefullyAfterHotRestart: a manager that moved to
+// a new server by hot restart, while a stream of the old server's session
+// was still handed out, follows that new server's graceful stop as it
+// follows the first server's: it reaches the server that listens next.
+func TestSessionManagerStopsGracefullyAfterHotRestart(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	first := smStartEcho(t, sock)
+	t.Cleanup(func() { first.ln.CloseAll() })
+	m := smNewManager(t, sock, 1)
+	defer m.Close()
+	held, err := m.GetStream() // handed out across the restart
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := smRoundTrip(held, []byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+
+	second, err := ListenTakeover(sock, smTestConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	sec := &smEchoServer{ln: second, served: make(chan error, 1)}
+	go func() { sec.served <- second.Serve(sec.handle) }()
+	t.Cleanup(func() { second.CloseAll() })
+	for {
+		err = first.ln.HotRestart(1)
+		if !errors.Is(err, ErrHotRestartHandshaking) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := first.ln.WaitHotRestart(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Streams of the second server in the pool, old enough to be refused.
+	var pooled []*Stream
+	for range 2 {
+		st, err := m.GetStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := smRoundTrip(st, []byte("hello")); err != nil {
+			t.Fatal(err)
+		}
+		pooled = append(pooled, st)
+	}
+	for _, st := range pooled {
+		m.PutBack(st)
+	}
+	if sec.accepted.Load() == 0 {
+		t.Fatal("after the hot restart the second server served nothing")
+	}
+	time.Sleep(refusedMinAge)
+
+	if err := second.Close(); err != nil {
+		t.Fatal(err)
+	}
+	third := smStartEcho(t, sock)
+	defer third.close(t)
+	// Three requests at once, one more than the pool holds, until the third
+	// server serves one: the third opens a stream, which the second refuses.
+	var failed atomic.Int64
+	deadline := time.Now().Add(30 * time.Second)
+	for third.accepted.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("30s after the second server stopped accepting, the third has served nothing (%d requests failed)", failed.Load())
+		}
+		var wg sync.WaitGroup
+		for range 3 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				st, err := m.GetStreamContext(ctx)
+				if err != nil {
+					failed.Add(1)
+					return
+				}
+				st.SetDeadline(time.Now().Add(10 * time.Second))
+				if err := smRoundTrip(st, []byte("request")); err != nil {
+					failed.Add(1)
+					st.Close()
+					return
+				}
+				m.PutBack(st)
+			}()
+		}
+		wg.Wait()
+	}
+	t.Logf("%d requests failed before the manager moved", failed.Load())
+	waitUntil(t, "the second server's sessions to end", 10*time.Second, func() bool {
+		return len(listenerSessions(second)) == 0
+	})
+	held.Close()
+}
+
 // slowAcceptListener delays each accepted connection, and says when one
 // arrived.
 type slowAcceptListener struct {
