@@ -160,8 +160,10 @@ type Config struct {
 	// wraps ErrLimitExceeded and names the bound; other sessions are not
 	// affected.
 
-	// MaxStreams bounds the streams open at once in a session (default
-	// 65,536; a stream costs a few hundred bytes). A server whose client
+	// MaxStreams bounds the streams a client holds open at once in a
+	// session (default 65,536; a stream costs a few hundred bytes). A
+	// stream counts from the moment it is opened until the client closes
+	// it, whether or not the server has closed it. A server whose client
 	// opens one more ends the session; OpenStream on a client fails.
 	MaxStreams int
 

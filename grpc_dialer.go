@@ -36,9 +36,13 @@ import (
 //
 // While every session of the manager is down (the server is restarting) it
 // waits for one to be re-dialed, until ctx is done, and then fails with an
-// error wrapping ErrNoHealthySession and ctx.Err(). After Close it fails
-// with ErrSessionManagerClosed.
+// error wrapping ErrNoHealthySession and ctx.Err(). With ctx already done
+// it fails with ctx.Err(), as net.Dialer.DialContext does. After Close it
+// fails with ErrSessionManagerClosed.
 func (m *SessionManager) DialContext(ctx context.Context, addr string) (net.Conn, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	st, err := m.openStreamContext(ctx)
 	if err != nil {
 		return nil, err

@@ -50,6 +50,9 @@ type streamReader struct {
 	done   int
 	pos    int
 	unread int
+	// consumed counts the bytes read from the stream so far, including
+	// those the peer's writer copied straight into a Read's buffer.
+	consumed uint64
 	// inPlace: a read handed out slices of the segments in place (contiguous)
 	// since the last release.
 	inPlace bool
@@ -147,6 +150,7 @@ func (r *streamReader) copyOut(p []byte) {
 // advance consumes n unread bytes.
 func (r *streamReader) advance(n int) {
 	r.unread -= n
+	r.consumed += uint64(n)
 	for n > 0 {
 		avail := len(r.segs[r.done].data) - r.pos
 		if n < avail {

@@ -129,25 +129,26 @@ func dataLoop(st *Stream, fn func(*Stream) error) error {
 			}
 			return err
 		}
-		before := r.Len()
-		first, err := r.Peek(1)
-		if err != nil {
-			return err
-		}
+		before := st.readCount()
 		if err := fn(st); err != nil {
 			return err
 		}
-		// Did fn consume anything? Reading never moves the first unread
-		// byte backwards, and Peek(1) points at it in place; it stays where
-		// it was only if nothing was read (or, if fn released memory that
-		// the peer then reused for new data, by coincidence — hence the
-		// length check too).
+		// Did fn consume anything? If not, wait for more than is there. The
+		// count, not where the first unread byte lies: a stream writes its
+		// next message in the slice it has just read (reuse.go), so a new
+		// message of the same length can lie exactly where the one fn read
+		// did.
 		need = 1
-		if n := r.Len(); n > 0 && n == before {
-			if p, err := r.Peek(1); err == nil && &p[0] == &first[0] {
-				need = n + 1 // nothing consumed: wait for more
-			}
+		if n := r.Len(); n > 0 && st.readCount() == before {
+			need = n + 1 // nothing consumed: wait for more
 		}
 		r.ReleasePreviousRead()
 	}
+}
+
+// readCount is the number of bytes read from st so far.
+func (st *Stream) readCount() uint64 {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.reader.consumed
 }

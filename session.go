@@ -52,7 +52,11 @@ type Session struct {
 	_       cacheLinePad
 	mu      sync.Mutex
 	streams map[uint32]*Stream
-	nextID  uint32
+	// peerGone counts the streams in streams that the peer has closed and
+	// this side has not: the peer no longer holds them open, so they do
+	// not count against its Config.MaxStreams.
+	peerGone int
+	nextID   uint32
 	// closedIDs are ids of streams this server closed while the client
 	// had not: data the client sent before it saw the close must not open
 	// a new stream.
@@ -359,7 +363,7 @@ func (s *Session) streamFor(id uint32) (*Stream, error) {
 		s.mu.Unlock()
 		return st, nil
 	}
-	if len(s.streams) >= s.conf.MaxStreams {
+	if len(s.streams)-s.peerGone >= s.conf.MaxStreams {
 		s.mu.Unlock()
 		return nil, fmt.Errorf("%w: the peer opened more than %d streams, the limit set by Config.MaxStreams", ErrLimitExceeded, s.conf.MaxStreams)
 	}
@@ -381,12 +385,27 @@ func (s *Session) streamFor(id uint32) (*Stream, error) {
 	return st, nil
 }
 
+// peerClosedStream records that the peer closed st, which this side may
+// keep open for a while (reading what it sent, or not yet accepted).
+func (s *Session) peerClosedStream(st *Stream) {
+	s.mu.Lock()
+	if s.streams[st.id] == st && !st.peerGone {
+		st.peerGone = true
+		s.peerGone++
+	}
+	s.mu.Unlock()
+}
+
 // forgetStream removes a closed stream from the table. open says the peer
 // had not closed it. A retiring session ends with its last stream.
 func (s *Session) forgetStream(st *Stream, open bool) {
 	s.mu.Lock()
 	if s.streams[st.id] == st {
 		delete(s.streams, st.id)
+		if st.peerGone {
+			st.peerGone = false
+			s.peerGone--
+		}
 		s.index[st.id%streamIndexSize].CompareAndSwap(st, nil)
 		if open && !s.isClient {
 			s.closedIDs.add(st.id)

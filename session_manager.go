@@ -265,8 +265,12 @@ func (m *SessionManager) GetStream() (*Stream, error) {
 }
 
 // GetStreamContext is GetStream, except that while no session is healthy it
-// waits for one to be re-dialed, until ctx is done.
+// waits for one to be re-dialed, until ctx is done. With ctx already done it
+// fails with ctx.Err(), as net.Dialer.DialContext does.
 func (m *SessionManager) GetStreamContext(ctx context.Context) (*Stream, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	for {
 		m.mu.Lock()
 		healthy := m.healthy

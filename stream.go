@@ -47,6 +47,9 @@ type Stream struct {
 	pooled      bool // in a SessionManager's idle pool; guarded by that pool's lock
 	closed      bool // Close was called
 	peerClosed  bool // the peer closed its side
+	// peerGone: the stream is in its session's table and counted in the
+	// session's peerGone (the peer closed it). Guarded by the session's mu.
+	peerGone bool
 
 	wmu    handoverMutex // serialises writers, Flush and Close
 	writer streamWriter
@@ -123,18 +126,19 @@ func (st *Stream) notify() {
 // what earlier BufferReader calls returned, so their slices are invalid
 // afterwards.
 func (st *Stream) Read(p []byte) (int, error) {
-	if len(p) == 0 {
-		return 0, nil
-	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	r := &st.reader
+	if len(p) == 0 {
+		return 0, st.closedErr()
+	}
 	offered := st.offer(p)
 	err := st.waitOffered(1, offered)
 	if offered {
 		n := st.offerN
 		st.offered, st.offerN = nil, 0
 		if n > 0 {
+			r.consumed += uint64(n)
 			return n, nil // copied in by the peer's writer (copyToReader)
 		}
 	}
@@ -193,9 +197,25 @@ func (st *Stream) waitOffered(n int, offered bool) error {
 	return err
 }
 
+// closedErr is the error of a read of nothing: nil, unless the stream is
+// closed (ErrStreamClosed) or its session has ended with nothing left to
+// read (the session's error). st.mu is held.
+func (st *Stream) closedErr() error {
+	if st.closed {
+		return ErrStreamClosed
+	}
+	if st.reader.unread == 0 && st.s.IsClosed() {
+		return st.s.Err()
+	}
+	return nil
+}
+
 // awaitReadable is waitOffered without passing an error on.
 func (st *Stream) awaitReadable(n int, offered bool) error {
 	r := &st.reader
+	if n <= 0 {
+		return st.closedErr()
+	}
 	st.readWaiters++
 	defer func() {
 		if st.readWaiters--; st.readWaiters == 0 && st.readWant.Load() != 0 {
@@ -352,6 +372,7 @@ func (st *Stream) peerClose() {
 	st.mu.Lock()
 	st.peerClosed = true
 	st.mu.Unlock()
+	st.s.peerClosedStream(st)
 	if f := st.s.onRefused; f != nil && st.delivered.Load() == 0 {
 		f()
 	}
@@ -418,7 +439,10 @@ func (st *Stream) flushLocked() error {
 		if w.closedUnsent {
 			return ErrStreamClosed
 		}
-		return w.discard()
+		if err := w.discard(); err != nil {
+			return err
+		}
+		return w.usable() // nothing to send, but not on a closed stream either
 	}
 	raceReleaseIO()
 	if err := w.usable(); err != nil {

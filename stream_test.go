@@ -39,6 +39,9 @@ func streamTestConfig(t *testing.T, mode MemMapType) *Config {
 	conf := DefaultConfig()
 	conf.MemMapType = mode
 	conf.ShareMemoryPathPrefix = shmPrefix(t, "st")
+	// A loaded machine (CI runs suites side by side, -race) can take more
+	// than the default second for a handshake.
+	conf.InitializeTimeout = 10 * time.Second
 	return conf
 }
 

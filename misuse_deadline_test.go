@@ -1,0 +1,277 @@
+package shmipc
+
+import (
+	"bytes"
+	"io"
+	"testing"
+	"time"
+)
+
+// mzBlocked runs f in a goroutine and returns a channel with its error and
+// how long it took.
+type mzResult struct {
+	err  error
+	took time.Duration
+	n    int
+}
+
+func mzBlocked(f func() (int, error)) <-chan mzResult {
+	ch := make(chan mzResult, 1)
+	go func() {
+		start := time.Now()
+		n, err := f()
+		ch <- mzResult{err, time.Since(start), n}
+	}()
+	return ch
+}
+
+// mzReaders is every blocking read of a stream, for the deadline tests.
+func mzReaders(st *Stream) map[string]func() (int, error) {
+	br, nr := st.BufferReader(), st.NetpollReader()
+	return map[string]func() (int, error){
+		"Read":      func() (int, error) { return st.Read(make([]byte, 10)) },
+		"ReadBytes": func() (int, error) { p, err := br.ReadBytes(10); return len(p), err },
+		"Peek":      func() (int, error) { p, err := br.Peek(10); return len(p), err },
+		"Discard":   func() (int, error) { return br.Discard(10) },
+		"ReadByte":  func() (int, error) { _, err := br.ReadByte(); return 0, err },
+		"np.Next":   func() (int, error) { p, err := nr.Next(10); return len(p), err },
+		"np.Until":  func() (int, error) { p, err := nr.Until('\n'); return len(p), err },
+		"np.Skip":   func() (int, error) { return 0, nr.Skip(10) },
+		"np.Slice":  func() (int, error) { _, err := nr.Slice(10); return 0, err },
+	}
+}
+
+// TestMisuseDeadlinePast: a read deadline in the past fails every read at
+// once with a deadline error, and a zero deadline makes reads work again.
+func TestMisuseDeadlinePast(t *testing.T) {
+	mzModes(t, func(t *testing.T) {
+		_, cli, srv := mzPair(t, nil)
+		srv.SetReadDeadline(time.Now().Add(-time.Hour))
+		for name, f := range mzReaders(srv) {
+			r := <-mzBlocked(f)
+			mzTimeoutErr(t, name+" with past deadline", r.err)
+			if r.took > time.Second {
+				t.Errorf("%s with past deadline took %v", name, r.took)
+			}
+		}
+		// Data present: net.Conn semantics say the read fails even so
+		// ("a deadline ... fails I/O"); accept either, but it must not hang.
+		srv.SetReadDeadline(time.Time{})
+		if _, err := cli.Write([]byte("hello\n")); err != nil {
+			t.Fatal(err)
+		}
+		srv.SetReadDeadline(time.Now().Add(mzTimeout))
+		got := make([]byte, 6)
+		if _, err := io.ReadFull(srv, got); err != nil || string(got) != "hello\n" {
+			t.Fatalf("after resetting the deadline: %q %v", got, err)
+		}
+		// Write deadline in the past.
+		cli.SetWriteDeadline(time.Now().Add(-time.Second))
+		n, err := cli.Write([]byte("x"))
+		mzTimeoutErr(t, "Write with past deadline", err)
+		if n != 0 {
+			t.Errorf("Write with past deadline: n=%d", n)
+		}
+		if _, err := cli.BufferWriter().WriteBytes([]byte("abc")); err != nil {
+			t.Logf("WriteBytes with past deadline: %v", err)
+		}
+		mzTimeoutErr(t, "Flush with past deadline", cli.Flush(false))
+		if l := cli.BufferWriter().Len(); l != 0 {
+			t.Errorf("after a failed Flush the message is %d bytes, want discarded", l)
+		}
+		nw := cli.NetpollWriter()
+		nw.WriteString("abc")
+		mzTimeoutErr(t, "np.Flush with past deadline", nw.Flush())
+		cli.SetWriteDeadline(time.Time{})
+		if _, err := cli.Write([]byte("ok")); err != nil {
+			t.Fatalf("Write after clearing the deadline: %v", err)
+		}
+		got = make([]byte, 2)
+		if _, err := io.ReadFull(srv, got); err != nil || string(got) != "ok" {
+			t.Fatalf("read %q %v, want \"ok\" (failed messages must not arrive)", got, err)
+		}
+	})
+}
+
+// TestMisuseDeadlineChangedWhileBlocked: a read that is blocked must follow
+// deadline changes: set from none to soon, moved further, cleared.
+func TestMisuseDeadlineChangedWhileBlocked(t *testing.T) {
+	mzModes(t, func(t *testing.T) {
+		_, cli, srv := mzPair(t, func(c *Config) {})
+		for name, f := range mzReaders(srv) {
+			// none -> soon
+			srv.SetReadDeadline(time.Time{})
+			ch := mzBlocked(f)
+			time.Sleep(30 * time.Millisecond)
+			srv.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+			select {
+			case r := <-ch:
+				mzTimeoutErr(t, name+" after deadline set while blocked", r.err)
+			case <-time.After(mzTimeout):
+				t.Errorf("%s: HANG: a deadline set while blocked did not end the read", name)
+				srv.SetReadDeadline(time.Now()) // try to unblock
+				<-ch
+			}
+			// soon -> later: must not time out at the old deadline.
+			srv.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+			ch = mzBlocked(f)
+			time.Sleep(20 * time.Millisecond)
+			srv.SetReadDeadline(time.Now().Add(time.Hour))
+			select {
+			case r := <-ch:
+				t.Errorf("%s: returned %v after %v although the deadline was extended", name, r.err, r.took)
+			case <-time.After(300 * time.Millisecond):
+			}
+			// cleared: still blocked; then data ends it.
+			srv.SetReadDeadline(time.Time{})
+			select {
+			case r := <-ch:
+				t.Errorf("%s: returned %v after the deadline was cleared", name, r.err)
+			case <-time.After(150 * time.Millisecond):
+			}
+			if _, err := cli.Write([]byte("0123456789\n")); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case r := <-ch:
+				if r.err != nil {
+					t.Errorf("%s: %v after data arrived", name, r.err)
+				}
+			case <-time.After(mzTimeout):
+				t.Fatalf("%s: HANG: data did not end the read", name)
+			}
+			srv.BufferReader().Discard(srv.BufferReader().Len())
+			srv.BufferReader().ReleasePreviousRead()
+		}
+	})
+}
+
+// TestMisuseDeadlineAfterWriteReader: the reader polls for a reply right
+// after it sent (awaiting): a deadline set then must end the poll.
+func TestMisuseDeadlineWhilePolling(t *testing.T) {
+	mzModes(t, func(t *testing.T) {
+		_, cli, srv := mzPair(t, nil)
+		for i := range 20 {
+			if _, err := cli.Write([]byte("ping")); err != nil {
+				t.Fatal(err)
+			}
+			cli.SetReadDeadline(time.Time{})
+			ch := mzBlocked(func() (int, error) { return cli.Read(make([]byte, 4)) })
+			time.Sleep(time.Duration(i%4) * time.Millisecond)
+			cli.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
+			select {
+			case r := <-ch:
+				mzTimeoutErr(t, "Read while polling", r.err)
+			case <-time.After(mzTimeout):
+				t.Fatalf("round %d: HANG: a deadline set while the reader polled did not end the read", i)
+			}
+			srv.SetReadDeadline(time.Now().Add(mzTimeout))
+			if _, err := io.ReadFull(srv, make([]byte, 4)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+}
+
+// TestMisuseWriteDeadlineWhileBlocked: a Write blocked for room (the peer
+// does not read) ends when a write deadline is set meanwhile, and Close
+// ends it too.
+func TestMisuseWriteDeadlineWhileBlocked(t *testing.T) {
+	mzModes(t, func(t *testing.T) {
+		_, cli, _ := mzPair(t, func(c *Config) {
+			c.ShareMemoryBufferCap = 1 << 20
+			c.BufferSliceSizes = ReferenceSliceSizes()
+			c.QueueCap = 64
+			c.WriteSpaceTimeout = time.Minute
+		})
+		msg := bytes.Repeat([]byte{1}, 4096)
+		// Fill until a write blocks.
+		var ch <-chan mzResult
+		for i := 0; ; i++ {
+			ch = mzBlocked(func() (int, error) { return cli.Write(msg) })
+			select {
+			case r := <-ch:
+				if r.err != nil {
+					t.Fatalf("write %d: %v", i, r.err)
+				}
+				continue
+			case <-time.After(200 * time.Millisecond):
+			}
+			break
+		}
+		cli.SetWriteDeadline(time.Now().Add(50 * time.Millisecond))
+		select {
+		case r := <-ch:
+			mzTimeoutErr(t, "blocked Write after SetWriteDeadline", r.err)
+		case <-time.After(mzTimeout):
+			t.Fatalf("HANG: a blocked Write ignored a write deadline set meanwhile")
+		}
+		cli.SetWriteDeadline(time.Time{})
+		ch = mzBlocked(func() (int, error) { return cli.Write(msg) })
+		time.Sleep(100 * time.Millisecond)
+		cli.Close()
+		select {
+		case r := <-ch:
+			mzWantErr(t, "blocked Write after Close", r.err, ErrStreamClosed)
+		case <-time.After(mzTimeout):
+			t.Fatalf("HANG: a blocked Write did not end on Close")
+		}
+	})
+}
+
+// TestMisuseReadTimeoutsLoseNothing: a reader whose reads keep timing out
+// (short deadlines) while a writer sends: every byte must arrive once, in
+// order, and a timed-out Read must not have its buffer written afterwards.
+func TestMisuseReadTimeoutsLoseNothing(t *testing.T) {
+	mzModes(t, func(t *testing.T) {
+		_, cli, srv := mzPair(t, nil)
+		const total = 300000
+		go func() {
+			seq := 0
+			for seq < total {
+				n := min(1+seq%700, total-seq)
+				msg := make([]byte, n)
+				for i := range msg {
+					msg[i] = byte((seq + i) % 253)
+				}
+				if _, err := cli.Write(msg); err != nil {
+					t.Errorf("Write: %v", err)
+					return
+				}
+				seq += n
+				if seq%7 == 0 {
+					time.Sleep(100 * time.Microsecond)
+				}
+			}
+		}()
+		got := 0
+		timeouts := 0
+		buf := make([]byte, 1024)
+		deadlineEnd := time.Now().Add(3 * mzTimeout)
+		for got < total {
+			if time.Now().After(deadlineEnd) {
+				t.Fatalf("HANG: read %d of %d", got, total)
+			}
+			srv.SetReadDeadline(time.Now().Add(time.Duration(got%3) * 50 * time.Microsecond))
+			n, err := srv.Read(buf)
+			if err != nil {
+				mzTimeoutErr(t, "Read", err)
+				timeouts++
+				if n != 0 {
+					t.Fatalf("Read returned n=%d with a timeout", n)
+				}
+				for i := range buf {
+					buf[i] = 0xff // must not be overwritten later
+				}
+				continue
+			}
+			for i := range n {
+				if buf[i] != byte((got+i)%253) {
+					t.Fatalf("byte %d: %d, want %d (timeouts so far %d)", got+i, buf[i], byte((got+i)%253), timeouts)
+				}
+			}
+			got += n
+		}
+		t.Logf("%d timeouts", timeouts)
+	})
+}
