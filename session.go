@@ -226,8 +226,11 @@ func (s *Session) AcceptStream() (*Stream, error) {
 
 // Close closes the session and all its streams without telling the peer
 // about each stream (PROTOCOL.md §6.4), closes the connection, and releases
-// the shared memory once no stream holds slices of it. It returns after the
-// receive loop has stopped. Close is idempotent.
+// the shared memory once no stream holds slices of it. Slices a stream's
+// reads returned in place (ReadBytes, Peek) stay valid, and keep the memory
+// mapped, until that stream's ReleasePreviousRead or Close: a server that
+// ends the sessions of clients that went away still closes their streams.
+// It returns after the receive loop has stopped. Close is idempotent.
 func (s *Session) Close() error {
 	s.closeWithError(nil)
 	<-s.loopDone
