@@ -1,0 +1,163 @@
+package shmipc
+
+// A client process with a SessionManager against server processes that are
+// SIGKILLed and restarted on the same socket path: the client's resources
+// must not grow with the restarts.
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/goshm/shmipc/internal/proctest"
+)
+
+// scStartServer starts an echo server child on sock.
+func scStartServer(t *testing.T, sock, prefix string, mode MemMapType, extra map[string]string) *proctest.Child {
+	t.Helper()
+	args := map[string]string{"SOCK": sock, "PREFIX": prefix, "MODE": mode.String()}
+	for k, v := range extra {
+		args[k] = v
+	}
+	c, _ := startChild(t, proctest.Config{TestName: scChildTest, Role: "echo-server", Args: args, Timeout: 10 * time.Minute})
+	return c
+}
+
+// scChildStats asks an echo-server child for its stats line.
+func scChildStats(t *testing.T, c *proctest.Child) string {
+	t.Helper()
+	if err := c.Signal(syscall.SIGUSR1); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		line, err := c.ReadLine(20 * time.Second)
+		if err != nil {
+			t.Fatalf("stats of child: %v", err)
+		}
+		if s, ok := strings.CutPrefix(line, "stats "); ok {
+			return s
+		}
+	}
+}
+
+// scManagerEcho gets a stream from m (waiting for a re-dial) and runs a
+// round trip on it.
+func scManagerEcho(m *SessionManager, seed uint64, putBack bool) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	st, err := m.GetStreamContext(ctx)
+	if err != nil {
+		return fmt.Errorf("GetStream: %w", err)
+	}
+	st.SetDeadline(time.Now().Add(10 * time.Second))
+	if err := mpRoundTrip(st, mpPayload(int(seed%200000)+1, seed), seed%2 == 0); err != nil {
+		st.Close()
+		return err
+	}
+	st.SetDeadline(time.Time{})
+	if putBack {
+		m.PutBack(st)
+	} else {
+		st.Close()
+	}
+	return nil
+}
+
+func TestScaleManagerServerRestarts(t *testing.T) {
+	if proctest.IsChild() {
+		t.Skip()
+	}
+	restarts := 24
+	if testing.Short() {
+		restarts = 8
+	}
+	for _, mode := range bothModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			prefix := shmPrefix(t, "screst")
+			conf := scConfig(mode, prefix)
+			sock := scSock(t)
+			srv := scStartServer(t, sock, prefix, mode, nil)
+			m, err := NewSessionManager(SessionManagerConfig{
+				Config: conf, Network: "unix", Address: sock, SessionNum: 4, MaxIdleStreams: 8,
+				MinReconnectBackoff: 5 * time.Millisecond, MaxReconnectBackoff: 200 * time.Millisecond,
+			})
+			if err != nil {
+				// The manager may need a server to start; start one first.
+				t.Fatalf("NewSessionManager: %v", err)
+			}
+			defer m.Close()
+
+			var base scState
+			for r := range restarts {
+				// Traffic: some streams put back to the pool, some closed,
+				// and some in flight when the server is killed.
+				for i := range 16 {
+					if err := scManagerEcho(m, uint64(r*100+i), i%2 == 0); err != nil {
+						t.Fatalf("restart %d: echo %d: %v", r, i, err)
+					}
+				}
+				stop := make(chan struct{})
+				var wg sync.WaitGroup
+				for g := range 4 {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						for i := 0; ; i++ {
+							select {
+							case <-stop:
+								return
+							default:
+							}
+							_ = scManagerEcho(m, uint64(g*7+i), i%3 != 0) // errors expected at the kill
+						}
+					}()
+				}
+				time.Sleep(20 * time.Millisecond)
+				srv.Kill()
+				srv.Wait(10 * time.Second)
+				close(stop)
+				// The next server comes up at once; the workers' waits
+				// end on its sessions.
+				srv = scStartServer(t, sock, prefix, mode, nil)
+				if !clWaitGroup(&wg, 90*time.Second) {
+					t.Fatalf("restart %d: stream users still blocked 90s after the server was restarted:\n%s", r, scStacks(make([]byte, 4<<20)))
+				}
+				if r == 2 {
+					// Baseline once the steady state is reached: a server
+					// running again and served.
+					for i := range 16 {
+						if err := scManagerEcho(m, uint64(i), i%2 == 0); err != nil {
+							t.Fatalf("baseline echo: %v", err)
+						}
+					}
+					base = scTakeSelf(prefix)
+					t.Logf("baseline (server up, restart %d): %v", r, base)
+				}
+			}
+			for i := range 16 {
+				if err := scManagerEcho(m, uint64(i), i%2 == 0); err != nil {
+					t.Fatalf("final echo: %v", err)
+				}
+			}
+			after, ok := scSettle(20*time.Second, func() scState { return scTakeSelf(prefix) }, func(s scState) bool {
+				return s.goroutines <= base.goroutines+4 && s.fds <= base.fds+2 && s.prefixMaps <= base.prefixMaps &&
+					s.memfdMaps <= base.memfdMaps && s.files <= base.files && s.live <= base.live && s.cliBufs <= base.cliBufs
+			})
+			t.Logf("after %d restarts (server up): %v", restarts, after)
+			if !ok {
+				t.Errorf("client resources grew across %d server restarts:\n base  %v\n after %v", restarts-3, base, after)
+				fds, _ := clFds("self")
+				t.Logf("fds: %v", fds)
+			}
+			if !raceEnabled && after.rss > base.rss+32<<20 { // the race detector keeps its shadow memory
+				t.Errorf("RSS grew from %d KiB to %d KiB", base.rss>>10, after.rss>>10)
+			}
+			srv.Kill()
+			srv.Wait(10 * time.Second)
+		})
+	}
+}
