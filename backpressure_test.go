@@ -98,12 +98,12 @@ func TestBackPressureRegionFull(t *testing.T) {
 	// The region holds 254 slices of 4 KiB and one is never handed out.
 	var werr error
 	for i := 0; i < 300 && werr == nil; i++ {
-		st.SetWriteDeadline(time.Now().Add(300 * time.Millisecond))
-		msg[0] = byte(i)
 		start := time.Now()
+		st.SetWriteDeadline(start.Add(300 * time.Millisecond))
+		msg[0] = byte(i)
 		if _, werr = st.Write(msg); werr == nil {
 			sent.Write(msg)
-		} else if time.Since(start) < 250*time.Millisecond {
+		} else if time.Since(start) < 300*time.Millisecond {
 			t.Fatalf("write %d failed after %v without waiting for its deadline: %v", i, time.Since(start), werr)
 		}
 	}

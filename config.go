@@ -161,10 +161,14 @@ type Config struct {
 	// affected.
 
 	// MaxStreams bounds the streams a client holds open at once in a
-	// session (default 65,536; a stream costs a few hundred bytes). A
-	// stream counts from the moment it is opened until the client closes
-	// it, whether or not the server has closed it. A server whose client
-	// opens one more ends the session; OpenStream on a client fails.
+	// session (default 65,536; a stream costs a few hundred bytes):
+	// OpenStream fails beyond it. A stream counts from the moment it is
+	// opened until the client closes it, whether or not the server has
+	// closed it. A server ends a session whose client has more than twice
+	// as many open as far as it can tell (a close can reach it after the
+	// client's next stream). Streams the client has closed and the server's
+	// application has not are the application's to bound: those not yet
+	// accepted by MaxPendingAccepts, the others by how it accepts them.
 	MaxStreams int
 
 	// MaxPendingAccepts bounds the streams of one session that have been

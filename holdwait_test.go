@@ -96,11 +96,11 @@ func TestWriteWaitsWhileDataUnread(t *testing.T) {
 	waitUntil(t, "the request reached the server stream", 10*time.Second, func() bool { return srv.BufferReader().Len() == hwSize })
 
 	const hold = 200 * time.Millisecond
+	start := time.Now()
 	go func() {
 		time.Sleep(hold)
 		other.Close() // frees its slice
 	}()
-	start := time.Now()
 	reply, err := srv.BufferWriter().Reserve(hwSize) // the request is still unread
 	if err != nil {
 		t.Fatalf("Reserve with the request unread: %v", err)
@@ -131,7 +131,13 @@ func TestWriterHoldingPartWaitsBriefly(t *testing.T) {
 		t.Fatalf("lists %+v", lists)
 	}
 	msg := bytes.Repeat([]byte("m"), 4*big) // needs more than the free big slices can hold
-	for _, free := range []bool{true, false} {
+	// A slice is freed heldSpaceWait/5 after the write begins; on a loaded
+	// machine that can come after the whole wait, and falling back then is
+	// right: such a round is run again.
+	rounds, again := []bool{true, false}, 0
+	for len(rounds) > 0 {
+		free := rounds[0]
+		rounds = rounds[1:]
 		st, err := sess.OpenStream()
 		if err != nil {
 			t.Fatal(err)
@@ -160,13 +166,16 @@ func TestWriterHoldingPartWaitsBriefly(t *testing.T) {
 			}
 			holders = append(holders, h)
 		}
+		fb0 := srv.Session().Stats().FallbackMessagesOut
+		start := time.Now()
+		freed := make(chan time.Duration, 1)
 		if free {
 			go func() {
 				time.Sleep(heldSpaceWait / 5)
 				holders[0].Close() // a big slice comes back while the writer waits
+				freed <- time.Since(start)
 			}()
 		}
-		start := time.Now()
 		if _, err := srv.Write(msg); err != nil {
 			t.Fatal(err)
 		}
@@ -175,9 +184,16 @@ func TestWriterHoldingPartWaitsBriefly(t *testing.T) {
 		if _, err := io.ReadFull(st, got); err != nil || !bytes.Equal(got, msg) {
 			t.Fatalf("free=%v: the message arrived as %d bytes, %v", free, len(got), err)
 		}
-		fb := srv.Session().Stats().FallbackMessagesOut
+		fb := srv.Session().Stats().FallbackMessagesOut - fb0
 		switch {
 		case free && fb != 0:
+			if d := <-freed; d >= heldSpaceWait {
+				t.Logf("the slice came back %v after the write began, after heldSpaceWait", d)
+				if again++; again < 50 {
+					rounds = append(rounds, true)
+				}
+				break
+			}
 			t.Errorf("a slice freed during the wait: %d fallback messages, want none", fb)
 		case !free && fb != 1:
 			t.Errorf("nothing freed: %d fallback messages, want 1", fb)

@@ -366,9 +366,12 @@ func (s *Session) streamFor(id uint32) (*Stream, error) {
 		s.mu.Unlock()
 		return st, nil
 	}
-	if len(s.streams)-s.peerGone >= s.conf.MaxStreams {
+	// Twice the client's own bound: a client's close can reach the server
+	// after the client's next stream does (a close sent over the socket,
+	// data through the queue), at most one per stream it had open.
+	if open := len(s.streams) - s.peerGone; open/2 >= s.conf.MaxStreams {
 		s.mu.Unlock()
-		return nil, fmt.Errorf("%w: the peer opened more than %d streams, the limit set by Config.MaxStreams", ErrLimitExceeded, s.conf.MaxStreams)
+		return nil, fmt.Errorf("%w: the peer has %d streams open, more than twice the limit set by Config.MaxStreams", ErrLimitExceeded, open+1)
 	}
 	st, err := s.addStreamLocked(id)
 	s.mu.Unlock()

@@ -616,13 +616,17 @@ func (st *Stream) finishClose() error {
 		}
 		err := st.s.access(st.writer.discard)
 		st.wmu.Unlock()
-		st.s.forgetStream(st, st.closeTells)
+		// The close goes out before the stream leaves the table: a
+		// client's OpenStream counts the streams in it against
+		// Config.MaxStreams, and the stream it opens next must not reach
+		// the server before this close does.
 		if st.closeTells {
 			_ = st.s.access(func() error {
 				st.s.sendStreamClose(st.id, st.fallback.Load())
 				return nil
 			})
 		}
+		st.s.forgetStream(st, st.closeTells)
 		st.dropRef()
 		return err
 	}

@@ -1,7 +1,9 @@
 package shmipc
 
 import (
+	"bytes"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -38,7 +40,27 @@ func ucStoppedPeer(t *testing.T, conf *Config) (*Session, *Stream, *proctest.Chi
 	if err := c.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
+	// The signal stops each thread of the child as it next runs, not at
+	// once: on a loaded machine the child's other threads go on reading
+	// for a while.
+	waitUntil(t, "every thread of the stopped child in state T", 10*time.Second, func() bool { return ucStopped(c.Pid()) })
 	return sess, st, c
+}
+
+// ucStopped reports whether every thread of process pid is stopped.
+func ucStopped(pid int) bool {
+	stats, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stat", pid))
+	for _, f := range stats {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return false
+		}
+		// The state follows the command name, which is in parentheses.
+		if i := bytes.LastIndexByte(b, ')'); i < 0 || i+2 >= len(b) || b[i+2] != 'T' {
+			return false
+		}
+	}
+	return len(stats) > 0
 }
 
 // ucBlockingWrite runs write, a write on st, and returns how long it took
