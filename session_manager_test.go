@@ -634,30 +634,7 @@ func TestSessionManagerServerStopsGracefully(t *testing.T) {
 	// Three requests at once, one more than the pool holds, until the new
 	// server serves one.
 	var failed atomic.Int64
-	burst := func() {
-		var wg sync.WaitGroup
-		for range 3 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-				defer cancel()
-				st, err := m.GetStreamContext(ctx)
-				if err != nil {
-					failed.Add(1)
-					return
-				}
-				st.SetDeadline(time.Now().Add(10 * time.Second))
-				if err := smRoundTrip(st, []byte("request")); err != nil {
-					failed.Add(1)
-					st.Close()
-					return
-				}
-				m.PutBack(st)
-			}()
-		}
-		wg.Wait()
-	}
+	burst := func() { smBurst(m, &failed) }
 	deadline := time.Now().Add(30 * time.Second)
 	for nw.accepted.Load() == 0 {
 		if time.Now().After(deadline) {
@@ -751,34 +728,40 @@ func TestSessionManagerStopsGracefullyAfterHotRestart(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatalf("30s after the second server stopped accepting, the third has served nothing (%d requests failed)", failed.Load())
 		}
-		var wg sync.WaitGroup
-		for range 3 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-				defer cancel()
-				st, err := m.GetStreamContext(ctx)
-				if err != nil {
-					failed.Add(1)
-					return
-				}
-				st.SetDeadline(time.Now().Add(10 * time.Second))
-				if err := smRoundTrip(st, []byte("request")); err != nil {
-					failed.Add(1)
-					st.Close()
-					return
-				}
-				m.PutBack(st)
-			}()
-		}
-		wg.Wait()
+		smBurst(m, &failed)
 	}
 	t.Logf("%d requests failed before the manager moved", failed.Load())
 	waitUntil(t, "the second server's sessions to end", 10*time.Second, func() bool {
 		return len(listenerSessions(second)) == 0
 	})
 	held.Close()
+}
+
+// smBurst makes three requests at once through m, one more than a pool of
+// two holds, and counts those that fail in failed.
+func smBurst(m *SessionManager, failed *atomic.Int64) {
+	var wg sync.WaitGroup
+	for range 3 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			st, err := m.GetStreamContext(ctx)
+			if err != nil {
+				failed.Add(1)
+				return
+			}
+			st.SetDeadline(time.Now().Add(10 * time.Second))
+			if err := smRoundTrip(st, []byte("request")); err != nil {
+				failed.Add(1)
+				st.Close()
+				return
+			}
+			m.PutBack(st)
+		}()
+	}
+	wg.Wait()
 }
 
 // slowAcceptListener delays each accepted connection, and says when one
