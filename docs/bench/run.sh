@@ -11,6 +11,14 @@
 #   3. example/pingpong: single-stream latency between two processes at each
 #      size, and the CPU an idle session costs.
 #
+# Before and after all of it, when ../shared/limits is there and a C
+# compiler is, the machine's own limits (limits.txt): round trips between
+# two processes by busy-spin, futex and Unix socket at 64 B, 4 KiB and
+# 64 KiB, with no Go and nothing of shmipc in them. On the 2-vCPU VMs these
+# move by 3-4x between runs (where the host puts the two vCPUs), and every
+# cross-process figure moves with them: read a run's figures against the
+# limits of the same run.
+#
 # Usage: docs/bench/run.sh [-quick] [output directory]
 #
 # The output directory (default docs/bench/results, or a new temporary one
@@ -154,6 +162,32 @@ tool=$(mktemp -d "${TMPDIR:-/tmp}/shmipc-pingpong.XXXXXX")
 trap 'rm -rf "$tool"' EXIT
 go build -o "$tool/pingpong" ./example/pingpong
 
+# limits measures the machine's physical limits (see the top) into
+# limits.txt, if the C programs and a compiler are at hand.
+limitsrc=../shared/limits
+havelimits=0
+if [ -f "$limitsrc/pingpong.c" ] && command -v cc >/dev/null &&
+    cc -O2 -o "$tool/limits-pingpong" "$limitsrc/pingpong.c" 2>"$tool/cc.err"; then
+    havelimits=1
+fi
+limits() { # label
+    [ $havelimits = 1 ] || return 0
+    log "physical limits ($1)"
+    {
+        echo "--- $1"
+        for mode in spin futex uds; do
+            for size in 64 4096 65536; do
+                iters=20000
+                [ $size -gt 4096 ] && iters=5000
+                [ $quick = 1 ] && iters=500
+                "$tool/limits-pingpong" $mode $size $iters split
+            done
+        done
+    } 2>&1 | tee -a "$out/limits.txt"
+}
+: > "$out/limits.txt"
+limits before
+
 for hogs in 0 2; do
     suffix=""; limit=0.3; at=8
     if [ $hogs -gt 0 ]; then suffix="-hogs$hogs"; limit=1.0; at=all; fi
@@ -177,6 +211,8 @@ for hogs in 0 2; do
     "$tool/pingpong" -hogs $hogs "${pingpongflags[@]}" -svg "$out/latency$suffix.svg" -json "$out/latency$suffix.json" | tee "$out/latency$suffix.txt"
     load "after pingpong$suffix"
 done
+
+limits after
 
 leftover=$(ls /dev/shm | grep -c '^shmipc' || true)
 log "done: results in $out ($leftover shmipc files in /dev/shm, from this run or others)"
