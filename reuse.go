@@ -14,21 +14,39 @@ import "math"
 // in it: the same slice then goes back and forth on the stream without
 // touching the free lists, and its data is already in the caches.
 //
-// Slices of the smallest class are kept, and between two sessions of one
-// process (paired, spin.go) those of every class up to keepMaxCap, one per
-// stream, and used only for a message piece that fits in one. A paired
-// writer hands its message over on its own processor, where the peer's
-// reader then runs, and the slice stays in that processor's caches: 8
-// streams of 16, 32 and 64 KB took 40-45 % less time per round trip
-// keeping their slices (BenchmarkPingPong). Between two processes the two
-// ends run on different processors, and a kept slice the two write in
-// turn moves all its lines from one to the other for every message, which
-// costs more than a slice taken from the list: one stream of 16 and 64 KiB
-// took 5.4 and 15 µs per round trip instead of 4.1 and 9.3
-// (example/pingpong, two runs each). For small messages the list
-// operations weigh more: a build that kept nothing took 1.8 µs instead of
-// 1.2 for 64 B, and 64 streams of 4 KiB made 560 k round trips per second
-// instead of 820 k (two runs each).
+// Slices of every class up to keepMaxCap are kept, one per stream, and used
+// only for a message piece that fits in one. Between two sessions of one
+// process (paired, spin.go) a writer hands its message over on its own
+// processor, where the peer's reader then runs, and the slice stays in that
+// processor's caches: 8 streams of 16, 32 and 64 KB took 40-45 % less time
+// per round trip keeping their slices (BenchmarkPingPong). For small
+// messages the list operations weigh most: a build that kept nothing took
+// 1.8 µs instead of 1.2 for 64 B between processes, and 64 streams of
+// 4 KiB made 560 k round trips per second instead of 820 k (two runs each).
+//
+// Between two processes the two ends run on different processors, and the
+// lines of a kept slice move from one to the other for every message. A
+// slice taken from the list instead is one that this process or its peer
+// wrote some round trips ago, and which one depends on how many slices the
+// list rotates through (circulation.go parks the rest): in a request-reply
+// exchange over one stream, each side pops one slice per round trip from
+// the FIFO list and the other pushes it back, so with an even number in
+// rotation each side always rewrites the slices it wrote itself, which the
+// peer has since read, and with an odd number the two take turns. On the
+// 2-vCPU AMD EPYC VM of 2026-11-29 that parity decided the round trip: one
+// stream of 64 KiB took 5 µs at p50 with 11 slices of the 128 KiB class in
+// rotation and 10-12 µs with 10, in 14 of 14 runs, and 10 is what
+// circulation leaves most often. Keeping the slice it read gives each side
+// the lines its peer has just written, always: 16, 32 and 64 KiB took 1.7-
+// 2.4, 2.4-2.6 and 4.7-5.0 µs at p50 against 3.7, 5.6-6.5 and 10.3-10.6 µs
+// taking from the list (example/pingpong, three alternating runs of each
+// build), 8 streams of 16 and 64 KiB made 1.35-1.54 and 1.71-1.79 times
+// the round trips per second, and through net.Conn 16 and 64 KiB took 2.4
+// and 7.5-7.8 µs against 5.7 and 19-20 µs. (On a 2-vCPU Intel Xeon VM,
+// before the rotation's parity was known, keeping had measured slower
+// between processes: 16 and 64 KiB took 5.4 and 15 µs against 4.1 and
+// 9.3 µs, two runs each. That machine may prefer the list; it has not been
+// measured since.) Larger classes are not kept (keepMaxCap).
 //
 // A stream asks for permission to keep slices of one class when it first
 // has a slice of that class to keep, and holds it until it lets go of the
@@ -94,7 +112,7 @@ func (st *Stream) freeReceived(segs []segment) error {
 		return s.freeSegments(segs)
 	}
 	for i, seg := range segs {
-		if !s.buf.keepable(seg.list) || seg.list != s.buf.smallest && st.peerRefs == nil {
+		if !s.buf.keepable(seg.list) {
 			continue
 		}
 		li := int(seg.list)

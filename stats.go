@@ -70,8 +70,9 @@ type RegionStats struct {
 	// parked: a server counts them in use, as ListStats.Free does). What
 	// one session holds of a shared region is not told apart
 	// from what the others hold. An open stream that has read a message
-	// may keep one slice of the smallest class for its next message, so a
-	// region at rest shows up to one such slice per open stream in use.
+	// may keep one slice of up to 128 KiB for its next message (at most an
+	// eighth of a class per process), so a region at rest shows up to one
+	// such slice per open stream in use.
 	InUse uint64
 	// Sessions is the number of this process's sessions using the region
 	// (or, for AggregateStats, the number of regions summed).
