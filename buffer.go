@@ -121,8 +121,7 @@ type bufferManager struct {
 
 	space spaceQueues // this process's writers waiting for room, in turn (space_queue.go)
 
-	keepers  []atomic.Int32 // per list, streams of this process that may keep a slice of it (reuse.go)
-	smallest int32          // the list of the smallest slices
+	keepers []atomic.Int32 // per list, streams of this process that may keep a slice of it (reuse.go)
 }
 
 // initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.
@@ -251,7 +250,6 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 		}
 	}
 	m.keepers = make([]atomic.Int32, n)
-	m.smallest = int32(m.bySize[0])
 	for i := range m.lists {
 		if l := &m.lists[i]; l.sliceCap <= keepMaxCap {
 			l.keepLimit = int32(l.count / keepShare)
