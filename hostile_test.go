@@ -160,18 +160,16 @@ func openPinged(t *testing.T, p *rawPeer, victim *Session) *Stream {
 // provokeSend makes the victim allocate from the smallest list and publish
 // a message; corrupt runs just before the victim allocates. A stream keeps
 // one slice it read for its next message (reuse.go), so the provocation
-// makes sure the victim has none to use: the server's stream is made to
-// keep nothing from here on, as a closing stream does, and the client
-// writes twice with nothing read in between.
+// makes sure the victim has none to use: the server's stream lets go of
+// its kept slot before the damage (dropKept, as a closing stream does), and
+// the client writes twice with nothing read in between.
 func (c *hpCtx) provokeSend(corrupt func()) {
 	if c.isServerVictim() {
 		st := c.victim.lookup(c.id)
 		if st == nil {
 			c.t.Fatalf("the victim has no stream %d", c.id)
 		}
-		if v := st.kept.Load(); holdsSlice(v) || !st.kept.CompareAndSwap(v, keptShut) {
-			c.t.Fatalf("the victim's stream holds a kept slice (%#x), or took one meanwhile", v)
-		}
+		st.dropKept()
 		off := c.p.msgIn(1, "boom") // allocated before the damage; the echo allocates after
 		corrupt()
 		c.publish(c.id, off, statusOpened)
