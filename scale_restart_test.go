@@ -6,6 +6,7 @@ package shmipc
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -67,6 +68,23 @@ func scManagerEcho(m *SessionManager, seed uint64, putBack bool) error {
 	return nil
 }
 
+// scManagerEchoServed is scManagerEcho for the first round trips after a
+// server was killed and another started. A session to the killed server can
+// still be the manager's until its receive loop reads the end of the
+// connection (on one processor that may come after the next GetStream), and
+// a stream of it fails with an error wrapping ErrPeerClosed, as documented:
+// such a round trip is tried again, for up to 10 s. Any other error fails.
+func scManagerEchoServed(m *SessionManager, seed uint64, putBack bool) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := scManagerEcho(m, seed, putBack)
+		if err == nil || !errors.Is(err, ErrPeerClosed) || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 func TestScaleManagerServerRestarts(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip()
@@ -96,7 +114,7 @@ func TestScaleManagerServerRestarts(t *testing.T) {
 				// Traffic: some streams put back to the pool, some closed,
 				// and some in flight when the server is killed.
 				for i := range 16 {
-					if err := scManagerEcho(m, uint64(r*100+i), i%2 == 0); err != nil {
+					if err := scManagerEchoServed(m, uint64(r*100+i), i%2 == 0); err != nil {
 						t.Fatalf("restart %d: echo %d: %v", r, i, err)
 					}
 				}
@@ -130,16 +148,22 @@ func TestScaleManagerServerRestarts(t *testing.T) {
 					// Baseline once the steady state is reached: a server
 					// running again and served.
 					for i := range 16 {
-						if err := scManagerEcho(m, uint64(i), i%2 == 0); err != nil {
+						if err := scManagerEchoServed(m, uint64(i), i%2 == 0); err != nil {
 							t.Fatalf("baseline echo: %v", err)
 						}
 					}
-					base = scTakeSelf(prefix)
+					// The manager re-dials its sessions one by one: the
+					// baseline is its full set of SessionNum sessions.
+					var full bool
+					base, full = scSettle(20*time.Second, func() scState { return scTakeSelf(prefix) }, func(s scState) bool { return s.live >= 4 })
+					if !full {
+						t.Fatalf("restart %d: the manager has %d live sessions 20 s after the restart, want its SessionNum (4)", r, base.live)
+					}
 					t.Logf("baseline (server up, restart %d): %v", r, base)
 				}
 			}
 			for i := range 16 {
-				if err := scManagerEcho(m, uint64(i), i%2 == 0); err != nil {
+				if err := scManagerEchoServed(m, uint64(i), i%2 == 0); err != nil {
 					t.Fatalf("final echo: %v", err)
 				}
 			}
