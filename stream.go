@@ -1,6 +1,7 @@
 package shmipc
 
 import (
+	"errors"
 	"io"
 	"net"
 	"runtime"
@@ -385,7 +386,10 @@ func (st *Stream) peerClose() {
 // bytes of p the peer will read: none, except for a message going over the
 // socket in fallback frames (a message larger than the buffer region can
 // give), which Close, the write deadline or a failed socket write can cut
-// short after some of its frames went out.
+// short after some of its frames went out. A message that reached the IO
+// queue counts as written even if the peer closed its connection just
+// then (as with bytes in a socket buffer, it may or may not have read it);
+// the next call on the stream reports the end of the session.
 func (st *Stream) Write(p []byte) (int, error) {
 	st.lockWriter()
 	defer st.unlockWriter()
@@ -504,6 +508,13 @@ func (st *Stream) sendShm() error {
 	c.bytesOut.Add(uint64(w.size))
 	st.sent()
 	w.reset()
+	if errors.Is(err, ErrPeerClosed) {
+		// The message is on the queue; only the wake-up after it found
+		// the peer's socket closed. A peer that polls its queue may well
+		// have read it before it closed, so the message counts as sent,
+		// as bytes in a socket buffer do; the next call reports the end.
+		return nil
+	}
 	return err
 }
 
