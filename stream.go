@@ -37,6 +37,7 @@ type Stream struct {
 	delivered  atomic.Uint64 // messages handed to the stream (lead.go)
 	handWakes  atomic.Uint32 // wake-ups of a paired session's reader (awaitReadable)
 	bigIn      atomic.Bool   // a paired session delivered a large message since the reader last yielded
+	yieldedAt  atomic.Int64  // when the reader of a paired session last yielded (unix ns)
 	rDeadline  time.Time
 	// A reader waiting in Read on a paired session offers its buffer to
 	// the peer's writer (copyToReader): offered is that buffer, offerN how
@@ -162,10 +163,30 @@ func (st *Stream) Read(p []byte) (int, error) {
 }
 
 // A reader of a paired session lets the other goroutines run after every
-// handTurn wake-ups, and after a message of handTurnBytes or more.
+// handTurn wake-ups, and after a message of handTurnBytes or more, if it
+// has not done so for handTurnTime.
+//
+// A writer hands a message over on its own processor (the reader runs there
+// next), so the two ends of a stream stay on one processor, and so do the
+// slices they pass back and forth. A yield puts the reader on the global
+// run queue, from which either processor may take it: the pair, and its
+// data, may move to the other core. Without the time bound, 8 streams in
+// one process yielded every 5-10 µs, and on the 2-vCPU AMD EPYC VM in the
+// state where data moving between its two cores costs 3-4 times as much
+// (README, Performance), 8 streams of 4 KB took 1.6 times as long per round
+// trip as in the other state, and of 256 KB 3.2 times (22 µs against 7).
+// With handTurnTime, in that state: 4 KB 831-860 ns against 935-949 ns,
+// 256 KB 15.3-15.6 µs against 21.3-22.3 µs; in the other state 4 KB
+// 550-563 ns against 581-605 ns and 256 KB 5.55 µs against 7.0-7.1 µs;
+// 1 MB and 4 MB and 64 streams unchanged (BenchmarkPingPong, 0.3 s runs,
+// three and two alternating rounds). The slowest of 8 streams then made
+// 0.88-0.94 of the fastest one's round trips in such a run, against
+// 0.95-0.99; a bound of 1 ms went down to 0.56-0.72, and of 50 µs changed
+// nothing.
 const (
 	handTurn      = 16
 	handTurnBytes = 256 << 10
+	handTurnTime  = 200 * time.Microsecond
 )
 
 // waitScanning is waitReadable for a reader looking for a delimiter, which
@@ -287,7 +308,10 @@ func (st *Stream) awaitReadable(n int, offered bool) error {
 				if paired {
 					if st.handWakes.Add(1)%handTurn == 0 || st.bigIn.Load() {
 						st.bigIn.Store(false)
-						runtime.Gosched()
+						if now := time.Now().UnixNano(); now-st.yieldedAt.Load() >= int64(handTurnTime) {
+							st.yieldedAt.Store(now)
+							runtime.Gosched()
+						}
 					}
 				}
 			}
