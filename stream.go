@@ -170,11 +170,12 @@ func (st *Stream) Read(p []byte) (int, error) {
 // next), so the two ends of a stream stay on one processor, and so do the
 // slices they pass back and forth. A yield puts the reader on the global
 // run queue, from which either processor may take it: the pair, and its
-// data, may move to the other core. Without the time bound, 8 streams in
-// one process yielded every 5-10 µs, and on the 2-vCPU AMD EPYC VM in the
-// state where data moving between its two cores costs 3-4 times as much
-// (README, Performance), 8 streams of 4 KB took 1.6 times as long per round
-// trip as in the other state, and of 256 KB 3.2 times (22 µs against 7).
+// data, may move to the other core. Without the time bound, the readers of
+// 8 streams of 4 KB or 256 KB in one process yielded every 50-75 µs each,
+// and on the 2-vCPU AMD EPYC VM in the state where data moving between its
+// two cores costs 3-4 times as much (README, Performance), 8 streams of
+// 4 KB took 1.6 times as long per round trip as in the other state, and of
+// 256 KB 3.2 times (22 µs against 7).
 // With handTurnTime, in that state: 4 KB 831-860 ns against 935-949 ns,
 // 256 KB 15.3-15.6 µs against 21.3-22.3 µs; in the other state 4 KB
 // 550-563 ns against 581-605 ns and 256 KB 5.55 µs against 7.0-7.1 µs;
