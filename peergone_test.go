@@ -11,11 +11,14 @@ import (
 )
 
 // A server that stops reading its end of the connection (shutdown of its
-// reading side) but keeps it open: the client's write that needs a wake-up
-// fails with an error wrapping ErrSessionClosed and ErrPeerClosed, and so
-// does every send after it; what the server publishes afterwards still
-// reaches the client's reader; and the session ends with ErrPeerClosed
-// within about peerGoneGrace, though the socket never ends.
+// reading side) but keeps it open: the wake-up after a client's write fails,
+// and the writes after it fail with an error wrapping ErrSessionClosed and
+// ErrPeerClosed. The write whose wake-up failed had put its message on the
+// queue, where a polling server could take it: it returns nil, and the
+// server finds there exactly the messages of the writes that returned nil.
+// What the server publishes afterwards still reaches the client's reader;
+// and the session ends with ErrPeerClosed within about peerGoneGrace,
+// though the socket never ends.
 func TestWriteToPeerThatStoppedReading(t *testing.T) {
 	p, sess := acceptRawVictim(t, MemMapTypeMemFd, 0)
 	st, err := sess.OpenStream()
@@ -27,15 +30,36 @@ func TestWriteToPeerThatStoppedReading(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	var werr error
+	var (
+		werr error
+		sent []string
+	)
 	for i := 0; i < 100 && werr == nil; i++ {
 		// The first write sets the server's working flag, which it never
 		// clears: clear it, so that each write needs a wake-up.
 		atomic.StoreUint32(p.recv.u32(queueFlagOff), 0)
-		_, werr = st.Write([]byte("request"))
+		msg := fmt.Sprintf("request %d", i)
+		if _, werr = st.Write([]byte(msg)); werr == nil {
+			sent = append(sent, msg)
+		}
 	}
 	if !errors.Is(werr, ErrSessionClosed) || !errors.Is(werr, ErrPeerClosed) {
 		t.Fatalf("writes to a server that stopped reading: %v; want an error wrapping ErrSessionClosed and ErrPeerClosed", werr)
+	}
+	if len(sent) == 0 {
+		t.Fatal("the first write failed; its message reached the queue before its wake-up failed, so it counts as written")
+	}
+	for _, want := range sent {
+		e, err := p.waitElem()
+		if err != nil {
+			t.Fatalf("the message of a write that returned nil (%q): %v", want, err)
+		}
+		if got, err := p.readMsg(e.offset); err != nil || got != want {
+			t.Fatalf("the server reads %q, %v; want %q", got, err, want)
+		}
+	}
+	if e, ok := p.recv.pop(); ok {
+		t.Errorf("a write that failed left element %+v on the queue", e)
 	}
 	if _, err := st.Write([]byte("more")); !errors.Is(err, ErrPeerClosed) {
 		t.Errorf("a write after the failed one: %v; want ErrPeerClosed", err)

@@ -414,7 +414,7 @@ func (st *Stream) peerClose() {
 // short after some of its frames went out. A message that reached the IO
 // queue counts as written even if the peer closed its connection just
 // then (as with bytes in a socket buffer, it may or may not have read it);
-// the next call on the stream reports the end of the session.
+// the writes after it fail with an error wrapping ErrPeerClosed.
 func (st *Stream) Write(p []byte) (int, error) {
 	st.lockWriter()
 	defer st.unlockWriter()
@@ -537,7 +537,7 @@ func (st *Stream) sendShm() error {
 		// The message is on the queue; only the wake-up after it found
 		// the peer's socket closed. A peer that polls its queue may well
 		// have read it before it closed, so the message counts as sent,
-		// as bytes in a socket buffer do; the next call reports the end.
+		// as bytes in a socket buffer do; the next write fails (sendable).
 		return nil
 	}
 	return err
