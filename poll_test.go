@@ -465,7 +465,7 @@ func TestSpinSharesProcessorWithLocalPeer(t *testing.T) {
 		}
 		ready <- struct{}{}
 	}()
-	if got, _ := s.spinReader(ready); !got {
+	if got, _, _ := s.spinReader(ready); !got {
 		t.Fatal("the spin ended before the peer in this process, which needed the processor 200 times, had answered")
 	}
 }
@@ -527,7 +527,7 @@ func TestSpinParksWhileLocalWakeInFlight(t *testing.T) {
 		if _, err := a.Write([]byte{1}); err != nil {
 			t.Fatal(err)
 		}
-		if got, _ := s.spinReader(ready); got {
+		if got, _, _ := s.spinReader(ready); got {
 			break
 		}
 		if try == 5 {

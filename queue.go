@@ -188,6 +188,21 @@ func (q *ioQueue) isEmpty() bool {
 	return shmLoadInt64(q.tail) == q.chead.Load()
 }
 
+// looksEmpty is isEmpty for a spinner, which calls it over and over while
+// it waits. It also reads the slot the next element will be written to:
+// the producer writes the element before the tail, and a spinner that only
+// read the tail would fetch the element's cache line from the producer's
+// core only after it saw the tail move, one transfer after the other. Read
+// in the same look, the two transfers overlap. A single stream's 64 B round
+// trip between two processes, p50, in the machine's slow state (a
+// cross-core transfer costing about 0.25 µs): 1.60 µs against 1.65 µs
+// (medians of 60 alternating runs); no change when transfers are cheap.
+func (q *ioQueue) looksEmpty() bool {
+	h := q.chead.Load()
+	_ = shmLoadUint32((*uint32)(unsafe.Pointer(&q.slot(h)[0])))
+	return shmLoadInt64(q.tail) == h
+}
+
 // markWorking sets the working flag if it was clear. The producer sends a
 // wake-up only when this succeeds (PROTOCOL.md §5.5).
 //
