@@ -343,17 +343,16 @@ func (s *Session) pollFor(ready chan struct{}) bool {
 	if !entered && !s.cons.loopSpins.Load() {
 		return false
 	}
-	// The poller count lives outside the region, and a fault must not
-	// leave it counting this reader: it is counted down inside the access
-	// only as the last thing before the working flag is cleared, and
-	// below if a fault cut the access short (left). Counting itself also
+	// The poller count and the spinning slot live outside the region, and
+	// a fault must not leave them taken by this reader: they are given back
+	// inside the access right after the spin, before anything else there
+	// touches the region, and below if a fault cut the spin short (left). Counting itself also
 	// tells a spinning receive loop to stop and free its slot for this
 	// reader (takeLoopSlot).
 	var got, kick, left bool
 	var spun time.Time
 	s.cons.pollers.Add(1)
 	if entered || s.takeLoopSlot() {
-		exited := false
 		_ = s.access(func() error {
 			s.recvQ.setWorking(true)
 			got, kick, spun = s.spinReader(ready)
@@ -361,14 +360,13 @@ func (s *Session) pollFor(ready chan struct{}) bool {
 			// the reply's arrival and its reader. After a fault the rest
 			// is done below.
 			spinning.exit()
-			exited = true
 			left = true
 			if s.cons.pollers.Add(-1) == 0 {
 				kick = s.lastPollerLeaves(spun) || kick
 			}
 			return nil
 		})
-		if !exited {
+		if !left {
 			spinning.exit()
 		}
 	}
