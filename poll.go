@@ -346,9 +346,9 @@ func (s *Session) pollFor(ready chan struct{}) bool {
 	// The poller count and the spinning slot live outside the region, and
 	// a fault must not leave them taken by this reader: they are given back
 	// inside the access right after the spin, before anything else there
-	// touches the region, and below if a fault cut the spin short (left). Counting itself also
-	// tells a spinning receive loop to stop and free its slot for this
-	// reader (takeLoopSlot).
+	// touches the region, and below if a fault cut the spin short (left).
+	// Counting itself also tells a spinning receive loop to stop and free
+	// its slot for this reader (takeLoopSlot).
 	var got, kick, left bool
 	var spun time.Time
 	s.cons.pollers.Add(1)
@@ -565,8 +565,9 @@ func (s *Session) spin() int {
 // next in the queue (kick: the receive loop must apply it). When ready was
 // signalled, last is the spin's last reading of the clock, recent enough
 // to date the end of the polling, so that the clock is not read again
-// between a reply's arrival and its reader (reading it there, about 45 ns on the development VMs, made a
-// single stream's 64 B round trip between two processes 70–80 ns slower).
+// between a reply's arrival and its reader (reading it there, about 45 ns
+// on the development VMs, made a single stream's 64 B round trip between
+// two processes 70–80 ns slower).
 func (s *Session) spinReader(ready chan struct{}) (got, kick bool, last time.Time) {
 	var w spinWatch
 	w.startReader(s)
