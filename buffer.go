@@ -74,6 +74,9 @@ type sliceList struct {
 	// keepLimit is how many streams of this process may keep a slice of
 	// the list (0: none; reuse.go).
 	keepLimit int32
+	// localLimit is how many slices of the list may wait in the manager's
+	// local slots (local_slices.go).
+	localLimit int32
 }
 
 func (l *sliceList) end() uint32 { return l.area + l.count*l.stride }
@@ -122,6 +125,10 @@ type bufferManager struct {
 	space spaceQueues // this process's writers waiting for room, in turn (space_queue.go)
 
 	keepers []atomic.Int32 // per list, streams of this process that may keep a slice of it (reuse.go)
+
+	local        []cpuSlices    // per processor, large slices paired streams have read (local_slices.go)
+	localCount   []atomic.Int32 // per list, its slices in local
+	localStreams atomic.Int32   // paired streams using the manager, which may fill local
 }
 
 // initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.
@@ -255,6 +262,7 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 			l.keepLimit = int32(l.count / keepShare)
 		}
 	}
+	m.initLocal()
 	m.space.init(n + 1)
 	return m, nil
 }

@@ -113,6 +113,21 @@ func (st *Stream) freeReceived(segs []segment) error {
 	}
 	for i, seg := range segs {
 		if !s.buf.keepable(seg.list) {
+			if st.peerRefs != nil && seg.list >= 0 {
+				// A large slice: the processor's, if it has room
+				// (local_slices.go).
+				put, err := s.buf.putLocal(int(seg.list), seg.off)
+				if err != nil {
+					s.closeWithError(err)
+					return err
+				}
+				if put {
+					if err := s.freeSegments(segs[:i]); err != nil {
+						return err
+					}
+					return st.freeReceived(segs[i+1:])
+				}
+			}
 			continue
 		}
 		li := int(seg.list)

@@ -206,6 +206,7 @@ func (s *Session) addStreamLocked(id uint32) (*Stream, error) {
 	if p := s.localPeerSession.Load(); p != nil && p.queueRegion.acquire() {
 		if p.buf.region.acquire() {
 			st.peerRefs = p
+			s.buf.localOpen()
 		} else {
 			p.queueRegion.release()
 		}
@@ -274,6 +275,7 @@ func (s *Session) closeWithError(cause error) {
 		if s.buf != nil {
 			// Before the peer sees the end: it may count its free lists.
 			s.dropAllKept()
+			quietly(func() { _ = s.buf.drainLocal() }) // local_slices.go
 			s.buf.sessionEnding()
 		}
 		s.ec.conn.Close()

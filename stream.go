@@ -753,6 +753,11 @@ func (st *Stream) releaseUnexposed(local bool) {
 func (st *Stream) dropRef() {
 	if st.refDropped.CompareAndSwap(false, true) {
 		st.dropKept()
+		if st.peerRefs != nil {
+			if err := st.s.access(st.s.buf.localClose); err != nil {
+				st.s.closeWithError(err)
+			}
+		}
 		st.s.buf.region.release()
 		st.s.queueRegion.release()
 		if p := st.peerRefs; p != nil {

@@ -71,6 +71,13 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
 		return nil
 	}
+	if want > keepMaxCap && st.peerRefs != nil {
+		// A large slice read on this processor (local_slices.go).
+		if li, off, ok := buf.takeLocal(want); ok {
+			w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
+			return nil
+		}
+	}
 	var wait spaceWait
 	// A writer that holds no slice leaves each list's reserve to those that
 	// do (bufferManager.alloc), and waits for room in turn with the other
@@ -127,6 +134,13 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			if err != nil {
 				st.s.closeWithError(err)
 				return fmt.Errorf("%w: %w", ErrSessionClosed, err)
+			}
+			if li < 0 {
+				// The lists are short: a slice waiting on any
+				// processor (local_slices.go) is free too.
+				if sli, soff, ok := buf.stealLocal(want); ok {
+					li, off = sli, soff
+				}
 			}
 			if li >= 0 {
 				w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
