@@ -89,7 +89,7 @@ func (st *Stream) fillOffer(p []byte) bool {
 	}
 	st.offerN = copyCached(st.offered, p)
 	if len(p) >= handTurnBytes {
-		st.bigIn.Store(true) // its reader yields after it (awaitReadable)
+		st.bigIn.Store(true) // its writer yields before the next message (writerTurn)
 	}
 	st.mu.Unlock()
 	st.delivered.Add(1)

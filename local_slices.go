@@ -17,21 +17,23 @@ import (
 // messages a stream keeps the slice it read (reuse.go), so its data stays
 // in the caches of the processor the stream runs on. Large slices are not
 // kept by streams (keepMaxCap): there are few of them, and a stream that
-// moves to the other processor (its reader yields for fairness after every
-// message of handTurnBytes or more, stream.go) would take its slices'
-// megabytes with it; keeping them that way made 8 streams of 1 MB in one
-// process half again as slow in the VM state where data crossing between
-// the cores is dear. Slices left per processor instead stay where their
-// data is, whichever stream comes to use them.
+// moves to the other processor (a paired stream yields for fairness now
+// and then, stream.go) would take its slices' megabytes with it; keeping
+// them that way, while readers yielded after every large message, made 8
+// streams of 1 MB in one process half again as slow in the VM state where
+// data crossing between the cores is dear. Slices left per processor
+// instead stay where their data is, whichever stream comes to use them.
 //
 // On the 2-vCPU AMD EPYC VM, 8 streams in one process (BenchmarkPingPong,
-// 0.5 s runs alternating with the build before, each tagged by a C
-// busy-spin probe) took per round trip, in the state where data crossing
-// between the cores is dear: 256 KB 5.9-6.1 µs against 15.4-16.5 µs,
-// 512 KB 12.4-12.7 against 36.2-36.3, 1 MB 25.9-27.9 against 80.8-88.1,
-// 4 MB 110-116 against 349-374; in the other state 256 KB 3.5 against
-// 5.5, 512 KB 7.1 against 8.9, 1 MB 14.2 against 15.7. So the two states
-// differ by less than 2x, against 3-5x before.
+// 0.4-0.5 s runs alternating with the build before, each tagged by a C
+// busy-spin probe; readers still yielding after every large message) took
+// per round trip, in the state where data crossing between the cores is
+// dear: 256 KB 5.9-6.1 µs against 15.4-16.5 µs, 512 KB 12.4-13.0 against
+// 36.2-39.2, 1 MB 25.7-27.9 against 79.9-88.1, 4 MB 110-124 against
+// 349-374; in the other state 256 KB 3.6 against 5.6, 512 KB 7.1 against
+// 8.8, 1 MB 14.3 against 16.4. So the two states differed by less than 2x,
+// against 3-5x before. A writer found its slice in the slots for 96-100 %
+// of the messages of 8 streams of 256 KB to 4 MB.
 //
 // Each processor has localDepth slots (a request-reply exchange writes
 // two messages per round trip, and reads and frees two). A slice in a slot

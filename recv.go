@@ -174,7 +174,7 @@ func (s *Session) handleData(id, offset uint32, scratch *[]segment) error {
 		return err
 	}
 	if st != nil && n >= handTurnBytes && s.localPeerSession.Load() != nil {
-		st.bigIn.Store(true) // its reader yields after it (awaitReadable)
+		st.bigIn.Store(true) // its writer yields before the next message (writerTurn)
 	}
 	if st == nil || !st.deliver(slices, nil) {
 		return s.freeSegments(slices)

@@ -36,7 +36,7 @@ type Stream struct {
 	sleptAt    atomic.Uint64 // notified when the reader last began to sleep
 	delivered  atomic.Uint64 // messages handed to the stream (lead.go)
 	handWakes  atomic.Uint32 // wake-ups of a paired session's reader (awaitReadable)
-	bigIn      atomic.Bool   // a paired session delivered a large message since the reader last yielded
+	bigIn      atomic.Bool   // a paired session delivered a large message since the writer last yielded (writerTurn)
 	yieldedAt  atomic.Int64  // when the reader of a paired session last yielded (unix ns)
 	rDeadline  time.Time
 	// A reader waiting in Read on a paired session offers its buffer to
@@ -162,33 +162,64 @@ func (st *Stream) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// A reader of a paired session lets the other goroutines run after every
-// handTurn wake-ups, and after a message of handTurnBytes or more, if it
-// has not done so for handTurnTime.
+// Within one process a writer hands its message over on its own processor
+// (the reader runs there next), so the two ends of a stream stay on one
+// processor, and so do the slices they pass back and forth. Left alone, a
+// pair handing messages back and forth would keep its processor until the
+// runtime preempts it, 10 ms later, and the other streams there would wait.
+// So a paired stream lets the other goroutines run now and then
+// (runtime.Gosched): its reader after every handTurn wake-ups, and its
+// writer as it begins a message of handTurnBytes or more, or the first
+// after it received one (writerTurn); each at most once per handTurnTime.
 //
-// A writer hands a message over on its own processor (the reader runs there
-// next), so the two ends of a stream stay on one processor, and so do the
-// slices they pass back and forth. A yield puts the reader on the global
-// run queue, from which either processor may take it: the pair, and its
-// data, may move to the other core. Without the time bound, the readers of
-// 8 streams of 4 KB or 256 KB in one process yielded every 50-75 µs each,
-// and on the 2-vCPU AMD EPYC VM in the state where data moving between its
-// two cores costs 3-4 times as much (README, Performance), 8 streams of
-// 4 KB took 1.6 times as long per round trip as in the other state, and of
-// 256 KB 3.2 times (22 µs against 7).
-// With handTurnTime, in that state: 4 KB 831-860 ns against 935-949 ns,
-// 256 KB 15.3-15.6 µs against 21.3-22.3 µs; in the other state 4 KB
-// 550-563 ns against 581-605 ns and 256 KB 5.55 µs against 7.0-7.1 µs;
-// 1 MB and 4 MB and 64 streams unchanged (BenchmarkPingPong, 0.3 s runs,
-// three and two alternating rounds). The slowest of 8 streams then made
-// 0.88-0.94 of the fastest one's round trips in such a run, against
-// 0.95-0.99; a bound of 1 ms went down to 0.56-0.72, and of 50 µs changed
-// nothing.
+// A yield puts the goroutine on the Go runtime's global run queue, from
+// which either processor may take it: the stream, and its data, may move to
+// the other core. Without the time bound, the readers of 8 streams of 4 KB
+// or 256 KB in one process yielded every 50-75 µs each, and on the 2-vCPU
+// AMD EPYC VM in the state where data moving between its two cores costs
+// 3-4 times as much (README, Performance), 8 streams of 4 KB took 1.6
+// times as long per round trip as in the other state, and of 256 KB 3.2
+// times (22 µs against 7). With handTurnTime, in that state: 4 KB 831-860
+// ns against 935-949 ns, 256 KB 15.3-15.6 µs against 21.3-22.3 µs; in the
+// other state 4 KB 550-563 ns against 581-605 ns and 256 KB 5.55 µs against
+// 7.0-7.1 µs (BenchmarkPingPong, 0.3 s runs, three and two alternating
+// rounds). The slowest of 8 streams then made 0.88-0.94 of the fastest
+// one's round trips in such a run, against 0.95-0.99; a bound of 1 ms went
+// down to 0.56-0.72, and of 50 µs changed nothing.
+//
+// Large messages yield where moving costs least: a writer beginning a
+// message while its stream holds nothing it received has nothing in its
+// processor's caches that the other processor would have to fetch, and
+// the slice it then writes into comes from the processor it runs on
+// (local_slices.go). When the reader yielded as it woke to a large
+// message instead, a move took that message with it: 8 streams of 1 MB
+// took 25.7-27.8 µs per round trip in the dear state against 20.4-22.0,
+// 8 of 4 MB 118-128 µs against 75-83 µs in either state, and 64 streams of
+// 256 KB 7.0 µs against 3.9-4.9 in the cheap one, with the slowest stream
+// at 0.85-0.97 of the fastest either way (three and four alternating
+// rounds of 0.4 s runs).
 const (
 	handTurn      = 16
 	handTurnBytes = 256 << 10
 	handTurnTime  = 200 * time.Microsecond
 )
+
+// writerTurn lets the other goroutines run as a writer of a paired stream
+// begins a message of n bytes, if it is large or follows a large one the
+// stream received, the stream holds nothing it received, and it has not
+// yielded for handTurnTime (see above).
+func (st *Stream) writerTurn(n int) {
+	if st.peerRefs == nil || n < handTurnBytes && !st.bigIn.Load() {
+		return
+	}
+	now := time.Now().UnixNano()
+	if now-st.yieldedAt.Load() < int64(handTurnTime) || st.holdsReceived() {
+		return
+	}
+	st.bigIn.Store(false)
+	st.yieldedAt.Store(now)
+	runtime.Gosched()
+}
 
 // waitScanning is waitReadable for a reader looking for a delimiter, which
 // waits for one byte more each time: it has no count of its own, so the
@@ -307,8 +338,7 @@ func (st *Stream) awaitReadable(n int, offered bool) error {
 				s.wait(st.readNotify, deadline)
 				st.sleeping.Store(false)
 				if paired {
-					if st.handWakes.Add(1)%handTurn == 0 || st.bigIn.Load() {
-						st.bigIn.Store(false)
+					if st.handWakes.Add(1)%handTurn == 0 {
 						if now := time.Now().UnixNano(); now-st.yieldedAt.Load() >= int64(handTurnTime) {
 							st.yieldedAt.Store(now)
 							runtime.Gosched()
@@ -422,6 +452,9 @@ func (st *Stream) Write(p []byte) (int, error) {
 		return 0, err
 	}
 	before := st.writer.size // left by BufferWriter calls: sent first
+	if before == 0 {
+		st.writerTurn(len(p))
+	}
 	if before == 0 && st.copyToReader(p) {
 		return len(p), nil
 	}

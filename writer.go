@@ -67,6 +67,9 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		w.appendHeap(want)
 		return nil
 	}
+	if len(w.segs) == 0 {
+		st.writerTurn(want)
+	}
 	if li, off, ok := st.takeKept(want); ok {
 		w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
 		return nil
