@@ -192,12 +192,14 @@ func (st *Stream) Read(p []byte) (int, error) {
 // processor's caches that the other processor would have to fetch, and
 // the slice it then writes into comes from the processor it runs on
 // (local_slices.go). When the reader yielded as it woke to a large
-// message instead, a move took that message with it: 8 streams of 1 MB
-// took 25.7-27.8 µs per round trip in the dear state against 20.4-22.0,
-// 8 of 4 MB 118-128 µs against 75-83 µs in either state, and 64 streams of
-// 256 KB 7.0 µs against 3.9-4.9 in the cheap one, with the slowest stream
-// at 0.85-0.97 of the fastest either way (three and four alternating
-// rounds of 0.4 s runs).
+// message instead, a move took that message with it. Against that, in
+// alternating 0.4 s runs of BenchmarkPingPong: 8 streams of 1 MB took
+// 20.4-22.0 µs per round trip in the dear state against 25.7-27.8 µs
+// (three runs each, with the writer yielding for messages of handTurnBytes
+// or more only, the first form of this); 8 of 4 MB 73-84 µs against
+// 113-141 µs in either state, and 64 of 256 KB 3.8-6.3 µs against
+// 6.9-7.2 µs in the cheap one (eleven and seven runs), with the slowest
+// stream at 0.85-0.98 of the fastest either way.
 const (
 	handTurn      = 16
 	handTurnBytes = 256 << 10
