@@ -11,6 +11,11 @@
 #   3. example/pingpong: single-stream latency between two processes at each
 #      size, and the CPU an idle session costs.
 #
+# in three phases: uncontended (files without a suffix), with the 2 hogs
+# (-hogs2), and uncontended again right after the hogs have stopped
+# (-after; in one process only 8 streams in the full form), which shows
+# that the figures come back once the CPU is free.
+#
 # Before and after all of it, when ../shared/limits is there and a C
 # compiler is, the machine's own limits (limits.txt): round trips between
 # two processes by busy-spin, futex and Unix socket at 64 B, 4 KiB and
@@ -28,12 +33,13 @@
 # and the slowest/fastest stream ratio. `uptime` is recorded before and after
 # every step: the numbers mean little if the machine was busy.
 #
-# -quick is the CI form (under a minute): 3 sizes, 200 round trips, one run
+# -quick is the CI form (about a minute): 3 sizes, 200 round trips, one run
 # each, short cross-process measurements.
 #
 # Environment (full form): BENCH (the -bench pattern, e.g.
 # 'BenchmarkPingPong$/^streams=8$'), BENCHTIME (1s), COUNT (5), ROUNDS (5),
-# DURATION (2s).
+# DURATION (2s); and PHASES, which phases to run, of "0 2 after" (e.g.
+# PHASES="2 after": the hogs and what follows them).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -188,25 +194,39 @@ limits() { # label
 : > "$out/limits.txt"
 limits before
 
-for hogs in 0 2; do
-    suffix=""; limit=0.3; at=8
-    if [ $hogs -gt 0 ]; then suffix="-hogs$hogs"; limit=1.0; at=all; fi
+for phase in ${PHASES:-0 2 after}; do
+    suffix=""; limit=0.3; at=8; hogs=$phase; phasebench=$bench; what="1/8/64 streams"
+    case $phase in
+    0) ;;
+    after)
+        # The uncontended figures again, right after the hogs of the phase
+        # before have stopped: spinning, switched off while they ran, must
+        # come back. In one process only the 8 streams the target is about
+        # (unless BENCH says otherwise).
+        suffix="-after"; hogs=0
+        if [ $quick = 0 ] && [ -z "${BENCH:-}" ]; then
+            phasebench='BenchmarkPingPong$/^streams=8$'; what="8 streams"
+        fi
+        ;;
+    *) suffix="-hogs$phase"; limit=1.0; at=all ;;
+    esac
+    [ "$phase" = after ] && what="$what, after the hogs stopped"
 
-    log "in-process ping-pong, 1/8/64 streams, $hogs CPU hogs"
+    log "in-process ping-pong, $what, $hogs CPU hogs"
     load "before go test$suffix"
     # A sub-benchmark that fails or is skipped is reported in the summary;
     # the others still run. -v shows why one was skipped.
-    go test -v -run XXX -bench "$bench" "${benchflags[@]}" -timeout 0 . -hogs $hogs > "$out/pingpong$suffix.txt" 2>&1 || true
+    go test -v -run XXX -bench "$phasebench" "${benchflags[@]}" -timeout 0 . -hogs $hogs > "$out/pingpong$suffix.txt" 2>&1 || true
     load "after go test$suffix"
     summarize "$out/pingpong$suffix.txt" $limit $at | tee "$out/summary$suffix.txt"
     benchstat "$out/pingpong$suffix.txt"
 
-    log "cross-process, 64 streams × 4 KiB, $hogs CPU hogs"
+    log "cross-process, 64 streams × 4 KiB, $hogs CPU hogs${suffix:+ ($phase)}"
     load "before streams$suffix"
     "$tool/pingpong" -streams 64 -hogs $hogs "${streamsflags[@]}" -json "$out/streams$suffix.json" | tee "$out/streams$suffix.txt"
     load "after streams$suffix"
 
-    log "cross-process, single stream, $hogs CPU hogs"
+    log "cross-process, single stream, $hogs CPU hogs${suffix:+ ($phase)}"
     load "before pingpong$suffix"
     "$tool/pingpong" -hogs $hogs "${pingpongflags[@]}" -svg "$out/latency$suffix.svg" -json "$out/latency$suffix.json" | tee "$out/latency$suffix.txt"
     load "after pingpong$suffix"
