@@ -126,9 +126,8 @@ type bufferManager struct {
 
 	keepers []atomic.Int32 // per list, streams of this process that may keep a slice of it (reuse.go)
 
-	local        []cpuSlices    // per processor, large slices paired streams have read (local_slices.go)
-	localCount   []atomic.Int32 // per list, its slices in local
-	localStreams atomic.Int32   // paired streams using the manager, which may fill local
+	local        atomic.Pointer[localSlots] // large slices paired streams have read, per processor (local_slices.go)
+	localStreams atomic.Int32               // paired streams using the manager, which may fill local
 }
 
 // initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.

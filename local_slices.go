@@ -66,16 +66,19 @@ type cpuSlices struct {
 	_    [64 - 8*localDepth]byte
 }
 
-// initLocal sets up the local slots of m: one set per processor (rounded
-// up to a power of two, at most 256; processors beyond share), and the
-// limits of the lists whose slices streams do not keep.
+// localSlots are a manager's slots: one set per processor (rounded up to a
+// power of two, at most 256; processors beyond share a set), and per list
+// the count of its slices in them. A manager gets them with its first
+// paired stream (localOpen): most managers serve sessions with other
+// processes only, and on a machine of many processors the slots take
+// kilobytes.
+type localSlots struct {
+	cpus  []cpuSlices
+	count []atomic.Int32
+}
+
+// initLocal sets the limits of the lists whose slices streams do not keep.
 func (m *bufferManager) initLocal() {
-	n := 1
-	for n < runtime.NumCPU() && n < 256 {
-		n <<= 1
-	}
-	m.local = make([]cpuSlices, n)
-	m.localCount = make([]atomic.Int32, len(m.lists))
 	for i := range m.lists {
 		if l := &m.lists[i]; l.sliceCap > keepMaxCap {
 			l.localLimit = int32(l.count / localShare)
@@ -83,8 +86,19 @@ func (m *bufferManager) initLocal() {
 	}
 }
 
-// localOpen counts a paired stream that may use the local slots.
-func (m *bufferManager) localOpen() { m.localStreams.Add(1) }
+// localOpen counts a paired stream that may use the local slots, and sets
+// the slots up for the first.
+func (m *bufferManager) localOpen() {
+	m.localStreams.Add(1)
+	if m.local.Load() != nil {
+		return
+	}
+	n := 1
+	for n < runtime.NumCPU() && n < 256 {
+		n <<= 1
+	}
+	m.local.CompareAndSwap(nil, &localSlots{cpus: make([]cpuSlices, n), count: make([]atomic.Int32, len(m.lists))})
+}
 
 // localClose uncounts a paired stream; the last one empties the slots. It
 // runs inside an access (push touches the lists).
@@ -99,14 +113,15 @@ func (m *bufferManager) localClose() error {
 // read, in the current processor's slots, and reports whether it did.
 // The slice stays held. The caller counts as a paired stream (localOpen).
 func (m *bufferManager) putLocal(li int, off uint32) (bool, error) {
-	if m.lists[li].localLimit == 0 || m.space.waiting.Load() > 0 {
+	ls := m.local.Load()
+	if ls == nil || m.lists[li].localLimit == 0 || m.space.waiting.Load() > 0 {
 		return false, nil
 	}
-	if m.localCount[li].Add(1) > m.lists[li].localLimit {
-		m.localCount[li].Add(-1)
+	if ls.count[li].Add(1) > m.lists[li].localLimit {
+		ls.count[li].Add(-1)
 		return false, nil
 	}
-	c := &m.local[currentCPU()&(len(m.local)-1)]
+	c := &ls.cpus[currentCPU()&(len(ls.cpus)-1)]
 	v := keptValue(li, off)
 	for i := range c.slot {
 		if c.slot[i].CompareAndSwap(0, v) {
@@ -119,7 +134,7 @@ func (m *bufferManager) putLocal(li int, off uint32) (bool, error) {
 			return true, nil
 		}
 	}
-	m.localCount[li].Add(-1)
+	ls.count[li].Add(-1)
 	return false, nil
 }
 
@@ -127,20 +142,22 @@ func (m *bufferManager) putLocal(li int, off uint32) (bool, error) {
 // want bytes, for a writer of a paired stream; not while writers wait for
 // room, whose turn it would take.
 func (m *bufferManager) takeLocal(want int) (li int, off uint32, ok bool) {
-	if m.space.waiting.Load() > 0 {
+	ls := m.local.Load()
+	if ls == nil || m.space.waiting.Load() > 0 {
 		return 0, 0, false
 	}
-	return m.takeLocalAt(currentCPU(), want)
+	return m.takeLocalAt(ls, currentCPU(), want)
 }
 
 // stealLocal takes a slice of at least want bytes from any processor's
 // slots, for a writer that found the lists short.
 func (m *bufferManager) stealLocal(want int) (li int, off uint32, ok bool) {
-	if m.localCount == nil {
+	ls := m.local.Load()
+	if ls == nil {
 		return 0, 0, false
 	}
-	for cpu := range m.local {
-		if li, off, ok = m.takeLocalAt(cpu, want); ok {
+	for cpu := range ls.cpus {
+		if li, off, ok = m.takeLocalAt(ls, cpu, want); ok {
 			return li, off, true
 		}
 	}
@@ -149,8 +166,8 @@ func (m *bufferManager) stealLocal(want int) (li int, off uint32, ok bool) {
 
 // takeLocalAt takes a slice of at least want bytes from the slots of
 // processor cpu, and makes it this process's own to send (unheld).
-func (m *bufferManager) takeLocalAt(cpu, want int) (li int, off uint32, ok bool) {
-	c := &m.local[cpu&(len(m.local)-1)]
+func (m *bufferManager) takeLocalAt(ls *localSlots, cpu, want int) (li int, off uint32, ok bool) {
+	c := &ls.cpus[cpu&(len(ls.cpus)-1)]
 	for i := range c.slot {
 		v := c.slot[i].Load()
 		if v == 0 {
@@ -160,7 +177,7 @@ func (m *bufferManager) takeLocalAt(cpu, want int) (li int, off uint32, ok bool)
 		if want > int(m.lists[li].sliceCap) || !c.slot[i].CompareAndSwap(v, 0) {
 			continue
 		}
-		m.localCount[li].Add(-1)
+		ls.count[li].Add(-1)
 		m.unhold(li, off)
 		return li, off, true
 	}
@@ -170,14 +187,18 @@ func (m *bufferManager) takeLocalAt(cpu, want int) (li int, off uint32, ok bool)
 // drainLocal pushes every slice in the slots back on its list. It runs
 // inside an access, or quietly as a session ends.
 func (m *bufferManager) drainLocal() error {
-	for c := range m.local {
-		for i := range m.local[c].slot {
-			v := m.local[c].slot[i].Swap(0)
+	ls := m.local.Load()
+	if ls == nil {
+		return nil
+	}
+	for c := range ls.cpus {
+		for i := range ls.cpus[c].slot {
+			v := ls.cpus[c].slot[i].Swap(0)
 			if v == 0 {
 				continue
 			}
 			li, off := keptSlice(v)
-			m.localCount[li].Add(-1)
+			ls.count[li].Add(-1)
 			if err := m.push(li, off); err != nil {
 				return err
 			}

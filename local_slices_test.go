@@ -13,9 +13,13 @@ import (
 
 // localCounts sums the slices waiting in m's local slots.
 func localCounts(m *bufferManager) int32 {
+	ls := m.local.Load()
+	if ls == nil {
+		return 0
+	}
 	var n int32
-	for i := range m.localCount {
-		n += m.localCount[i].Load()
+	for i := range ls.count {
+		n += ls.count[i].Load()
 	}
 	return n
 }
@@ -75,9 +79,14 @@ func TestLocalSlots(t *testing.T) {
 		return w.Load()&bit != 0
 	}
 
+	a, b, c := received(), received(), received()
+	// No paired stream yet: no slots (a manager serving other processes
+	// only never has them).
+	if put, _ := m.putLocal(li, a); put || m.local.Load() != nil {
+		t.Fatalf("putLocal before any paired stream: put %v, slots set up %v", put, m.local.Load() != nil)
+	}
 	m.localOpen()
 	_, unpin := pinToCurrentCPU(t)
-	a, b, c := received(), received(), received()
 	for _, off := range []uint32{a, b} {
 		if put, err := m.putLocal(li, off); !put || err != nil {
 			t.Fatalf("putLocal(%d) = %v, %v; want it put", off, put, err)
@@ -275,12 +284,12 @@ func TestLocalSlotsTakenWhenListsEmpty(t *testing.T) {
 
 	cpu, unpin := pinToCurrentCPU(t)
 	defer unpin()
-	if len(m.local) > 1 {
+	if cpus := m.local.Load().cpus; len(cpus) > 1 {
 		// Move the slice to another processor's slots.
-		here := cpu & (len(m.local) - 1)
-		for i := range m.local[here].slot {
-			if v := m.local[here].slot[i].Swap(0); v != 0 {
-				m.local[(here+1)&(len(m.local)-1)].slot[0].Store(v)
+		here := cpu & (len(cpus) - 1)
+		for i := range cpus[here].slot {
+			if v := cpus[here].slot[i].Swap(0); v != 0 {
+				cpus[(here+1)&(len(cpus)-1)].slot[0].Store(v)
 			}
 		}
 	}

@@ -37,7 +37,7 @@ type Stream struct {
 	delivered  atomic.Uint64 // messages handed to the stream (lead.go)
 	handWakes  atomic.Uint32 // wake-ups of a paired session's reader (awaitReadable)
 	bigIn      atomic.Bool   // a paired session delivered a large message since the writer last yielded (writerTurn)
-	yieldedAt  atomic.Int64  // when the reader of a paired session last yielded (unix ns)
+	yieldedAt  atomic.Int64  // when the stream of a paired session last yielded for fairness (unix ns)
 	rDeadline  time.Time
 	// A reader waiting in Read on a paired session offers its buffer to
 	// the peer's writer (copyToReader): offered is that buffer, offerN how
