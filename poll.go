@@ -152,20 +152,40 @@ func (s *Session) consumeNow() error {
 // resume, the receive loop comes back from reading frames that arrived
 // while it spun, and is still a poller.
 func (s *Session) consume(resume bool) error {
+	// held: the loop counts as a poller. Every return settles the count;
+	// a memory fault unwinding from here (to the caller's access, which
+	// ends the session), even from startPolling's write of the working
+	// flag, gives it back too, so that the count does not stay up after
+	// the session.
+	held := true
+	defer func() {
+		if held {
+			s.cons.pollers.Add(-1)
+		}
+	}()
 	if !resume {
 		s.startPolling()
+	}
+	stop := func() bool {
+		held = false // stopPolling uncounts first
+		if s.stopPolling() {
+			return true
+		}
+		held = true // something arrived: a poller again
+		return false
 	}
 	first := true
 	for {
 		n, paused, err := s.drainAll()
 		if err != nil {
-			s.stopPolling()
+			stop()
 			return err
 		}
 		if paused {
 			// A close waits for frames on the socket: read them, then come
 			// back here, still a poller (as for spinFramesWaiting).
 			s.resume = true
+			held = false
 			return nil
 		}
 		if first && n > 0 {
@@ -190,10 +210,11 @@ func (s *Session) consume(resume bool) error {
 				// one, still a poller, so that the peer sends no wake-up
 				// and nothing published is missed.
 				s.resume = true
+				held = false
 				return nil
 			}
 		}
-		if s.stopPolling() {
+		if stop() {
 			return nil
 		}
 	}
