@@ -666,9 +666,12 @@ func (fm *fzBufModel) run(script []byte) {
 					t.Fatalf("alloc returned list %d without a slice", li)
 				}
 				if fm.pristine {
-					// No list that could serve may have a slice to spare.
+					// No list that could serve may have a slice to spare:
+					// one whose slices hold n, or for a split one whose
+					// slices hold an eighth of it (maxSplitPieces).
+					floor := min(n, int(m.usable)) / maxSplitPieces
 					for i, free := range m.freeCounts() {
-						if free >= 2 && (split || int(m.lists[i].sliceCap) >= n) {
+						if c := int(m.lists[i].sliceCap); free >= 2 && (c >= n || split && c >= floor) {
 							t.Fatalf("alloc(%d, %v) failed while list %d (cap %d) has %d free", n, split, i, m.lists[i].sliceCap, free)
 						}
 					}
