@@ -155,15 +155,13 @@ func TestBackPressureQueueFull(t *testing.T) {
 	}
 	srv := <-accepted
 	defer srv.Close()
-	// Stall every consumer of the server's queue: its receive loop, and
-	// the client's writer, which drains the queue itself when both ends
-	// are in one process (drainForPeer), wait for the consumer token.
-	srv.s.sealConsumer()
+	// Stall the server's receive loop, the queue's only consumer.
+	release := holdReceive(t, srv.s)
 	var werr error
 	for i := 0; i < 40 && werr == nil; i++ {
 		_, werr = st.Write([]byte("x"))
 	}
-	srv.s.cons.token.Store(false)
+	release()
 	if werr == nil {
 		t.Fatal("40 messages fitted in a queue of 16")
 	}
@@ -210,19 +208,18 @@ func TestFallbackWhenFull(t *testing.T) {
 }
 
 // TestReadBeyondFallbackBounds reads, with BufferReader.ReadBytes or Peek,
-// a message sent as fallback data that is larger than the session may hold
-// unread: the receive loop takes the data for the waiting reader, where it
-// would otherwise stop reading until the application made room while the
-// application waited for the data, until FallbackStallTimeout ended the
-// session.
+// a message sent as fallback data that is larger than the stream may hold
+// unread: the bound holds for the waiting reader too, so after
+// FallbackStallTimeout that stream fails with an error naming the bound,
+// and the session goes on: another stream still echoes.
 func TestReadBeyondFallbackBounds(t *testing.T) {
 	for _, peek := range []bool{false, true} {
 		t.Run(fmt.Sprintf("peek=%v", peek), func(t *testing.T) {
 			conf := smallRegion()
 			conf.MaxFallbackFrameSize = minFallbackFrame
 			conf.MaxFallbackBufferedPerStream = 1 << 20
-			conf.MaxFallbackBuffered = 1 << 20
-			conf.FallbackStallTimeout = 5 * time.Second // only a failing run waits for it
+			conf.MaxFallbackBuffered = 2 << 20
+			conf.FallbackStallTimeout = 300 * time.Millisecond
 			sess, accepted := bpPair(t, conf)
 			st, err := sess.OpenStream()
 			if err != nil {
@@ -230,30 +227,33 @@ func TestReadBeyondFallbackBounds(t *testing.T) {
 			}
 			defer st.Close()
 			msg := make([]byte, 4<<20)
-			for i := range msg {
-				msg[i] = byte(i / 4093)
-			}
-			done := make(chan error, 1)
-			go func() {
-				_, err := st.Write(msg)
-				done <- err
-			}()
+			go st.Write(msg)
 			srv := bpAccepted(t, accepted)
 			srv.SetReadDeadline(time.Now().Add(time.Minute))
-			var got []byte
 			if peek {
-				got, err = srv.BufferReader().Peek(len(msg))
+				_, err = srv.BufferReader().Peek(len(msg))
 			} else {
-				got, err = srv.BufferReader().ReadBytes(len(msg))
+				_, err = srv.BufferReader().ReadBytes(len(msg))
 			}
+			if !errors.Is(err, ErrLimitExceeded) || !strings.Contains(err.Error(), "MaxFallbackBufferedPerStream") {
+				t.Fatalf("reading %d bytes: %v; want ErrLimitExceeded naming Config.MaxFallbackBufferedPerStream", len(msg), err)
+			}
+			if _, err := srv.Write([]byte("x")); !errors.Is(err, ErrLimitExceeded) {
+				t.Errorf("Write on the failed stream: %v, want the same error", err)
+			}
+			other, err := sess.OpenStream()
 			if err != nil {
-				t.Fatalf("reading %d bytes: %v", len(msg), err)
+				t.Fatal(err)
 			}
-			if !bytes.Equal(got, msg) {
-				t.Fatal("the data read differs from the data written")
+			defer other.Close()
+			other.SetDeadline(time.Now().Add(peerTimeout))
+			if _, err := other.Write([]byte("ping")); err != nil {
+				t.Fatal(err)
 			}
-			if err := errWithin(t, done, peerTimeout, "Write"); err != nil {
-				t.Fatalf("Write: %v", err)
+			o := bpAccepted(t, accepted)
+			b := make([]byte, 4)
+			if _, err := io.ReadFull(o, b); err != nil || string(b) != "ping" {
+				t.Fatalf("another stream after the failure: %q, %v", b, err)
 			}
 			if err := sess.Err(); err != nil {
 				t.Fatalf("session: %v", err)
@@ -276,62 +276,14 @@ func bpAccepted(t *testing.T, accepted <-chan *Stream) *Stream {
 	}
 }
 
-// TestReadsThatFillTheSessionTogether: three streams' readers each wait
-// in ReadBytes for a message that fits the bounds alone but not all three
-// at once, and their data arrives interleaved. None of them can make room
-// until it has its message, so the receive loop takes their data.
-func TestReadsThatFillTheSessionTogether(t *testing.T) {
-	conf := smallRegion()
-	conf.MaxFallbackFrameSize = minFallbackFrame
-	conf.MaxFallbackBufferedPerStream = 3 << 20
-	conf.MaxFallbackBuffered = 3 << 20
-	conf.FallbackStallTimeout = 5 * time.Second
-	sess, accepted := bpPair(t, conf)
-	part1, part2 := minFallbackFrame-16, 900<<10
-	var clients, servers []*Stream
-	for range 3 {
-		st, err := sess.OpenStream()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer st.Close()
-		if _, err := st.Write(bytes.Repeat([]byte{1}, part1)); err != nil {
-			t.Fatal(err)
-		}
-		clients = append(clients, st)
-		servers = append(servers, bpAccepted(t, accepted))
-	}
-	errs := make(chan error, len(servers))
-	for _, srv := range servers {
-		go func() {
-			srv.SetReadDeadline(time.Now().Add(time.Minute))
-			b, err := srv.BufferReader().ReadBytes(part1 + part2)
-			if err == nil && (b[0] != 1 || b[part1] != 2) {
-				err = errors.New("the data read differs from the data written")
-			}
-			srv.BufferReader().ReleasePreviousRead()
-			errs <- err
-		}()
-	}
-	time.Sleep(100 * time.Millisecond) // the readers wait
-	for _, st := range clients {
-		go st.Write(bytes.Repeat([]byte{2}, part2))
-	}
-	for range servers {
-		if err := errWithin(t, errs, time.Minute, "ReadBytes"); err != nil {
-			t.Fatalf("ReadBytes: %v", err)
-		}
-	}
-}
-
 // TestReadWhileHoldingAnEarlierRead: a reader keeps the bytes of one
 // message (not released) while it reads the next; both fit the stream's
-// bound alone. Only that reader could make room for the second, so the
-// receive loop takes its data.
+// bound together, so the receive loop takes the second while the first is
+// held.
 func TestReadWhileHoldingAnEarlierRead(t *testing.T) {
 	conf := smallRegion()
 	conf.MaxFallbackFrameSize = minFallbackFrame
-	conf.MaxFallbackBufferedPerStream = 4 << 20
+	conf.MaxFallbackBufferedPerStream = 6 << 20
 	conf.MaxFallbackBuffered = 8 << 20
 	conf.FallbackStallTimeout = 5 * time.Second
 	sess, accepted := bpPair(t, conf)
@@ -365,9 +317,8 @@ func TestReadWhileHoldingAnEarlierRead(t *testing.T) {
 
 // hostileFlood has the raw peer p send count frames of a frame's worth to
 // each stream of ids, while the test watches how much fallback data the
-// victim holds, until the victim ends or 30 s pass. The writes run in a
-// goroutine that ends, with the victim closed, before hostileFlood returns.
-func hostileFlood(p *rawPeer, victim *Session, ids []uint32, count int) (most int64) {
+// victim holds, until the writes are done or 30 s pass.
+func hostileFlood(t *testing.T, p *rawPeer, victim *Session, ids []uint32, count int) (most int64) {
 	data := strings.Repeat("x", minFallbackFrame-16)
 	done := make(chan struct{})
 	go func() {
@@ -376,17 +327,20 @@ func hostileFlood(p *rawPeer, victim *Session, ids []uint32, count int) (most in
 			for _, id := range ids {
 				p.conn.SetWriteDeadline(time.Now().Add(peerTimeout))
 				if _, err := p.conn.Write(rawFallbackFrame(p.version, 0, id, 0, data)); err != nil {
-					return // the victim ended the session
+					return
 				}
 			}
 		}
 	}()
-	for deadline := time.Now().Add(30 * time.Second); !victim.IsClosed() && time.Now().Before(deadline); {
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); {
 		most = max(most, victim.fallbackHeld.Load())
-		time.Sleep(time.Millisecond)
+		select {
+		case <-done:
+			return most
+		case <-time.After(time.Millisecond):
+		}
 	}
-	victim.Close()
-	<-done
+	t.Fatal("the flood's writes still blocked after 30 s")
 	return most
 }
 
@@ -398,7 +352,7 @@ func hostileVictim(t *testing.T, perStream, session int) (*rawPeer, *Session) {
 		c.MaxFallbackFrameSize = minFallbackFrame
 		c.MaxFallbackBufferedPerStream = perStream
 		c.MaxFallbackBuffered = session
-		c.FallbackStallTimeout = 2 * time.Second
+		c.FallbackStallTimeout = 200 * time.Millisecond
 	})
 }
 
@@ -408,7 +362,8 @@ func hostileVictim(t *testing.T, perStream, session int) (*rawPeer, *Session) {
 // waits for one byte more each time), one reading byte by byte and
 // releasing only at the end of a line. None of them gets an exception from
 // the bounds for that: the session holds at most its bound and a frame,
-// and ends when nobody makes room.
+// the streams nobody makes room on fail with ErrLimitExceeded, and the
+// session goes on.
 func TestHostileFramesForWaitingReaders(t *testing.T) {
 	for _, tc := range []struct {
 		name               string
@@ -437,10 +392,12 @@ func TestHostileFramesForWaitingReaders(t *testing.T) {
 			defer victim.Close()
 			block := make(chan struct{})
 			defer close(block)
+			var streams []*Stream
 			var ids []uint32
 			for range tc.streams {
 				st := openPinged(t, p, victim)
 				st.SetDeadline(time.Time{})
+				streams = append(streams, st)
 				ids = append(ids, st.ID())
 				go func() {
 					tc.read(st)
@@ -449,18 +406,32 @@ func TestHostileFramesForWaitingReaders(t *testing.T) {
 			}
 			time.Sleep(100 * time.Millisecond) // the readers wait
 			limit := int64(tc.session) + minFallbackFrame
-			if most := hostileFlood(p, victim, ids, tc.frames); most > limit {
+			if most := hostileFlood(t, p, victim, ids, tc.frames); most > limit {
 				t.Errorf("the session held %d bytes of fallback data; MaxFallbackBuffered and a frame are %d", most, limit)
 			}
-			if err := victim.Err(); !errors.Is(err, ErrLimitExceeded) {
-				t.Errorf("session: %v, want ErrLimitExceeded", err)
+			failed := 0
+			for _, st := range streams {
+				if err := st.failure(); err != nil {
+					if !errors.Is(err, ErrLimitExceeded) || !strings.Contains(err.Error(), "Config.MaxFallbackBuffered") {
+						t.Errorf("stream %d failed with %v, want ErrLimitExceeded naming a bound", st.ID(), err)
+					}
+					failed++
+				}
 			}
+			if failed == 0 {
+				t.Error("no stream failed")
+			}
+			if err := victim.Err(); err != nil {
+				t.Errorf("session: %v, want it open", err)
+			}
+			openPinged(t, p, victim) // the session still carries new streams
 		})
 	}
 }
 
 // TestReadBeyondSessionBoundBelowFrame: a session bound smaller than a
-// frame does not wedge a read of a message larger than both bounds.
+// frame does not wedge a stream whose application reads a message larger
+// than both bounds as it arrives (Read copies, and frees what it read).
 func TestReadBeyondSessionBoundBelowFrame(t *testing.T) {
 	conf := smallRegion()
 	conf.MaxFallbackFrameSize = minFallbackFrame
@@ -481,9 +452,9 @@ func TestReadBeyondSessionBoundBelowFrame(t *testing.T) {
 	}()
 	srv := bpAccepted(t, accepted)
 	srv.SetReadDeadline(time.Now().Add(time.Minute))
-	got, err := srv.BufferReader().ReadBytes(len(msg))
-	if err != nil {
-		t.Fatalf("ReadBytes: %v", err)
+	got := make([]byte, len(msg))
+	if _, err := io.ReadFull(srv, got); err != nil {
+		t.Fatalf("Read: %v", err)
 	}
 	if !bytes.Equal(got, msg) {
 		t.Fatal("the data read differs from the data written")
@@ -518,19 +489,19 @@ func TestFallbackFramesFitAnyPeer(t *testing.T) {
 // TestWaitingReadersKeepFallbackBound: a reader waiting in Read for a byte
 // makes no exception to the fallback bounds. Twelve streams each send a
 // fallback message while their server handlers wait in Read; the session
-// must hold no more than MaxFallbackBuffered plus a frame, and end when
-// nobody makes room.
+// must hold no more than MaxFallbackBuffered plus a frame, fail the streams
+// whose data nobody reads, and go on.
 func TestWaitingReadersKeepFallbackBound(t *testing.T) {
 	conf := smallRegion()
 	conf.MaxFallbackFrameSize = minFallbackFrame
 	conf.MaxFallbackBufferedPerStream = 1 << 20
 	conf.MaxFallbackBuffered = 1 << 20
-	conf.FallbackStallTimeout = 2 * time.Second
+	conf.FallbackStallTimeout = 200 * time.Millisecond
 	sess, accepted := bpPair(t, conf)
 	block := make(chan struct{})
 	defer close(block)
 	var srvSess *Session
-	var clients []*Stream
+	var clients, servers []*Stream
 	for range 12 {
 		st, err := sess.OpenStream()
 		if err != nil {
@@ -540,13 +511,7 @@ func TestWaitingReadersKeepFallbackBound(t *testing.T) {
 		if _, err := st.Write([]byte{1}); err != nil {
 			t.Fatal(err)
 		}
-		var srv *Stream
-		select {
-		case srv = <-accepted:
-		case <-time.After(peerTimeout):
-			t.Fatal("no stream accepted")
-		}
-		defer srv.Close()
+		srv := bpAccepted(t, accepted)
 		srvSess = srv.Session()
 		go func() {
 			b := make([]byte, 1)
@@ -555,22 +520,31 @@ func TestWaitingReadersKeepFallbackBound(t *testing.T) {
 			<-block     // and does not read again
 		}()
 		clients = append(clients, st)
+		servers = append(servers, srv)
 	}
-	// Only once every stream is accepted: the receive loop that the
-	// fallback data holds back is also what delivers the first messages
-	// (between two processes, or sessions of one left unpaired).
 	time.Sleep(100 * time.Millisecond) // the readers wait
 	for _, st := range clients {
 		go st.Write(bytes.Repeat([]byte{'x'}, 900<<10)) // more than half the region: fallback
 	}
 	limit := int64(conf.MaxFallbackBuffered) + int64(conf.MaxFallbackFrameSize)
-	waitUntil(t, "the server session to end or exceed its bound", 30*time.Second, func() bool {
-		return srvSess.IsClosed() || srvSess.fallbackHeld.Load() > limit
-	})
-	if held := srvSess.fallbackHeld.Load(); held > limit {
-		t.Errorf("the server holds %d bytes of fallback data; MaxFallbackBuffered is %d, plus a frame %d", held, conf.MaxFallbackBuffered, limit)
+	failed := func() int {
+		n := 0
+		for _, srv := range servers {
+			if srv.failed() {
+				n++
+			}
+		}
+		return n
 	}
-	if err := srvSess.Err(); !errors.Is(err, ErrLimitExceeded) {
-		t.Errorf("server session: %v, want ErrLimitExceeded", err)
+	var most int64
+	waitUntil(t, "all but one of the server streams to fail", 30*time.Second, func() bool {
+		most = max(most, srvSess.fallbackHeld.Load())
+		return failed() >= len(servers)-1
+	})
+	if most > limit {
+		t.Errorf("the server held %d bytes of fallback data; MaxFallbackBuffered is %d, plus a frame %d", most, conf.MaxFallbackBuffered, limit)
+	}
+	if err := srvSess.Err(); err != nil {
+		t.Errorf("server session: %v, want it open", err)
 	}
 }

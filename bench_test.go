@@ -310,7 +310,7 @@ func serveEach(ln net.Listener, serve func(net.Conn)) (wait func()) {
 // come from a SessionManager with SessionNum 1, 2 or 8 (spread round-robin
 // over its sessions), against a Unix socket in the same run. With one
 // session the streams of both processors write the same session's lines
-// (its IO queue, consumer token, stream table) for every message; with
+// (its IO queue, stream table) for every message; with
 // more, each session's exchanges mostly stay on one processor. Between
 // two processes the opposite holds (more sessions, more receive loops and
 // more polling for the same messages; example/pingpong), so SessionNum's

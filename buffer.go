@@ -74,9 +74,6 @@ type sliceList struct {
 	// keepLimit is how many streams of this process may keep a slice of
 	// the list (0: none; reuse.go).
 	keepLimit int32
-	// localLimit is how many slices of the list may wait in the manager's
-	// local slots (local_slices.go).
-	localLimit int32
 }
 
 func (l *sliceList) end() uint32 { return l.area + l.count*l.stride }
@@ -125,9 +122,6 @@ type bufferManager struct {
 	space spaceQueues // this process's writers waiting for room, in turn (space_queue.go)
 
 	keepers []atomic.Int32 // per list, streams of this process that may keep a slice of it (reuse.go)
-
-	local        atomic.Pointer[localSlots] // large slices paired streams have read, per processor (local_slices.go)
-	localStreams atomic.Int32               // paired streams using the manager, which may fill local
 }
 
 // initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.
@@ -261,7 +255,6 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 			l.keepLimit = int32(l.count / keepShare)
 		}
 	}
-	m.initLocal()
 	m.space.init(n + 1)
 	return m, nil
 }

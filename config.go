@@ -178,27 +178,37 @@ type Config struct {
 
 	// MaxFallbackBufferedPerStream and MaxFallbackBuffered bound the
 	// fallback data received and not yet read, for one stream and for the
-	// whole session (defaults 32 MiB and 64 MiB). When a FallbackData frame
-	// would exceed one, the session stops reading its socket, so that the
-	// peer's writes wait, until the application reads; a frame is always
-	// taken when nothing is held, so the data held is at most the bound
-	// plus one frame (MaxFallbackFrameSize); with the frame being read and
-	// garbage not yet collected, the process grows by up to about twice
-	// that (a flood of 255 MiB against an 8 MiB bound and 1 MiB frames grew
-	// it by 12.9 MiB). Data for a stream whose reader waits for more than
-	// it has is taken past the stream's bound, and past the session's as
-	// long as the data of streams whose readers do not wait leaves room
-	// (only their applications can make room), so a ReadBytes or Peek of a
-	// large message, or a read while holding an earlier one, cannot wedge
-	// the session; a peer still cannot make it hold more than the bound and
-	// a frame besides what waiting readers asked for. If the application
-	// makes no room for FallbackStallTimeout (default 10 s), the session
-	// ends.
+	// whole session (defaults 32 MiB and 64 MiB), whatever API reads it
+	// (Read, BufferReader, netpoll, OnData, ServeHandler). A FallbackData
+	// frame is always taken while its stream (for the session's bound, the
+	// session) holds none, so the data held is at most the bound plus one
+	// frame. A frame that would exceed a bound waits, and the socket with
+	// it, until the application reads; the session's shared-memory
+	// messages go on meanwhile (the receive loop keeps polling its queue).
+	// If no room comes within FallbackStallTimeout (default 10 s), that
+	// stream fails: its reads and writes return an error that wraps
+	// ErrLimitExceeded and names the bound, the peer is told the stream is
+	// closed, and the session goes on. So a read that needs more unread
+	// bytes at once than a stream's bound (a ReadBytes or Peek of a larger
+	// message sent as fallback data) fails that way.
 	// Streams carrying shared-memory messages are bounded by the buffer
 	// region itself.
 	MaxFallbackBufferedPerStream int
 	MaxFallbackBuffered          int
 	FallbackStallTimeout         time.Duration
+
+	// PartialFrameTimeout bounds how long a frame may take to arrive once
+	// its first bytes have (default 10 s): a peer that announces a frame
+	// and stops part way ends its session. The receive buffer grows with
+	// the bytes that arrive, not with the length a frame announces. Zero
+	// means the default.
+	PartialFrameTimeout time.Duration
+
+	// MaxSessions bounds the sessions a Listener serves at once, handshakes
+	// in progress included (default 4,096); a connection beyond it is
+	// closed at once. Each session holds a socket, a goroutine and the
+	// mappings of its regions. Zero means the default.
+	MaxSessions int
 }
 
 // Defaults.
@@ -216,6 +226,8 @@ const (
 	defaultMaxFallbackPerStream   = 32 << 20
 	defaultMaxFallback            = 64 << 20
 	defaultFallbackStallTimeout   = 10 * time.Second
+	defaultPartialFrameTimeout    = 10 * time.Second
+	defaultMaxSessions            = 4096
 
 	// maxFallbackFrameSent is the largest FallbackData frame we send: the
 	// smallest MaxFallbackFrameSize Verify allows, since a peer's limit is
@@ -271,7 +283,25 @@ func DefaultConfig() *Config {
 		MaxFallbackBufferedPerStream: defaultMaxFallbackPerStream,
 		MaxFallbackBuffered:          defaultMaxFallback,
 		FallbackStallTimeout:         defaultFallbackStallTimeout,
+		PartialFrameTimeout:          defaultPartialFrameTimeout,
+		MaxSessions:                  defaultMaxSessions,
 	}
+}
+
+// partialFrameTimeout is PartialFrameTimeout, or its default.
+func (c *Config) partialFrameTimeout() time.Duration {
+	if c.PartialFrameTimeout > 0 {
+		return c.PartialFrameTimeout
+	}
+	return defaultPartialFrameTimeout
+}
+
+// maxSessions is MaxSessions, or its default.
+func (c *Config) maxSessions() int {
+	if c.MaxSessions > 0 {
+		return c.MaxSessions
+	}
+	return defaultMaxSessions
 }
 
 // Verify reports the first invalid field, wrapping ErrInvalidConfig.
@@ -334,6 +364,12 @@ func (c *Config) Verify() error {
 	}
 	if c.FallbackStallTimeout <= 0 {
 		return bad("FallbackStallTimeout %v must be positive", c.FallbackStallTimeout)
+	}
+	if c.PartialFrameTimeout < 0 {
+		return bad("PartialFrameTimeout %v is negative", c.PartialFrameTimeout)
+	}
+	if c.MaxSessions < 0 {
+		return bad("MaxSessions %d is negative", c.MaxSessions)
 	}
 	return nil
 }

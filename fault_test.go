@@ -95,16 +95,15 @@ func TestShrunkRegionFaultsAreErrors(t *testing.T) {
 	}
 }
 
-// TestPollingReaderFault: a reader polling the queue for its reply when the
-// peer shrinks the queue region gets the session's memory-fault error, and
-// leaves nothing counted behind: the session counts no poller and the
-// process's spinning slots are as they were, so other sessions still spin.
-func TestPollingReaderFault(t *testing.T) {
-	unpaired(t)
+// TestSpinningLoopFault: a receive loop spinning on its queue after a reply
+// when the peer shrinks the queue region ends the session with a
+// memory-fault error, which the stream's waiting reader gets, and gives its
+// spinning slot back, so that other sessions still spin.
+func TestSpinningLoopFault(t *testing.T) {
 	conf := DefaultConfig()
 	conf.MemMapType = MemMapTypeDevShmFile
-	conf.ShareMemoryPathPrefix = shmPrefix(t, "pollfault")
-	conf.ConsumerSpinTime = 10 * time.Second // the reader polls until the fault
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "spinfault")
+	conf.ConsumerSpinTime = 10 * time.Second // the loop spins until the fault
 	srvConf := *conf
 	srvConf.ConsumerSpinTime = 0 // the server's receive loop leaves the spinning slot free
 	ln, err := Listen("unix", sockPath(t), &srvConf)
@@ -112,27 +111,7 @@ func TestPollingReaderFault(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { ln.Close() })
-	// The server answers a request only when the test lets it: when the
-	// client's reader did not poll (the process was not letting anyone spin
-	// then), and the test tries again.
-	answer := make(chan struct{})
-	go serveStreams(ln, func(st *Stream) {
-		defer st.Close()
-		req := make([]byte, 4)
-		for {
-			if _, err := io.ReadFull(st, req); err != nil {
-				return
-			}
-			select {
-			case <-answer:
-			case <-time.After(2 * peerTimeout):
-				return
-			}
-			if _, err := st.Write(req); err != nil {
-				return
-			}
-		}
-	})
+	go serveStreams(ln, echoStream)
 	s, err := Dial("unix", ln.Addr().String(), conf)
 	if err != nil {
 		t.Fatal(err)
@@ -149,58 +128,41 @@ func TestPollingReaderFault(t *testing.T) {
 	st.SetDeadline(time.Now().Add(4 * peerTimeout))
 
 	active := spinning.active.Load()
-	read := make(chan error, 1)
-	polling := false
-	for attempt := 0; attempt < 20 && !polling; attempt++ {
+	spins := false
+	for attempt := 0; attempt < 20 && !spins; attempt++ {
 		if _, err := st.Write([]byte("ping")); err != nil {
 			t.Fatal(err)
 		}
-		go func() {
-			_, err := io.ReadFull(st, make([]byte, 4))
-			read <- err
-		}()
+		if _, err := io.ReadFull(st, make([]byte, 4)); err != nil {
+			t.Fatal(err)
+		}
 		deadline := time.Now().Add(time.Second)
-		for time.Now().Before(deadline) && !polling {
-			polling = s.cons.pollers.Load() == 1 && spinning.active.Load() == active+1
+		for time.Now().Before(deadline) && !spins {
+			spins = spinning.active.Load() == active+1
 			time.Sleep(time.Millisecond)
 		}
-		if !polling {
-			answer <- struct{}{}
-			if err := <-read; err != nil {
-				t.Fatalf("attempt %d: %v", attempt, err)
-			}
-		}
 	}
-	if !polling {
-		t.Fatal("the reader never polled for its reply")
+	if !spins {
+		t.Fatal("the receive loop never spun after a reply")
 	}
+	read := make(chan error, 1)
+	go func() {
+		_, err := io.ReadFull(st, make([]byte, 4))
+		read <- err
+	}()
 	if err := os.Truncate(queues[0], 0); err != nil {
 		t.Fatal(err)
 	}
 	var rerr error
 	select {
 	case rerr = <-read:
-	case <-time.After(2 * time.Second):
-		// The reader stopped polling between the look above and the
-		// truncation (a spinner descheduled for long gives up), and sleeps:
-		// the receive loop meets the fault instead.
-		t.Logf("the reader no longer polled (%d pollers): kicking the receive loop", s.cons.pollers.Load())
-		s.kick()
-		select {
-		case rerr = <-read:
-		case <-time.After(peerTimeout):
-			t.Fatal("the reader did not return after its queue region shrank")
-		}
+	case <-time.After(peerTimeout):
+		t.Fatal("the reader did not return after its queue region shrank")
 	}
 	if !errors.Is(rerr, ErrProtocol) || !strings.Contains(rerr.Error(), "memory fault") {
-		t.Fatalf("the polling reader got %v, want an error wrapping ErrProtocol naming a memory fault", rerr)
+		t.Fatalf("the reader got %v, want an error wrapping ErrProtocol naming a memory fault", rerr)
 	}
-	if n := s.cons.pollers.Load(); n != 0 {
-		t.Errorf("the session still counts %d pollers", n)
-	}
-	if n := spinning.active.Load(); n != active {
-		t.Errorf("%d goroutines hold a spinning slot after the fault, %d before the read", n, active)
-	}
+	waitUntil(t, "the spinning slot is given back", peerTimeout, func() bool { return spinning.active.Load() == active })
 }
 
 func contains(list []string, s string) bool {

@@ -220,7 +220,7 @@ func FuzzReadFrame(f *testing.F) {
 			if frames > len(data)/wire.HeaderSize+1 {
 				t.Fatalf("readFrame returned %d frames from %d bytes", frames, len(data))
 			}
-			h, payload, err := c.readFrame(limit)
+			h, payload, err := c.readFrame(limit, 0)
 			rest := data[pos:]
 
 			// What an independent reading of PROTOCOL.md §2 expects.

@@ -94,10 +94,10 @@ func (s *Session) runHandshake(client bool) (err error) {
 
 // isTimeout reports whether err, or an error it wraps (errors.Unwrap, or
 // each of an Unwrap() []error, as errors.As walks them), is a timeout: a
-// deadline passed, or a read kicked by setting one in the past.
+// deadline passed.
 func isTimeout(err error) bool {
-	// Walked by hand rather than with errors.As, whose target escapes: a
-	// kicked socket read (poll.go) comes here, and would allocate.
+	// Walked by hand rather than with errors.As, whose target escapes and
+	// would allocate.
 	if t, ok := err.(interface{ Timeout() bool }); ok && t.Timeout() {
 		return true
 	}

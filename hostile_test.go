@@ -249,7 +249,7 @@ func hpCheckReleased(c *hpCtx) {
 	if released(1500 * time.Millisecond) {
 		return
 	}
-	t.Errorf("BUG: the victim session is closed (%v) but 1.5s later its queue region is still referenced (%d): a reader is stuck in pollFor, looping between stopPolling and drainNow on the corrupt queue", c.victim.Err(), c.victim.queueRegion.refs.Load())
+	t.Errorf("BUG: the victim session is closed (%v) but 1.5s later its queue region is still referenced (%d): something still holds it on the corrupt queue", c.victim.Err(), c.victim.queueRegion.refs.Load())
 	c.p.send.setTail(c.victim.recvQ.chead.Load())
 	if !released(peerTimeout) {
 		t.Errorf("the queue region is still referenced after the queue was repaired")

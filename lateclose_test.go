@@ -28,26 +28,20 @@ func TestLateDataAfterServerClose(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// Hold the client's consumer token, so that the close the server
+	// Hold the client's receive loop, so that the close the server
 	// publishes on the client's queue stays there and the client goes on
-	// sending on a stream the server has closed. (Holding the session's
-	// lock did not hold the close: streams are found without it, and with
-	// -race the client saw the close first in about one run in ten.)
-	waitUntil(t, "the client's consumer token is free", peerTimeout, func() bool {
-		return sess.cons.token.CompareAndSwap(false, true)
-	})
+	// sending on a stream the server has closed.
+	release := holdReceive(t, sess)
 	if err := srv.Close(); err != nil {
-		sess.cons.token.Store(false)
 		t.Fatal(err)
 	}
 	for range 3 {
 		if _, err := st.Write([]byte("late")); err != nil {
-			sess.cons.token.Store(false)
+			release()
 			t.Fatalf("write before the client saw the close: %v", err)
 		}
 	}
-	sess.cons.token.Store(false)
-	sess.kick() // the receive loop drains what waited: the close
+	release() // the receive loop drains what waited: the close
 
 	select {
 	case ghost := <-accepted:

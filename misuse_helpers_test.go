@@ -17,19 +17,9 @@ import (
 
 const mzTimeout = 10 * time.Second
 
-// mzModes runs test once with the two sessions of this process paired
-// (what an application gets when both ends live in one process) and once
-// unpaired (as two processes talk).
-func mzModes(t *testing.T, test func(t *testing.T)) {
-	t.Run("paired", func(t *testing.T) {
-		paired(t)
-		test(t)
-	})
-	t.Run("unpaired", func(t *testing.T) {
-		unpaired(t)
-		test(t)
-	})
-}
+// mzModes runs test. (Sessions of one process talk as two processes do,
+// so there is one mode.)
+func mzModes(t *testing.T, test func(t *testing.T)) { test(t) }
 
 // mzPair returns a client/server session pair and a stream open on both
 // sides (one byte exchanged so that the server knows of it).

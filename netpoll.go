@@ -107,7 +107,7 @@ func (b *netpollReader) Until(delim byte) (line []byte, err error) {
 			return line, nil
 		}
 		scanned = r.unread
-		if err := st.waitScanning(scanned + 1); err != nil {
+		if err := st.waitReadable(scanned + 1); err != nil {
 			if r.unread > 0 {
 				if terr := take(r.unread); terr != nil {
 					return nil, terr

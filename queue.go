@@ -53,7 +53,7 @@ type ioQueue struct {
 
 	mu    sync.Mutex   // serialises producers in this process
 	ptail int64        // producer: next tail; guarded by mu
-	chead atomic.Int64 // consumer: next head; written by the consumer token holder
+	chead atomic.Int64 // consumer: next head; written by the receive loop
 }
 
 // initQueueRegion writes both queue headers of a new, zero-filled region.

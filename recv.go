@@ -6,45 +6,36 @@ import (
 	"fmt"
 	"io"
 	"syscall"
-	"time"
 
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// Receiving: the receive loop reads event frames from the socket and applies
-// them; queue elements it (or a polling reader, poll.go) takes off the
-// receive queue become stream data or stream closes. Closes are applied in
-// the order the peer sent them relative to socket frames (closeAfterSocket),
-// and fallback data held in process memory is bounded (waitFallbackRoom).
+// Receiving: the receive loop, the one goroutine of a session that reads
+// its socket and consumes its receive queue (consume.go), reads event
+// frames and applies them; queue elements become stream data or stream
+// closes. Closes are applied in the order the peer sent them relative to
+// socket frames (closeAfterSocket), and fallback data held in process
+// memory is bounded per stream (fallback_recv.go).
 
 // recvLoop reads event frames until the connection fails, then tears the
-// session down. Readers may drain the queue too (poll.go), but only the
-// receive loop applies closes, and teardown seals the queue before it ends
-// the streams, so nothing reaches a stream after that.
+// session down.
 func (s *Session) recvLoop() {
 	defer close(s.loopDone)
-	defer s.sock.timer.Stop()
 	var err error
 	for err == nil {
-		var h wire.Header
-		var payload []byte
-		if s.mayLend() {
-			// A lone reader reads the socket itself (lead.go).
-			if h, payload, err = s.lendSocket(); err != nil {
-				break
-			}
-			if h == nil {
-				continue
-			}
-		} else if h, payload, err = s.ec.readFrame(s.conf.MaxFallbackFrameSize); err != nil {
-			if !isTimeout(err) || s.IsClosed() {
-				break
-			}
-			// A reader kicked us (poll.go): drain, then read on.
-			_ = s.ec.conn.SetReadDeadline(time.Time{})
-			s.cons.kicked.Store(false)
-			err = s.access(s.consumeNow)
+		if s.stall != nil {
+			// A stream's fallback data waits for room: the socket waits
+			// with it, the queue is served meanwhile.
+			err = s.access(s.serveStalled)
 			continue
+		}
+		if h := consumeHook.Load(); h != nil {
+			(*h)(s)
+		}
+		h, payload, rerr := s.ec.readFrame(s.conf.MaxFallbackFrameSize, s.conf.partialFrameTimeout())
+		if rerr != nil {
+			err = rerr
+			break
 		}
 		err = s.access(func() error { return s.handleFrameInOrder(h, payload) })
 		s.ec.shrink()
@@ -53,10 +44,8 @@ func (s *Session) recvLoop() {
 		switch {
 		case errors.Is(err, io.EOF), errors.Is(err, syscall.ECONNRESET):
 			// What the peer published before its end is applied first
-			// (drainAtEnd). It may have been published with no wake-up
-			// to come (a reader of ours was polling), or with a kick not
-			// acted on: a read finds the end of the socket before it
-			// looks at the deadline a kick set.
+			// (drainAtEnd): it may have been published with no wake-up
+			// to come, while this loop was consuming.
 			if derr := s.access(s.drainAtEnd); derr != nil {
 				err = derr
 				break
@@ -75,14 +64,14 @@ func (s *Session) recvLoop() {
 
 // handleFrameInOrder handles a frame, keeps count of how far into the
 // socket's byte stream the session has acted, applies the closes that were
-// waiting for that (closeAfterSocket), and goes back to consuming if a spin
-// left off to let this frame in.
+// waiting for that (closeAfterSocket), and goes back to consuming if the
+// loop left off to read this frame with the working flag set.
 //
 // A frame that carries data counts as acted on only once its data has been
 // delivered, so that a close published after it was sent is applied after
 // it, even if the drain that precedes the data finds the close.
 func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
-	resume := s.resume && h.Type() != wire.TypePolling // a Polling frame consumes anyway
+	resume := s.cons.consuming && h.Type() != wire.TypePolling // a Polling frame consumes anyway
 	size := uint64(wire.HeaderSize + len(payload))
 	data := h.Type() == wire.TypeFallbackData
 	if !data {
@@ -96,8 +85,8 @@ func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 		s.handled += size
 		s.closeCaughtUp()
 	}
-	if resume {
-		return s.consumeNow()
+	if resume && s.stall == nil {
+		return s.consume()
 	}
 	return nil
 }
@@ -113,10 +102,10 @@ func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 	switch h.Type() {
 	case wire.TypePolling:
 		s.counters.of(0).wakeupsReceived.Add(1)
-		if s.localPeer {
-			localWakes.received()
+		if s.stall != nil {
+			return nil // serveStalled consumes
 		}
-		return s.consumeNow()
+		return s.consume()
 	case wire.TypeStreamClose:
 		if err := s.drainBefore(); err != nil {
 			return err
@@ -173,9 +162,6 @@ func (s *Session) handleData(id, offset uint32, scratch *[]segment) error {
 	if err != nil {
 		return err
 	}
-	if st != nil && n >= handTurnBytes && s.localPeerSession.Load() != nil {
-		st.bigIn.Store(true) // its writer yields before the next message (writerTurn)
-	}
 	if st == nil || !st.deliver(slices, nil) {
 		return s.freeSegments(slices)
 	}
@@ -220,7 +206,7 @@ type pendingClose struct {
 // now. When nothing is pending on the socket, that is at once.
 //
 // Elements take effect in queue order: while a close waits, draining pauses
-// behind it (drainHeld), and the receive loop reads the frames it waits for.
+// behind it (drain), and the receive loop reads the frames it waits for.
 func (s *Session) closeAfterSocket(id uint32) error {
 	at, err := s.ec.receivedSoFar()
 	if err != nil {
@@ -234,7 +220,6 @@ func (s *Session) closeAfterSocket(id uint32) error {
 		return fmt.Errorf("%w: more than %d stream closes waiting for the socket, the limit set by Config.MaxStreams", ErrLimitExceeded, s.conf.MaxStreams)
 	}
 	s.closing = append(s.closing, pendingClose{id: id, at: at})
-	s.closesPending.Store(true)
 	return nil
 }
 
@@ -252,7 +237,6 @@ func (s *Session) closeCaughtUp() {
 	if n > 0 {
 		k := copy(s.closing, s.closing[n:])
 		s.closing = s.closing[:k]
-		s.closesPending.Store(k > 0)
 	}
 }
 
@@ -263,110 +247,4 @@ func (s *Session) peerClosed(id uint32) {
 	if st := s.lookup(id); st != nil {
 		st.peerClose()
 	}
-}
-
-// handleFallback delivers a FallbackData frame. The stream then sends its
-// own data as fallback too (PROTOCOL.md §6.5).
-func (s *Session) handleFallback(payload []byte) error {
-	id, status, data, err := wire.DecodeFallbackHead(payload)
-	if err != nil {
-		return fmt.Errorf("%w: %w", ErrProtocol, err)
-	}
-	if id == 0 {
-		return fmt.Errorf("%w: FallbackData for stream id 0", ErrProtocol)
-	}
-	if status&statusMask != statusOpened {
-		return fmt.Errorf("%w: FallbackData for stream %d has status %#x", ErrProtocol, id, status)
-	}
-	c := s.counters.of(id)
-	c.messagesIn.Add(1)
-	c.bytesIn.Add(uint64(len(data)))
-	c.fallbackMessagesIn.Add(1)
-	c.fallbackBytesIn.Add(uint64(len(data)))
-	st, err := s.streamFor(id)
-	if err != nil || st == nil {
-		return err
-	}
-	st.fallback.Store(true)
-	if len(data) == 0 {
-		return nil
-	}
-	if err := s.waitFallbackRoom(st, len(data)); err != nil {
-		return err
-	}
-	st.deliver(nil, append([]byte(nil), data...))
-	return nil
-}
-
-// waitFallbackRoom holds the receive loop, and so the peer's writes to this
-// session, while fallback data the application has not read would exceed
-// Config.MaxFallbackBufferedPerStream or MaxFallbackBuffered with n more
-// bytes. One message is always taken when nothing is held, so a bound below
-// the largest frame cannot wedge a stream. Nor can a read of more than a
-// bound leaves room for (BufferReader.ReadBytes of a large message): room
-// comes only from an application that reads, and one whose reader waits
-// for more data than it holds will not. So a frame for a stream whose
-// reader waits for want bytes is taken while the stream holds less than
-// its bound plus want, and past the session's bound as long as the data
-// held beyond what waiting readers asked for, which the applications may
-// yet free, leaves room for it (unstuckFallback). A peer thus cannot make
-// the session hold more than the bound and a frame beyond what waiting
-// readers asked for. If the application makes no room within
-// FallbackStallTimeout, the session ends with an error naming the bound.
-func (s *Session) waitFallbackRoom(st *Stream, n int) error {
-	var timer *time.Timer
-	perStream, perSession := int64(s.conf.MaxFallbackBufferedPerStream), int64(s.conf.MaxFallbackBuffered)
-	for {
-		stream := st.heldFallback.Load()
-		session := s.fallbackHeld.Load()
-		want := int64(0) // what the stream's reader waits for, if it lacks some
-		if st.readShort.Load() > 0 {
-			want = st.readWant.Load()
-		}
-		var bound string
-		var limit, held int64
-		switch {
-		case stream > 0 && stream+int64(n) > perStream && (want == 0 || stream >= perStream+want):
-			bound, limit, held = "Config.MaxFallbackBufferedPerStream", perStream, stream
-		case session > 0 && session+int64(n) > perSession && (want == 0 || s.unstuckFallback(session, perSession, n)):
-			bound, limit, held = "Config.MaxFallbackBuffered", perSession, session
-		default:
-			if timer != nil {
-				timer.Stop()
-			}
-			return nil
-		}
-		if timer == nil {
-			timer = time.NewTimer(s.conf.FallbackStallTimeout)
-			defer timer.Stop()
-		}
-		select {
-		case <-s.fallbackRoom:
-		case <-s.closed:
-			return s.closedErr()
-		case <-timer.C:
-			return fmt.Errorf("%w: %d bytes of fallback data for stream %d would exceed %s (%d bytes; %d held, unread for %v)",
-				ErrLimitExceeded, n, st.id, bound, limit, held, s.conf.FallbackStallTimeout)
-		}
-	}
-}
-
-// unstuckFallback reports whether the fallback data the session holds
-// (session bytes), less what is stuck, leaves no room for n bytes under the
-// session's bound. Stuck is what waiting readers hold of what they asked
-// for: up to its want, the data of a stream whose reader waits for more
-// than it has will not be freed until more arrives; beyond it (data read
-// and not released) it might. It looks at every stream, which only a
-// receive loop held back by a bound does.
-func (s *Session) unstuckFallback(session, bound int64, n int) bool {
-	s.mu.Lock()
-	var stuck int64
-	for _, st := range s.streams {
-		if st.readShort.Load() > 0 {
-			stuck += min(st.heldFallback.Load(), st.readWant.Load())
-		}
-	}
-	s.mu.Unlock()
-	free := session - stuck
-	return free > 0 && free+int64(n) > bound
 }

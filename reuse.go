@@ -15,12 +15,8 @@ import "math"
 // touching the free lists, and its data is already in the caches.
 //
 // Slices of every class up to keepMaxCap are kept, one per stream, and used
-// only for a message piece that fits in one. Between two sessions of one
-// process (paired, spin.go) a writer hands its message over on its own
-// processor, where the peer's reader then runs, and the slice stays in that
-// processor's caches: 8 streams of 16, 32 and 64 KB took 40-45 % less time
-// per round trip keeping their slices (BenchmarkPingPong). For small
-// messages the list operations weigh most: a build that kept nothing took
+// only for a message piece that fits in one. For small messages the list
+// operations weigh most: a build that kept nothing took
 // 1.8 µs instead of 1.2 for 64 B between processes, and 64 streams of
 // 4 KiB made 560 k round trips per second instead of 820 k (two runs each).
 //
@@ -113,21 +109,6 @@ func (st *Stream) freeReceived(segs []segment) error {
 	}
 	for i, seg := range segs {
 		if !s.buf.keepable(seg.list) {
-			if st.peerRefs != nil && seg.list >= 0 {
-				// A large slice: the processor's, if it has room
-				// (local_slices.go).
-				put, err := s.buf.putLocal(int(seg.list), seg.off)
-				if err != nil {
-					s.closeWithError(err)
-					return err
-				}
-				if put {
-					if err := s.freeSegments(segs[:i]); err != nil {
-						return err
-					}
-					return st.freeReceived(segs[i+1:])
-				}
-			}
 			continue
 		}
 		li := int(seg.list)
@@ -156,9 +137,7 @@ func (st *Stream) freeReceived(segs []segment) error {
 		if !st.kept.CompareAndSwap(keptFreeFor(li), keptValue(li, seg.off)) {
 			break // the stream let go of the region meanwhile
 		}
-		if st.peerRefs == nil {
-			prefetchForWrite(seg.data) // prefetch.go
-		}
+		prefetchForWrite(seg.data) // prefetch.go
 		if err := s.freeSegments(segs[:i]); err != nil {
 			return err
 		}

@@ -205,16 +205,11 @@ func TestKeptSliceFreeWhenPeerCloses(t *testing.T) {
 }
 
 // A stream whose messages need a larger class than the smallest keeps a
-// slice of that class, paired or not: its permission moves to the class
-// its messages come in, and it holds one permission throughout.
+// slice of that class: its permission moves to the class its messages come
+// in, and it holds one permission throughout.
 func TestStreamKeepsLargerClass(t *testing.T) {
 	conf := DefaultConfig()
-	var sess *Session
-	if noLocalPairs.Load() {
-		sess, _ = dialListenerSession(t, startEchoListener(t, conf), conf)
-	} else {
-		sess, _ = dialPairedEcho(t, conf)
-	}
+	sess, _ := dialListenerSession(t, startEchoListener(t, conf), conf)
 	m := sess.buf
 	st, err := sess.OpenStream()
 	if err != nil {
@@ -234,7 +229,7 @@ func TestStreamKeepsLargerClass(t *testing.T) {
 		echoChecked(t, st, bytes.Repeat([]byte{byte(size)}, size))
 		got := keptCap()
 		if got < size {
-			t.Errorf("after an echo of %d bytes the stream keeps a slice of %d bytes; want one that holds the message (paired: %v)", size, got, st.peerRefs != nil)
+			t.Errorf("after an echo of %d bytes the stream keeps a slice of %d bytes; want one that holds the message", size, got)
 		}
 	}
 	kept := int32(0)
@@ -243,8 +238,5 @@ func TestStreamKeepsLargerClass(t *testing.T) {
 	}
 	if kept != 1 {
 		t.Errorf("%d permissions to keep held by the process's one stream; want 1", kept)
-	}
-	if (st.peerRefs == nil) != noLocalPairs.Load() {
-		t.Errorf("the stream's session is paired: %v; want %v", st.peerRefs != nil, !noLocalPairs.Load())
 	}
 }

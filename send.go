@@ -56,23 +56,13 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 
 // wakePeer tells the peer, which has stopped draining its queue (the
 // caller has just set the working flag for it), that there is something
-// there: a Polling frame, or a direct wake-up for a paired session of this
-// process (pairLocal). st is the stream that published, or nil.
+// there: a Polling frame. st is the stream that published, or nil.
 func (s *Session) wakePeer(st *Stream) error {
 	var id uint32
 	if st != nil {
 		id = st.id
 	}
 	s.counters.of(id).wakeupsSent.Add(1)
-	if peer := s.localPeerSession.Load(); peer != nil && !peer.IsClosed() {
-		if st != nil && st.peerRefs == peer {
-			peer.drainForPeerHeld(id)
-		} else {
-			peer.drainForPeer()
-		}
-		return nil
-	}
-	s.wakingPeer()
 	return s.ec.writePolling(s.version)
 }
 

@@ -32,13 +32,8 @@ type Session struct {
 	sendQ       *ioQueue
 	recvQ       *ioQueue
 
-	localPeer bool  // the peer is this process (both ends in one program)
-	serverPid int32 // a memfd client's server process (exchangeVersion), 0 if unknown
-	// localPeerSession is the peer's Session when localPeer and the peer
-	// is one (pairLocal): a writer then drains the peer's queue itself
-	// (drainForPeer) instead of waking it.
-	localPeerSession atomic.Pointer[Session]
-	closed           chan struct{} // closed when the session ends
+	serverPid int32         // a memfd client's server process (exchangeVersion), 0 if unknown
+	closed    chan struct{} // closed when the session ends
 
 	// index finds an open stream by id without taking mu, which every
 	// message would otherwise take on a line written by both cores. Slot
@@ -86,30 +81,20 @@ type Session struct {
 	counters        stripedCounters
 	onHotRestartAck atomic.Pointer[func(epoch uint64)]
 
-	// The goroutine draining the queue (the consumer token's holder).
+	// The receive loop's, which alone reads the socket and consumes the
+	// receive queue (recv.go, consume.go).
 	_       cacheLinePad
 	cons    consumer
 	scratch []segment
 	handled uint64         // bytes of the socket's byte stream acted on
 	closing []pendingClose // close elements waiting for the socket to catch up
-	resume  bool           // consume again after the next frame: the working flag is still set
-
-	closesPending atomic.Bool // len(closing) > 0: draining pauses
-
-	_        cacheLinePad
-	sleepers atomic.Int32 // readers waiting without polling
-	// contenders counts readers waiting for a reply, polling or not, when
-	// localPeer (pollTurn).
-	contenders atomic.Int32
+	stall   *stalledFrame  // fallback data waiting for room (fallback_recv.go)
 
 	// Fallback data received and not yet released by the streams.
+	_            cacheLinePad
 	fallbackHeld atomic.Int64
 	fallbackRoom chan struct{} // signalled when fallback data is released
-
-	_       cacheLinePad
-	sock    socketTurn // who reads the socket (lead.go)
-	leading bool       // a reader reads the socket; written by the socket's holder
-	_       cacheLinePad
+	_            cacheLinePad
 }
 
 func newSession(conn net.Conn, conf *Config, client bool) *Session {
@@ -124,7 +109,6 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 		fallbackRoom: make(chan struct{}, 1),
 	}
 	s.cons.init(conf.ConsumerSpinTime)
-	s.sock.init()
 	s.accepted.init()
 	s.ec.onAsyncErr = func(err error) { _ = s.sendFailed("send wake-up", err) }
 	return s
@@ -132,10 +116,6 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 
 // start runs the receive loop of a session whose handshake is done.
 func (s *Session) start() {
-	if s.peerPid() == pid {
-		s.localPeer = true
-		pairLocal(s)
-	}
 	register(s)
 	s.conf.logger().Debug("shmipc: session started", "role", s.role(), "version", s.version,
 		"local", s.LocalAddr(), "remote", s.RemoteAddr())
@@ -191,9 +171,8 @@ func (s *Session) OpenStream() (*Stream, error) {
 
 // addStreamLocked adds stream id. The stream holds a reference on each
 // region its messages go through until it lets go of them (dropRef): the
-// session's buffer and queue regions and, when the session is paired, its
-// peer's, so that a message costs no reference counting on lines all
-// streams share.
+// session's buffer and queue regions, so that a message costs no reference
+// counting on lines all streams share.
 func (s *Session) addStreamLocked(id uint32) (*Stream, error) {
 	if !s.buf.region.acquire() {
 		return nil, ErrSessionClosed
@@ -203,14 +182,6 @@ func (s *Session) addStreamLocked(id uint32) (*Stream, error) {
 		return nil, ErrSessionClosed
 	}
 	st := newStream(s, id)
-	if p := s.localPeerSession.Load(); p != nil && p.queueRegion.acquire() {
-		if p.buf.region.acquire() {
-			st.peerRefs = p
-			s.buf.localOpen()
-		} else {
-			p.queueRegion.release()
-		}
-	}
 	s.streams[id] = st
 	s.index[id%streamIndexSize].Store(st)
 	return st, nil
@@ -275,7 +246,6 @@ func (s *Session) closeWithError(cause error) {
 		if s.buf != nil {
 			// Before the peer sees the end: it may count its free lists.
 			s.dropAllKept()
-			quietly(func() { _ = s.buf.drainLocal() }) // local_slices.go
 			s.buf.sessionEnding()
 		}
 		s.ec.conn.Close()
@@ -430,7 +400,6 @@ func (s *Session) forgetStream(st *Stream, open bool) {
 // every stream and drops the session's references on its regions.
 func (s *Session) teardown() {
 	defer s.finishTeardown()
-	s.sealConsumer() // no polling reader delivers from here on
 	s.mu.Lock()
 	streams := make([]*Stream, 0, len(s.streams))
 	for _, st := range s.streams {
@@ -451,7 +420,6 @@ func (s *Session) teardown() {
 // otherwise every session a peer ended that way would keep its mappings
 // and its place in the listener.
 func (s *Session) finishTeardown() {
-	unpairLocal(s)
 	s.releaseRegions()
 	unregister(s)
 	if log := s.conf.logger(); s.localClose {

@@ -26,15 +26,10 @@ type Stats struct {
 	FallbackMessagesIn uint64 // FallbackData frames received
 	FallbackBytesIn    uint64 // their payload bytes
 
-	WakeupsSent     uint64 // Polling frames sent: the peer was asleep (between two sessions of one process: drains of the peer's queue by the writer)
-	WakeupsSaved    uint64 // messages published while the peer was awake, or handed straight to a session of this process, so no Polling frame was needed
-	WakeupsReceived uint64 // Polling frames received (or drains of this session's queue by the writer of a session of this process)
+	WakeupsSent     uint64 // Polling frames sent: the peer was asleep
+	WakeupsSaved    uint64 // messages published while the peer was awake, so no Polling frame was needed
+	WakeupsReceived uint64 // Polling frames received
 
-	// CopiedToReader counts the messages (also in MessagesOut) that Write
-	// copied straight into the buffer of a Read waiting on the peer's
-	// stream, without shared memory: between two sessions of this process
-	// only.
-	CopiedToReader uint64
 
 	// SpaceWaits counts the writes that had to wait for room in the buffer
 	// region or in the peer's IO queue (back-pressure): the peer had not yet
@@ -101,7 +96,6 @@ type sessionCounters struct {
 	fallbackMessagesOut, fallbackBytesOut atomic.Uint64
 	wakeupsSent, wakeupsSaved             atomic.Uint64
 	spaceWaits                            atomic.Uint64
-	copiedToReader                        atomic.Uint64
 	_                                     cacheLinePad
 	messagesIn, bytesIn                   atomic.Uint64
 	fallbackMessagesIn, fallbackBytesIn   atomic.Uint64
@@ -149,7 +143,6 @@ func (c *sessionCounters) addTo(st *Stats) {
 	st.WakeupsSaved += c.wakeupsSaved.Load()
 	st.WakeupsReceived += c.wakeupsReceived.Load()
 	st.SpaceWaits += c.spaceWaits.Load()
-	st.CopiedToReader += c.copiedToReader.Load()
 }
 
 // Stats returns the session's counters and gauges. The gauges of a closed

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"io"
 	"net"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,24 +30,11 @@ type Stream struct {
 	mu         sync.Mutex // guards reader and the fields below it
 	reader     streamReader
 	readNotify chan struct{} // signalled on new data, close and deadline changes
-	sleeping   atomic.Bool   // the reader sleeps on readNotify (lead.go)
-	notified   atomic.Uint64 // notify calls, each counted before it signals
-	sleptAt    atomic.Uint64 // notified when the reader last began to sleep
-	delivered  atomic.Uint64 // messages handed to the stream (lead.go)
-	handWakes  atomic.Uint32 // wake-ups of a paired session's reader (awaitReadable)
-	bigIn      atomic.Bool   // a paired session delivered a large message since the writer last yielded (writerTurn)
-	yieldedAt  atomic.Int64  // when the stream of a paired session last yielded for fairness (unix ns)
 	rDeadline  time.Time
-	// A reader waiting in Read on a paired session offers its buffer to
-	// the peer's writer (copyToReader): offered is that buffer, offerN how
-	// much the writer copied into it; readWaiters counts the goroutines in
-	// awaitReadable.
-	offered     []byte
-	offerN      int
-	readWaiters int
-	pooled      bool // in a SessionManager's idle pool; guarded by that pool's lock
-	closed      bool // Close was called
-	peerClosed  bool // the peer closed its side
+	pooled     bool  // in a SessionManager's idle pool; guarded by that pool's lock
+	closed     bool  // Close was called
+	peerClosed bool  // the peer closed its side
+	failErr    error // why this side ended the stream (fail), nil if it did not
 	// peerGone: the stream is in its session's table and counted in the
 	// session's peerGone (the peer closed it). Guarded by the session's mu.
 	peerGone bool
@@ -70,25 +56,8 @@ type Stream struct {
 	refDropped   atomic.Bool  // the stream's references on the regions are gone
 	ended        atomic.Bool  // the session has ended (sessionEnded ran)
 	heldFallback atomic.Int64 // received fallback bytes not yet released
-	// readWant is the count the stream's waiting reader needs unread
-	// (awaitReadable; 0 while none waits; the largest while several wait)
-	// and readShort how many bytes it still lacks; both are written under
-	// mu and read by the receive loop, which takes fallback data for a
-	// waiting reader beyond the bounds that only it could make room under
-	// (waitFallbackRoom).
-	readWant  atomic.Int64
-	readShort atomic.Int64
-	scanning  bool          // a reader waits for a delimiter (waitScanning); under mu
-	awaiting  atomic.Bool   // sent since data last arrived: a reply is likely on its way
-	kept      atomic.Uint64 // a received slice kept for the next message (reuse.go)
-	// peerRefs is the paired peer session (pairLocal) whose queue and
-	// buffer regions the stream holds references on, so that its writer
-	// drains that session's queue (drainForPeer) without taking any; nil
-	// when it holds none.
-	peerRefs *Session
-	// directScratch is the writer's to read its message's chain into when
-	// it hands the message over itself (deliverDirect); guarded by wmu.
-	directScratch []segment
+	gotData      atomic.Bool  // data has arrived on the stream
+	kept         atomic.Uint64 // a received slice kept for the next message (reuse.go)
 }
 
 var _ net.Conn = (*Stream)(nil)
@@ -113,13 +82,9 @@ func (st *Stream) BufferReader() BufferReader { return (*bufferReader)(st) }
 func (st *Stream) BufferWriter() BufferWriter { return (*bufferWriter)(st) }
 
 func (st *Stream) notify() {
-	st.notified.Add(1)
 	select {
 	case st.readNotify <- struct{}{}:
 	default:
-	}
-	if st.s.sock.blocked.Load() == st {
-		st.s.kick() // its reader is in a socket read (lead.go)
 	}
 }
 
@@ -134,21 +99,11 @@ func (st *Stream) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, st.closedErr()
 	}
-	offered := st.offer(p)
-	err := st.waitOffered(1, offered)
-	if offered {
-		n := st.offerN
-		st.offered, st.offerN = nil, 0
-		if n > 0 {
-			r.consumed += uint64(n)
-			return n, nil // copied in by the peer's writer (copyToReader)
-		}
-	}
-	if err != nil {
+	if err := st.waitReadable(1); err != nil {
 		return 0, err
 	}
 	n := min(len(p), r.unread)
-	err = st.s.access(func() error {
+	err := st.s.access(func() error {
 		r.copyOut(p[:n])
 		r.advance(n)
 		return r.release()
@@ -162,91 +117,15 @@ func (st *Stream) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// Within one process a writer hands its message over on its own processor
-// (the reader runs there next), so the two ends of a stream stay on one
-// processor, and so do the slices they pass back and forth. Left alone, a
-// pair handing messages back and forth would keep its processor until the
-// runtime preempts it, 10 ms later, and the other streams there would wait.
-// So a paired stream lets the other goroutines run now and then
-// (runtime.Gosched): its reader after every handTurn wake-ups, and its
-// writer as it begins a message of handTurnBytes or more, or the first
-// after it received one (writerTurn); each at most once per handTurnTime.
-//
-// A yield puts the goroutine on the Go runtime's global run queue, from
-// which either processor may take it: the stream, and its data, may move to
-// the other core. Without the time bound, the readers of 8 streams of 4 KB
-// or 256 KB in one process yielded every 50-75 µs each, and on the 2-vCPU
-// AMD EPYC VM in the state where data moving between its two cores costs
-// 3-4 times as much (README, Performance), 8 streams of 4 KB took 1.6
-// times as long per round trip as in the other state, and of 256 KB 3.2
-// times (22 µs against 7). With handTurnTime, in that state: 4 KB 831-860
-// ns against 935-949 ns, 256 KB 15.3-15.6 µs against 21.3-22.3 µs; in the
-// other state 4 KB 550-563 ns against 581-605 ns and 256 KB 5.55 µs against
-// 7.0-7.1 µs (BenchmarkPingPong, 0.3 s runs, three and two alternating
-// rounds). The slowest of 8 streams then made 0.88-0.94 of the fastest
-// one's round trips in such a run, against 0.95-0.99; a bound of 1 ms went
-// down to 0.56-0.72, and of 50 µs changed nothing.
-//
-// Large messages yield where moving costs least: a writer beginning a
-// message while its stream holds nothing it received has nothing in its
-// processor's caches that the other processor would have to fetch, and
-// the slice it then writes into comes from the processor it runs on
-// (local_slices.go). When the reader yielded as it woke to a large
-// message instead, a move took that message with it. Against that, in
-// alternating 0.4 s runs of BenchmarkPingPong: 8 streams of 1 MB took
-// 20.4-22.0 µs per round trip in the dear state against 25.7-27.8 µs
-// (three runs each, with the writer yielding for messages of handTurnBytes
-// or more only, the first form of this); 8 of 4 MB 73-84 µs against
-// 113-141 µs in either state, and 64 of 256 KB 3.8-6.3 µs against
-// 6.9-7.2 µs in the cheap one (eleven and seven runs), with the slowest
-// stream at 0.85-0.98 of the fastest either way.
-const (
-	handTurn      = 16
-	handTurnBytes = 256 << 10
-	handTurnTime  = 200 * time.Microsecond
-)
-
-// writerTurn lets the other goroutines run as a writer of a paired stream
-// begins a message of n bytes, if it is large or follows a large one the
-// stream received, the stream holds nothing it received, and it has not
-// yielded for handTurnTime (see above).
-func (st *Stream) writerTurn(n int) {
-	if st.peerRefs == nil || n < handTurnBytes && !st.bigIn.Load() {
-		return
-	}
-	now := time.Now().UnixNano()
-	if now-st.yieldedAt.Load() < int64(handTurnTime) || st.holdsReceived() {
-		return
-	}
-	st.bigIn.Store(false)
-	st.yieldedAt.Store(now)
-	runtime.Gosched()
-}
-
-// waitScanning is waitReadable for a reader looking for a delimiter, which
-// waits for one byte more each time: it has no count of its own, so the
-// fallback bounds hold for it as for data nobody reads (wantBytes).
-func (st *Stream) waitScanning(n int) error {
-	st.scanning = true
-	err := st.waitReadable(n)
-	st.scanning = false
-	return err
-}
-
 // waitReadable blocks until n bytes are unread. It is called and returns
-// with st.mu held, which it does not hold while it waits or polls.
+// with st.mu held, which it does not hold while it waits.
 //
 // Several goroutines may wait on one stream, and a wake-up goes to one of
 // them: one that returns with an error (the stream or session closed, the
 // data ended, the deadline passed) passes it on, as the same cause ends
 // the others' waits.
-func (st *Stream) waitReadable(n int) error { return st.waitOffered(n, false) }
-
-// waitOffered is waitReadable for a reader whose buffer may be the
-// stream's offer (offered, Stream.offer): it also returns once the peer's
-// writer has copied into that buffer.
-func (st *Stream) waitOffered(n int, offered bool) error {
-	err := st.awaitReadable(n, offered)
+func (st *Stream) waitReadable(n int) error {
+	err := st.awaitReadable(n)
 	if err != nil {
 		st.notify()
 	}
@@ -260,40 +139,32 @@ func (st *Stream) closedErr() error {
 	if st.closed {
 		return ErrStreamClosed
 	}
-	if st.reader.unread == 0 && st.s.IsClosed() {
-		return st.s.Err()
+	if st.reader.unread == 0 {
+		if st.failErr != nil {
+			return st.failErr
+		}
+		if st.s.IsClosed() {
+			return st.s.Err()
+		}
 	}
 	return nil
 }
 
-// awaitReadable is waitOffered without passing an error on.
-func (st *Stream) awaitReadable(n int, offered bool) error {
+// awaitReadable is waitReadable without passing an error on. The reader
+// waits on its stream alone: the session's receive loop delivers its data
+// and signals readNotify (deliver), as it does for a close, the end of the
+// session, and a change of deadline.
+func (st *Stream) awaitReadable(n int) error {
 	r := &st.reader
 	if n <= 0 {
 		return st.closedErr()
 	}
-	st.readWaiters++
-	defer func() {
-		if st.readWaiters--; st.readWaiters == 0 && st.readWant.Load() != 0 {
-			st.readWant.Store(0)
-			st.readShort.Store(0)
-		}
-	}()
 	for r.unread < n {
-		if st.offerN > 0 {
-			if offered {
-				return nil
-			}
-			// Another reader's buffer was filled: let that reader take it
-			// before this one waits, so that this one cannot take the
-			// wake-up meant for it.
-			st.mu.Unlock()
-			runtime.Gosched()
-			st.mu.Lock()
-			continue
-		}
 		if st.closed {
 			return ErrStreamClosed
+		}
+		if st.failErr != nil {
+			return st.failErr
 		}
 		ended := st.peerClosed
 		var err error = io.EOF
@@ -310,76 +181,12 @@ func (st *Stream) awaitReadable(n int, offered bool) error {
 		if !deadline.IsZero() && !time.Now().Before(deadline) {
 			return ErrTimeout
 		}
-		if !st.scanning {
-			st.wantBytes(n)
-		}
 		st.mu.Unlock()
-		// Poll only while a reply is awaited: a reader that waits for the
-		// peer to start something (a server between requests) would spin
-		// for nothing, on a core others need. And only in turn with the
-		// session's other readers (pollTurn).
-		s := st.s
-		awaiting := st.awaiting.Load()
-		paired := s.localPeerSession.Load() != nil    // its peer delivers (drainForPeer)
-		counted := awaiting && s.localPeer && !paired // only turnDue uses the count
-		if counted {
-			s.contenders.Add(1)
-		}
-		polled := !paired && awaiting && st.pollTurn() && s.pollFor(st.readNotify)
-		if !polled {
-			// The count serves the socket's lending and the polling turns,
-			// which a paired session's readers take no part in; an atomic
-			// pair per wait on a line both processors write is what it
-			// would cost them.
-			if !paired {
-				s.sleepers.Add(1)
-			}
-			if !deadline.IsZero() || paired || !s.lead(st) {
-				st.sleptAt.Store(st.notified.Load())
-				st.sleeping.Store(true)
-				s.wait(st.readNotify, deadline)
-				st.sleeping.Store(false)
-				if paired {
-					if st.handWakes.Add(1)%handTurn == 0 {
-						if now := time.Now().UnixNano(); now-st.yieldedAt.Load() >= int64(handTurnTime) {
-							st.yieldedAt.Store(now)
-							runtime.Gosched()
-						}
-					}
-				}
-			}
-			if !paired {
-				s.sleepers.Add(-1)
-			}
-		}
-		if counted {
-			s.contenders.Add(-1)
-		}
+		st.s.wait(st.readNotify, deadline)
 		st.mu.Lock()
 	}
 	raceAcquireIO()
 	return nil
-}
-
-// wantBytes records, under mu, that a reader is about to wait until n
-// bytes are unread, for the receive loop, which may take fallback data
-// beyond the bounds for it (waitFallbackRoom), and tells the loop to look
-// again if it is holding some back.
-func (st *Stream) wantBytes(n int) {
-	old := st.readWant.Load()
-	want := max(old, int64(n))
-	short := want - int64(st.reader.unread)
-	if want == old && st.readShort.Load() == short {
-		return
-	}
-	st.readWant.Store(want)
-	st.readShort.Store(short)
-	if st.s.fallbackHeld.Load() > 0 {
-		select {
-		case st.s.fallbackRoom <- struct{}{}:
-		default:
-		}
-	}
 }
 
 // holdsReceived reports whether the stream's reader holds received slices
@@ -394,7 +201,7 @@ func (st *Stream) holdsReceived() bool {
 // the stream no longer takes data; the caller then frees the slices.
 func (st *Stream) deliver(slices []segment, heap []byte) bool {
 	st.mu.Lock()
-	if st.closed || st.peerClosed || st.ended.Load() {
+	if st.closed || st.peerClosed || st.failErr != nil || st.ended.Load() {
 		st.mu.Unlock()
 		return false
 	}
@@ -403,24 +210,59 @@ func (st *Stream) deliver(slices []segment, heap []byte) bool {
 	} else {
 		st.reader.append(slices)
 	}
-	if want := st.readWant.Load(); want != 0 {
-		st.readShort.Store(max(0, want-int64(st.reader.unread)))
-	}
 	st.mu.Unlock()
-	st.delivered.Add(1)
-	st.awaiting.Store(false)
+	if !st.gotData.Load() {
+		st.gotData.Store(true)
+	}
 	st.notify()
 	return true
 }
 
-// sent records a message sent. A stream that sends after data arrived is
-// likely to get a reply: a reader waiting on it is woken so that it polls
-// for that reply (pollFor) rather than sleeping until it is handed over.
-// It is not woken when it could not poll now (no spinning slot for it, or
-// spinning is cooling down): waking it would only put it to sleep again.
-func (st *Stream) sent() {
-	if !st.awaiting.Load() && !st.awaiting.Swap(true) && st.s.mayPoll() {
-		st.notify()
+// failure is why this side ended the stream (fail), or nil.
+func (st *Stream) failure() error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.failErr
+}
+
+// failed reports whether this side ended the stream (fail).
+func (st *Stream) failed() bool { return st.failure() != nil }
+
+// takesData reports whether the stream still takes data it receives.
+func (st *Stream) takesData() bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return !st.closed && !st.peerClosed && st.failErr == nil && !st.ended.Load()
+}
+
+// fail ends the stream for a reason of this side's, err (a bound its
+// reader let pass, serveStalled): what it received and has not handed out
+// goes back, the peer is told the stream is closed, and reads and writes
+// return err. The stream
+// stays in its session's table until Close. It runs inside an access, on
+// the receive loop.
+func (st *Stream) fail(err error) {
+	st.mu.Lock()
+	if st.closed || st.failErr != nil {
+		st.mu.Unlock()
+		return
+	}
+	st.failErr = err
+	tell := !st.peerClosed
+	var rerr error
+	if !st.reader.exposed() { // what the application holds stays valid until it lets go
+		rerr = st.reader.releaseAll()
+	}
+	st.mu.Unlock()
+	st.writeClosed.Store(true)
+	st.notify()
+	st.s.conf.logger().Warn("shmipc: stream failed", "role", st.s.role(), "stream", st.id, "err", err)
+	if rerr != nil {
+		st.s.closeWithError(rerr)
+		return
+	}
+	if tell {
+		st.s.sendStreamClose(st.id, true)
 	}
 }
 
@@ -431,7 +273,7 @@ func (st *Stream) peerClose() {
 	st.peerClosed = true
 	st.mu.Unlock()
 	st.s.peerClosedStream(st)
-	if f := st.s.onRefused; f != nil && st.delivered.Load() == 0 {
+	if f := st.s.onRefused; f != nil && !st.gotData.Load() {
 		f()
 	}
 	st.writeClosed.Store(true)
@@ -454,12 +296,6 @@ func (st *Stream) Write(p []byte) (int, error) {
 		return 0, err
 	}
 	before := st.writer.size // left by BufferWriter calls: sent first
-	if before == 0 {
-		st.writerTurn(len(p))
-	}
-	if before == 0 && st.copyToReader(p) {
-		return len(p), nil
-	}
 	st.partSent = 0
 	err := st.s.access(func() error {
 		_, err := writeTo(&st.writer, p)
@@ -549,24 +385,13 @@ func (st *Stream) sendShm() error {
 		root = w.segs[i].off
 	}
 	c := s.counters.of(st.id)
-	var sent bool
-	var err error
-	if peer := st.directPeer(); peer != nil {
-		if err = s.sendable(); err == nil && peer.deliverDirect(st.id, root, &st.directScratch) {
-			sent = true
-			c.wakeupsSaved.Add(1) // handed over: no wake-up needed
-		}
-	}
-	if !sent && err == nil {
-		sent, err = s.putElem(queueElem{id: st.id, offset: root, status: statusOpened}, st)
-	}
+	sent, err := s.putElem(queueElem{id: st.id, offset: root, status: statusOpened}, st)
 	if !sent {
 		_ = w.discard()
 		return err
 	}
 	c.messagesOut.Add(1)
 	c.bytesOut.Add(uint64(w.size))
-	st.sent()
 	w.reset()
 	if errors.Is(err, ErrPeerClosed) {
 		// The message is on the queue; only the wake-up after it found
@@ -628,7 +453,6 @@ func (st *Stream) sendFallback() error {
 		}
 	}
 	if sent > 0 {
-		st.sent()
 		c := s.counters.of(st.id)
 		c.bytesOut.Add(uint64(sent))
 		c.fallbackBytesOut.Add(uint64(sent))
@@ -697,7 +521,7 @@ func (st *Stream) finishClose() error {
 				return nil
 			})
 		}
-		st.s.forgetStream(st, st.closeTells)
+		st.s.forgetStream(st, st.closeTells || st.failed())
 		st.dropRef()
 		return err
 	}
@@ -714,7 +538,7 @@ func (st *Stream) closeReader() (first, tellPeer bool, err error) {
 		return false, false, nil
 	}
 	st.closed = true
-	return true, !st.peerClosed, st.s.access(st.reader.releaseAll)
+	return true, !st.peerClosed && st.failErr == nil, st.s.access(st.reader.releaseAll)
 }
 
 // sessionEnded is called for each stream when its session ends. Unread data
@@ -722,10 +546,6 @@ func (st *Stream) closeReader() (first, tellPeer bool, err error) {
 // of the mapping as soon as it holds nothing of it (letGo); while it holds
 // data still unread or handed out, Close does it.
 //
-// A message handed over directly by a paired session's writer
-// (deliverDirect), which the end of the session does not wait for, either
-// arrived before the mark, set under mu, and is what came before the end,
-// or finds the stream ended and goes back to its deliverer (deliver).
 func (st *Stream) sessionEnded(local bool) {
 	st.releaseUnexposed(local)
 	st.writeClosed.Store(true)
@@ -788,17 +608,8 @@ func (st *Stream) releaseUnexposed(local bool) {
 func (st *Stream) dropRef() {
 	if st.refDropped.CompareAndSwap(false, true) {
 		st.dropKept()
-		if st.peerRefs != nil {
-			if err := st.s.access(st.s.buf.localClose); err != nil {
-				st.s.closeWithError(err)
-			}
-		}
 		st.s.buf.region.release()
 		st.s.queueRegion.release()
-		if p := st.peerRefs; p != nil {
-			p.buf.region.release()
-			p.queueRegion.release()
-		}
 	}
 }
 

@@ -682,10 +682,8 @@ func TestStreamFallback(t *testing.T) {
 				t.Fatal("a 1000-byte message went as fallback data")
 			}
 			for i, n := range []int{4 << 20, 1<<20 + 4096, 2 << 20, 100, 5000} {
-				// Header and body in one Write: the echo server then waits
-				// in Read with a 4-byte buffer, which a paired session's
-				// writer cannot copy the message into (direct.go), so the
-				// message must go as fallback data.
+				// Header and body in one Write: larger than the region
+				// can give, so the message must go as fallback data.
 				if err := echoInOneWrite(st, streamPattern(n, uint64(10+i))); err != nil {
 					t.Fatalf("size %d: %v", n, err)
 				}
@@ -1203,7 +1201,7 @@ func TestStreamWakesEveryBlockedReader(t *testing.T) {
 		{"server side Close", func(_, srv *Stream, _ *streamTestPair) { srv.Close() }, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			p, cli, srv := leadPair(t)
+			p, cli, srv := exchangedPair(t)
 			st := cli
 			if tc.server {
 				st = srv
@@ -1511,4 +1509,37 @@ func TestFlushAfterCloseFails(t *testing.T) {
 			}
 		})
 	}
+}
+
+// noSpin turns spinning off, so that a reader waiting for data sleeps
+// until its data comes with a wake-up.
+func noSpin(c *Config) { c.ConsumerSpinTime = 0 }
+
+// exchangedPair returns a pair without spinning and a stream open on both
+// sides, after one request and reply on it.
+func exchangedPair(t *testing.T) (p *streamTestPair, cli, srv *Stream) {
+	t.Helper()
+	p = newStreamTestPair(t, MemMapTypeMemFd, noSpin)
+	cli, err := p.client.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	srv, err = p.server.AcceptStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 5)
+	if _, err := io.ReadFull(srv, buf); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := srv.Write(buf); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(cli, buf); err != nil {
+		t.Fatal(err)
+	}
+	return p, cli, srv
 }

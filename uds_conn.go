@@ -151,9 +151,11 @@ func (c *eventConn) readPayload(h wire.Header) ([]byte, error) {
 }
 
 // readFrame returns the next frame, header checked and length validated
-// against limit. The returned slice is valid until the next call.
-func (c *eventConn) readFrame(limit uint32) (wire.Header, []byte, error) {
-	if err := c.fill(wire.HeaderSize); err != nil {
+// against limit. The returned slice is valid until the next call. A frame
+// whose first bytes have arrived must arrive whole within partial, or the
+// read fails (errPartialFrame).
+func (c *eventConn) readFrame(limit uint32, partial time.Duration) (wire.Header, []byte, error) {
+	if err := c.fill(wire.HeaderSize, partial); err != nil {
 		return nil, nil, err
 	}
 	h := wire.Header(c.rbuf[c.r : c.r+wire.HeaderSize])
@@ -164,7 +166,7 @@ func (c *eventConn) readFrame(limit uint32) (wire.Header, []byte, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	if err := c.fill(n); err != nil {
+	if err := c.fill(n, partial); err != nil {
 		if errors.Is(err, io.EOF) {
 			err = fmt.Errorf("%w: connection closed inside a %d-byte %v frame", io.ErrUnexpectedEOF, n, h.Type())
 		}
@@ -175,33 +177,42 @@ func (c *eventConn) readFrame(limit uint32) (wire.Header, []byte, error) {
 	return wire.Header(f[:wire.HeaderSize]), f[wire.HeaderSize:], nil
 }
 
-// fill makes at least n unread bytes available in rbuf.
-func (c *eventConn) fill(n int) error {
+// errPartialFrame is the error of a frame that did not arrive whole in time.
+var errPartialFrame = errors.New("frame not completed in time")
+
+// fill makes at least n unread bytes available in rbuf. The buffer grows
+// as bytes arrive, at most doubling each time it is full, so that what a
+// frame announces costs nothing until it is sent. Once some of the n bytes
+// are unread, the rest must come within partial.
+func (c *eventConn) fill(n int, partial time.Duration) error {
 	if c.w-c.r >= n {
 		return nil
 	}
-	if len(c.rbuf)-c.r < n {
-		size := max(len(c.rbuf), readBufSize)
-		for size < n {
-			size *= 2
+	var deadline time.Time
+	defer func() {
+		if !deadline.IsZero() {
+			_ = c.conn.SetReadDeadline(time.Time{})
 		}
-		if size == len(c.rbuf) { // big enough: slide the unread bytes down
-			copy(c.rbuf, c.rbuf[c.r:c.w])
-		} else {
-			nb := make([]byte, size)
-			copy(nb, c.rbuf[c.r:c.w])
-			c.rbuf = nb
-		}
-		c.w -= c.r
-		c.r = 0
-	}
+	}()
 	for c.w-c.r < n {
+		if c.w == len(c.rbuf) { // no room to read into
+			c.makeRoom(n)
+		}
+		if c.w > c.r && deadline.IsZero() && partial > 0 {
+			deadline = time.Now().Add(partial)
+			if err := c.conn.SetReadDeadline(deadline); err != nil {
+				return err
+			}
+		}
 		m, err := c.readSome(c.rbuf[c.w:])
 		c.w += m
 		c.read += uint64(m)
 		if err != nil {
 			if c.w-c.r >= n {
 				return nil
+			}
+			if isTimeout(err) && !deadline.IsZero() {
+				return fmt.Errorf("%w: %d of %d bytes arrived within %v", errPartialFrame, c.w-c.r, n, partial)
 			}
 			if errors.Is(err, io.EOF) && c.w > c.r {
 				return fmt.Errorf("%w: connection closed inside a frame", io.ErrUnexpectedEOF)
@@ -212,9 +223,30 @@ func (c *eventConn) fill(n int) error {
 	return nil
 }
 
+// makeRoom makes room to read more of a frame of n bytes that starts at
+// c.r: it slides the unread bytes to the front, or grows the buffer to
+// twice its size (readBufSize at first), but never beyond the frame.
+func (c *eventConn) makeRoom(n int) {
+	if c.r > 0 {
+		copy(c.rbuf, c.rbuf[c.r:c.w])
+		c.w -= c.r
+		c.r = 0
+		return
+	}
+	size := min(max(2*len(c.rbuf), readBufSize), max(n, readBufSize))
+	nb := make([]byte, size)
+	copy(nb, c.rbuf[c.r:c.w])
+	c.rbuf = nb
+}
+
 // shrink drops a receive buffer grown for a large frame once it is drained.
+// It keeps the buffer while more bytes wait on the socket: a run of large
+// frames reuses it.
 func (c *eventConn) shrink() {
 	if len(c.rbuf) > readBufSize && c.r == c.w {
+		if n, err := c.inq(); err == nil && n > 0 {
+			return
+		}
 		c.rbuf, c.r, c.w = nil, 0, 0
 	}
 }

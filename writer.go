@@ -67,19 +67,9 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		w.appendHeap(want)
 		return nil
 	}
-	if len(w.segs) == 0 {
-		st.writerTurn(want)
-	}
 	if li, off, ok := st.takeKept(want); ok {
 		w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
 		return nil
-	}
-	if want > keepMaxCap && st.peerRefs != nil {
-		// A large slice read on this processor (local_slices.go).
-		if li, off, ok := buf.takeLocal(want); ok {
-			w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
-			return nil
-		}
 	}
 	var wait spaceWait
 	// A writer that holds no slice leaves each list's reserve to those that
@@ -137,13 +127,6 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			if err != nil {
 				st.s.closeWithError(err)
 				return fmt.Errorf("%w: %w", ErrSessionClosed, err)
-			}
-			if li < 0 {
-				// The lists are short: a slice waiting on any
-				// processor (local_slices.go) is free too.
-				if sli, soff, ok := buf.stealLocal(want); ok {
-					li, off = sli, soff
-				}
 			}
 			if li >= 0 {
 				w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
@@ -231,6 +214,9 @@ func (w *streamWriter) usable() error {
 		return err
 	}
 	if st.writeClosed.Load() {
+		if err := st.failure(); err != nil {
+			return err
+		}
 		return ErrStreamClosed
 	}
 	return nil

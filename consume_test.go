@@ -1,0 +1,289 @@
+package shmipc
+
+import (
+	"bytes"
+	"fmt"
+	"runtime"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+// Unit tests of consuming (consume.go, spin.go): the spin budget of one
+// session, the process-wide spin governor, and the working flag, on a
+// client session whose regions live in Go memory and that has no
+// connection.
+
+// pollPeer is the far side of a pollSession: it produces into the session's
+// receive queue and allocates in the shared buffer region.
+type pollPeer struct {
+	send *ioQueue
+	buf  *bufferManager
+	flag *uint32 // the working flag of the session's receive queue
+}
+
+// newPollSession returns a client session with only what receiving needs:
+// its receive queue and buffer region, and no streams, so that every data
+// element it takes is freed (PROTOCOL.md §6.2).
+func newPollSession(t *testing.T) (*Session, *pollPeer) {
+	t.Helper()
+	mem, client, server := newHeapQueues(t, 16)
+	buf, peerBuf := newHeapBuffer(t, listPlan{sliceCap: 64, count: 16})
+	s := &Session{
+		conf:     DefaultConfig(),
+		isClient: true,
+		buf:      buf,
+		recvQ:    client[1],
+		streams:  make(map[uint32]*Stream),
+		closed:   make(chan struct{}),
+	}
+	s.cons.init(time.Millisecond)
+	half := len(mem) / 2
+	return s, &pollPeer{send: server[1], buf: peerBuf, flag: (*uint32)(unsafe.Pointer(&mem[half+queueFlagOff]))}
+}
+
+// data publishes a one-slice message for stream id.
+func (p *pollPeer) data(t *testing.T, id uint32) {
+	t.Helper()
+	li, off, err := p.buf.alloc(4, false, false)
+	if err != nil || li < 0 {
+		t.Fatalf("alloc: %d %v", li, err)
+	}
+	copy(p.buf.sliceData(li, off), "data")
+	p.buf.linkSlice(off, 4, 0)
+	p.put(t, queueElem{id: id, offset: off, status: statusOpened})
+}
+
+func (p *pollPeer) put(t *testing.T, e queueElem) {
+	t.Helper()
+	if ok, err := p.send.put(e); !ok || err != nil {
+		t.Fatalf("put %+v: %v %v", e, ok, err)
+	}
+}
+
+func (p *pollPeer) working() bool { return atomic.LoadUint32(p.flag) != 0 }
+
+// TestConsumerSpinBudget: a spin that finds nothing halves the next one,
+// down to none under a microsecond; a spin that finds something, or a
+// wake-up soon after the loop stopped consuming, restores the full budget.
+func TestConsumerSpinBudget(t *testing.T) {
+	const full = 100 * time.Microsecond
+	var c consumer
+	c.init(full)
+	budget := func() time.Duration { return time.Duration(c.budget) }
+	if budget() != full {
+		t.Fatalf("initial budget %v, want %v", budget(), full)
+	}
+	want := full
+	for want >= time.Microsecond {
+		c.miss()
+		if want /= 2; want < time.Microsecond {
+			want = 0
+		}
+		if budget() != want {
+			t.Fatalf("budget %v after a miss, want %v", budget(), want)
+		}
+	}
+	c.hit()
+	if budget() != full {
+		t.Errorf("budget %v after a hit, want %v", budget(), full)
+	}
+
+	c.miss()
+	c.slept = time.Now().Add(-10 * full).UnixNano()
+	c.woken()
+	if budget() != full/2 {
+		t.Errorf("budget %v after a wake-up long after the loop slept, want %v", budget(), full/2)
+	}
+	c.slept = time.Now().UnixNano()
+	c.woken()
+	if budget() != full {
+		t.Errorf("budget %v after a wake-up that spinning would have caught, want %v", budget(), full)
+	}
+}
+
+// TestSpinGovernorSlots: at most half the CPUs spin, none on one CPU; a
+// slot given back can be taken again.
+func TestSpinGovernorSlots(t *testing.T) {
+	for _, tc := range []struct{ cpus, slots int }{{1, 0}, {2, 1}, {4, 2}, {5, 2}} {
+		t.Run(fmt.Sprint(tc.cpus, " CPUs"), func(t *testing.T) {
+			g := newSpinGovernor(tc.cpus)
+			n := 0
+			for g.enter() {
+				n++
+			}
+			if n != tc.slots {
+				t.Errorf("%d spinners, want %d", n, tc.slots)
+			}
+			for range n {
+				g.exit()
+			}
+			if tc.slots > 0 && !g.enter() {
+				t.Error("no slot after every spinner left")
+			}
+		})
+	}
+}
+
+// TestSpinGovernorCooldown: pressure stops all spinning for a cool-down. A
+// spinner that loses its core again right after each cool-down (an
+// oversubscribed CPU) doubles it, up to a limit; one that loses it only now
+// and then (another thread had a slice to run) pauses for the shortest; and
+// after a calm spell the cool-down starts short again.
+func TestSpinGovernorCooldown(t *testing.T) {
+	g := newSpinGovernor(4)
+	now := time.Now()
+	off := func() time.Duration { return time.Duration(g.offUntil.Load() - now.UnixNano()) }
+	g.pressure(now.Add(-time.Millisecond), now)
+	if g.enter() || g.free() {
+		t.Fatal("a spinner entered, or a slot looked free, during the cool-down")
+	}
+	want := minSpinCooldown
+	for range 12 {
+		if off() != want {
+			t.Fatalf("cool-down %v, want %v", off(), want)
+		}
+		// The first spin after the cool-down loses its core at once, and
+		// notices 2 ms later.
+		since := time.Unix(0, g.lastEnd.Load()).Add(10 * time.Microsecond)
+		now = since.Add(2 * time.Millisecond)
+		g.pressure(since, now)
+		want = min(2*want, maxSpinCooldown)
+	}
+	if want != maxSpinCooldown {
+		t.Fatalf("the test did not reach the limit: %v", want)
+	}
+	now = time.Unix(0, g.lastEnd.Load()).Add(4*maxSpinCooldown + time.Millisecond)
+	g.pressure(now.Add(-time.Millisecond), now)
+	if off() != minSpinCooldown {
+		t.Errorf("cool-down %v after a calm spell, want %v", off(), minSpinCooldown)
+	}
+	for i := range 5 {
+		now = time.Unix(0, g.lastEnd.Load()).Add(100 * time.Millisecond)
+		g.pressure(now.Add(-time.Millisecond), now)
+		if off() != minSpinCooldown {
+			t.Errorf("occasional pressure %d: cool-down %v, want %v", i, off(), minSpinCooldown)
+		}
+	}
+
+	past := newSpinGovernor(4)
+	past.pressure(time.Now().Add(-3*minSpinCooldown), time.Now().Add(-2*minSpinCooldown))
+	if !past.free() || !past.enter() {
+		t.Error("no spinning after the cool-down ended")
+	}
+
+	// A cool-down ends by itself, without a spinner asking for the time.
+	live := newSpinGovernor(4)
+	start := time.Now()
+	live.pressure(start.Add(-time.Millisecond), start)
+	if live.free() && time.Since(start) < minSpinCooldown {
+		t.Fatal("a slot looked free right after the pressure")
+	}
+	waitUntil(t, "spinning resumes after the cool-down", 5*time.Second, func() bool { return live.free() })
+	if !live.enter() {
+		t.Error("no slot once the cool-down ended")
+	}
+}
+
+// TestConsumeWorkingFlag: consume sets the working flag while it drains
+// and clears it when the queue is empty, and the peer can then tell that
+// a wake-up is due; an element published while the flag is set is taken
+// by the same consume, not left for a wake-up that will not come.
+func TestConsumeWorkingFlag(t *testing.T) {
+	s, peer := newPollSession(t)
+	s.cons.init(0) // no spinning: the flag's rule alone
+	peer.data(t, 3)
+	if err := s.consume(); err != nil {
+		t.Fatal(err)
+	}
+	if peer.working() || s.cons.consuming {
+		t.Fatal("consume left the flag set with an empty queue")
+	}
+	if !s.recvQ.isEmpty() {
+		t.Fatal("consume left an element in the queue")
+	}
+	if !peer.send.markWorking() {
+		t.Fatal("the peer cannot tell that a wake-up is due")
+	}
+	if err := s.consume(); err != nil { // the flag is set: the loop was woken
+		t.Fatal(err)
+	}
+	if peer.working() {
+		t.Fatal("the flag stays set after a consume that found nothing")
+	}
+}
+
+// TestDrainBeforeIgnoresPendingClose: a frame on the socket is handled only
+// after everything published before it, even behind a pending close.
+func TestDrainBeforeIgnoresPendingClose(t *testing.T) {
+	s, peer := newPollSession(t)
+	peer.data(t, 3)
+	peer.data(t, 5)
+	s.closing = append(s.closing, pendingClose{id: 7, at: 1 << 40})
+	if n, paused, err := s.drain(true, noDrainLimit); n != 0 || !paused || err != nil {
+		t.Errorf("drain behind a pending close: %d %v %v; want paused", n, paused, err)
+	}
+	if err := s.drainBefore(); err != nil {
+		t.Fatal(err)
+	}
+	if !s.recvQ.isEmpty() {
+		t.Error("drainBefore left elements in the queue behind a pending close")
+	}
+}
+
+// receiveHold stops chosen sessions' receive loops at their next drain or
+// frame read (consumeHook) until released.
+var receiveHold struct {
+	sync.Mutex
+	held map[*Session]chan struct{}
+}
+
+// holdReceive stops s's receive loop at its next drain or frame read: what
+// the peer publishes stays in the queue, and frames stay on the socket. It
+// returns the function that lets the loop go on; the test's end calls it
+// too.
+func holdReceive(t testing.TB, s *Session) (release func()) {
+	receiveHold.Lock()
+	if receiveHold.held == nil {
+		receiveHold.held = make(map[*Session]chan struct{})
+		hook := func(s *Session) {
+			receiveHold.Lock()
+			ch := receiveHold.held[s]
+			receiveHold.Unlock()
+			if ch != nil {
+				<-ch
+			}
+		}
+		consumeHook.Store(&hook)
+	}
+	ch := make(chan struct{})
+	receiveHold.held[s] = ch
+	receiveHold.Unlock()
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			receiveHold.Lock()
+			delete(receiveHold.held, s)
+			receiveHold.Unlock()
+			close(ch)
+		})
+	}
+	t.Cleanup(release)
+	return release
+}
+
+// goroutineID returns the id of the calling goroutine, from its stack's
+// first line ("goroutine N [...").
+func goroutineID() uint64 {
+	var buf [64]byte
+	b := buf[:runtime.Stack(buf[:], false)]
+	b = bytes.TrimPrefix(b, []byte("goroutine "))
+	if i := bytes.IndexByte(b, ' '); i > 0 {
+		b = b[:i]
+	}
+	id, _ := strconv.ParseUint(string(b), 10, 64)
+	return id
+}

@@ -1,0 +1,278 @@
+package shmipc
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// Tests of the receive side's rules (recv.go, consume.go,
+// fallback_recv.go): one goroutine per session reads the socket and
+// consumes the queue; a stream whose fallback data is not read costs only
+// that stream; memory follows the bytes that arrive, not those a frame
+// announces; a reader with a deadline waits as one without.
+
+// TestOneReceiveOwner: under streams with and without deadlines, readers
+// that copy, read in place and use OnData, and fallback data, every drain
+// of a session's queue and every read of its socket runs on one goroutine.
+func TestOneReceiveOwner(t *testing.T) {
+	var mu sync.Mutex
+	owners := make(map[*Session]map[uint64]bool)
+	hook := func(s *Session) {
+		id := goroutineID()
+		mu.Lock()
+		if owners[s] == nil {
+			owners[s] = make(map[uint64]bool)
+		}
+		owners[s][id] = true
+		mu.Unlock()
+	}
+	old := consumeHook.Swap(&hook)
+	t.Cleanup(func() { consumeHook.Store(old) })
+
+	conf := smallRegion()
+	conf.QueueCap = 64
+	conf.FallbackWhenFull = true
+	ln := startEchoListener(t, conf)
+	s, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	var wg sync.WaitGroup
+	errs := make(chan error, 16)
+	for i := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			st, err := s.OpenStream()
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer st.Close()
+			for j := range 40 {
+				size := []int{1, 100, 5000, 300 << 10}[(i+j)%4]
+				msg := bytes.Repeat([]byte{byte(i + j)}, size)
+				if i%2 == 0 {
+					st.SetReadDeadline(time.Now().Add(peerTimeout))
+				}
+				if _, err := st.Write(msg); err != nil {
+					errs <- err
+					return
+				}
+				var got []byte
+				if i%3 == 0 {
+					got, err = st.BufferReader().ReadBytes(size)
+					got = slices.Clone(got)
+					st.BufferReader().ReleasePreviousRead()
+				} else {
+					got = make([]byte, size)
+					_, err = io.ReadFull(st, got)
+				}
+				if err != nil || !bytes.Equal(got, msg) {
+					errs <- errors.Join(err, errors.New("echo differs"))
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(owners) < 2 {
+		t.Fatalf("the hook saw %d sessions, want both ends", len(owners))
+	}
+	for sess, ids := range owners {
+		if len(ids) != 1 {
+			t.Errorf("%s session: its socket and queue were consumed by %d goroutines, want 1", sess.role(), len(ids))
+		}
+	}
+}
+
+// TestFallbackStallLeavesOtherStreams: while one stream's fallback data
+// waits for a reader that does not read, another stream's shared-memory
+// messages still go both ways at once; after FallbackStallTimeout the
+// stalled stream, not the session, fails with an error naming the bound.
+func TestFallbackStallLeavesOtherStreams(t *testing.T) {
+	conf := smallRegion()
+	conf.MaxFallbackFrameSize = minFallbackFrame
+	conf.MaxFallbackBufferedPerStream = 1 << 20
+	conf.FallbackStallTimeout = 1500 * time.Millisecond
+	sess, accepted := bpPair(t, conf)
+	stuck, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stuck.Close()
+	if _, err := stuck.Write([]byte{0}); err != nil {
+		t.Fatal(err)
+	}
+	stuckSrv := bpAccepted(t, accepted) // never read
+	go stuck.Write(make([]byte, 4<<20))  // more than the region: fallback data
+	waitUntil(t, "the stalled frame", peerTimeout, func() bool { return stuckSrv.heldFallback.Load() > 0 })
+
+	other, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	if _, err := other.Write([]byte{0}); err != nil {
+		t.Fatal(err)
+	}
+	otherSrv := bpAccepted(t, accepted)
+	b := make([]byte, 1)
+	for i := range 20 {
+		otherSrv.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		if i > 0 {
+			if _, err := other.Write([]byte{byte(i)}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := io.ReadFull(otherSrv, b); err != nil || b[0] != byte(i) {
+			t.Fatalf("message %d on the other stream while one stalls: %q, %v", i, b, err)
+		}
+		if _, err := otherSrv.Write(b); err != nil {
+			t.Fatal(err)
+		}
+		other.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		if _, err := io.ReadFull(other, b); err != nil || b[0] != byte(i) {
+			t.Fatalf("reply %d on the other stream while one stalls: %q, %v", i, b, err)
+		}
+	}
+	waitUntil(t, "the stalled stream to fail", 4*conf.FallbackStallTimeout, stuckSrv.failed)
+	if err := stuckSrv.failure(); !errors.Is(err, ErrLimitExceeded) || !strings.Contains(err.Error(), "MaxFallbackBufferedPerStream") {
+		t.Errorf("the stalled stream's error: %v, want ErrLimitExceeded naming Config.MaxFallbackBufferedPerStream", err)
+	}
+	if err := sess.Err(); err != nil {
+		t.Fatalf("session: %v", err)
+	}
+	if _, err := other.Write([]byte{9}); err != nil {
+		t.Fatal(err)
+	}
+	otherSrv.SetReadDeadline(time.Now().Add(peerTimeout))
+	if _, err := io.ReadFull(otherSrv, b); err != nil || b[0] != 9 {
+		t.Fatalf("the other stream after the failure: %q, %v", b, err)
+	}
+}
+
+// TestOnDataKeepsFallbackBound: an OnData callback that never consumes
+// waits for one byte more each time; that lifts no bound. The server holds
+// at most the stream's bound and a frame of the 24 MiB sent, and the
+// callback's stream fails with an error naming the bound.
+func TestOnDataKeepsFallbackBound(t *testing.T) {
+	conf := smallRegion()
+	conf.MaxFallbackFrameSize = minFallbackFrame
+	conf.MaxFallbackBufferedPerStream = 2 << 20
+	conf.MaxFallbackBuffered = 4 << 20
+	conf.FallbackStallTimeout = 300 * time.Millisecond
+	sess, accepted := bpPair(t, conf)
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	go st.Write(make([]byte, 24<<20))
+	srv := bpAccepted(t, accepted)
+	done := OnData(srv, func(*Stream) error { return nil }) // reads nothing
+	limit := int64(conf.MaxFallbackBufferedPerStream) + int64(conf.MaxFallbackFrameSize)
+	var most int64
+	var err2 error
+	for got := false; !got; {
+		most = max(most, srv.heldFallback.Load())
+		select {
+		case err2 = <-done:
+			got = true
+		case <-time.After(time.Millisecond):
+		}
+	}
+	if most > limit {
+		t.Errorf("the stream held %d bytes of fallback data; its bound and a frame are %d", most, limit)
+	}
+	if !errors.Is(err2, ErrLimitExceeded) || !strings.Contains(err2.Error(), "MaxFallbackBufferedPerStream") {
+		t.Errorf("OnData: %v, want ErrLimitExceeded naming Config.MaxFallbackBufferedPerStream", err2)
+	}
+	if err := srv.Session().Err(); err != nil {
+		t.Errorf("server session: %v, want it open", err)
+	}
+}
+
+// TestPartialFrameHoldsNothing: a peer that sends the head of a
+// FallbackData frame announcing the largest size allowed, and nothing
+// more, makes the session allocate nothing near that size, and the
+// session ends after PartialFrameTimeout with an error that says so.
+func TestPartialFrameHoldsNothing(t *testing.T) {
+	const sessions = 4
+	runtime.GC()
+	before := heapInUse()
+	var victims []*Session
+	for range sessions {
+		p, victim := acceptRawVictimWith(t, MemMapTypeDevShmFile, 0, func(c *Config) {
+			c.PartialFrameTimeout = 500 * time.Millisecond
+		})
+		defer victim.Close()
+		p.write(rawFallbackFrame(p.version, victim.conf.MaxFallbackFrameSize, 2, 0, "x"))
+		victims = append(victims, victim)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if grown := heapInUse() - before; grown > 16<<20 {
+		t.Errorf("%d frame heads announcing %d MiB each grew the heap by %.1f MiB", sessions, victims[0].conf.MaxFallbackFrameSize>>20, float64(grown)/(1<<20))
+	}
+	for _, v := range victims {
+		err := waitSessionClosed(t, v, peerTimeout)
+		if !errors.Is(err, errPartialFrame) {
+			t.Errorf("victim session: %v, want the partial frame's error", err)
+		}
+	}
+}
+
+// TestReadDeadlineWaitsAsWithout: with spinning off, a request-reply round
+// trip whose reader sets a read deadline takes about as long as one whose
+// reader sets none: the deadline changes how long it may wait, not how it
+// is woken.
+func TestReadDeadlineWaitsAsWithout(t *testing.T) {
+	_, cli, srv := exchangedPair(t)
+	go echoStream(srv)
+	buf := make([]byte, 5)
+	round := func(deadline bool) time.Duration {
+		if deadline {
+			cli.SetReadDeadline(time.Now().Add(peerTimeout))
+		} else {
+			cli.SetReadDeadline(time.Time{})
+		}
+		start := time.Now()
+		if _, err := cli.Write([]byte("hello")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(cli, buf); err != nil {
+			t.Fatal(err)
+		}
+		return time.Since(start)
+	}
+	var with, without []time.Duration
+	for i := range 400 {
+		d := round(i%2 == 0)
+		if i%2 == 0 {
+			with = append(with, d)
+		} else {
+			without = append(without, d)
+		}
+	}
+	slices.Sort(with)
+	slices.Sort(without)
+	mw, mo := with[len(with)/2], without[len(without)/2]
+	t.Logf("p50 round trip: %v with a read deadline, %v without", mw, mo)
+	if mw > 3*mo+200*time.Microsecond {
+		t.Errorf("p50 round trip %v with a read deadline, %v without", mw, mo)
+	}
+}
