@@ -119,7 +119,7 @@ func TestFallbackStallLeavesOtherStreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	stuckSrv := bpAccepted(t, accepted) // never read
-	go stuck.Write(make([]byte, 4<<20))  // more than the region: fallback data
+	go stuck.Write(make([]byte, 4<<20)) // more than the region: fallback data
 	waitUntil(t, "the stalled frame", peerTimeout, func() bool { return stuckSrv.heldFallback.Load() > 0 })
 
 	other, err := sess.OpenStream()

@@ -30,7 +30,6 @@ type Stats struct {
 	WakeupsSaved    uint64 // messages published while the peer was awake, so no Polling frame was needed
 	WakeupsReceived uint64 // Polling frames received
 
-
 	// SpaceWaits counts the writes that had to wait for room in the buffer
 	// region or in the peer's IO queue (back-pressure): the peer had not yet
 	// released or taken enough of what was sent.

@@ -49,14 +49,14 @@ type Stream struct {
 	spaceTimer *time.Timer
 	wDeadline  atomic.Pointer[time.Time]
 
-	writeClosed  atomic.Bool  // writes fail: closed here or by the peer
-	closeOwed    atomic.Bool  // Close left its writer's part to the goroutine holding wmu (finishClose)
-	closeTells   bool         // whether that part tells the peer; written before closeOwed is set
-	fallback     atomic.Bool  // once set, every message goes as FallbackData
-	refDropped   atomic.Bool  // the stream's references on the regions are gone
-	ended        atomic.Bool  // the session has ended (sessionEnded ran)
-	heldFallback atomic.Int64 // received fallback bytes not yet released
-	gotData      atomic.Bool  // data has arrived on the stream
+	writeClosed  atomic.Bool   // writes fail: closed here or by the peer
+	closeOwed    atomic.Bool   // Close left its writer's part to the goroutine holding wmu (finishClose)
+	closeTells   bool          // whether that part tells the peer; written before closeOwed is set
+	fallback     atomic.Bool   // once set, every message goes as FallbackData
+	refDropped   atomic.Bool   // the stream's references on the regions are gone
+	ended        atomic.Bool   // the session has ended (sessionEnded ran)
+	heldFallback atomic.Int64  // received fallback bytes not yet released
+	gotData      atomic.Bool   // data has arrived on the stream
 	kept         atomic.Uint64 // a received slice kept for the next message (reuse.go)
 }
 
@@ -545,7 +545,6 @@ func (st *Stream) closeReader() (first, tellPeer bool, err error) {
 // stays readable unless the session was closed locally. The stream lets go
 // of the mapping as soon as it holds nothing of it (letGo); while it holds
 // data still unread or handed out, Close does it.
-//
 func (st *Stream) sessionEnded(local bool) {
 	st.releaseUnexposed(local)
 	st.writeClosed.Store(true)
