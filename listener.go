@@ -198,6 +198,13 @@ func (l *Listener) acceptLoop() {
 			conn.Close()
 			return
 		}
+		if n := len(l.sessions) + len(l.pending); n >= l.conf.maxSessions() {
+			l.mu.Unlock()
+			l.conf.logger().Warn("shmipc: connection refused: the listener serves Config.MaxSessions sessions",
+				"remote", conn.RemoteAddr(), "sessions", n)
+			conn.Close()
+			continue
+		}
 		l.pending[conn] = struct{}{}
 		l.mu.Unlock()
 		go l.serve(conn)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"net"
 	"runtime"
 	"slices"
 	"strings"
@@ -275,4 +276,38 @@ func TestReadDeadlineWaitsAsWithout(t *testing.T) {
 	if mw > 3*mo+200*time.Microsecond {
 		t.Errorf("p50 round trip %v with a read deadline, %v without", mw, mo)
 	}
+}
+
+// TestListenerMaxSessions: a listener serves at most Config.MaxSessions
+// sessions, handshakes in progress included; a connection beyond them is
+// closed at once, and one more is served once a session has ended.
+func TestListenerMaxSessions(t *testing.T) {
+	conf := DefaultConfig()
+	conf.MaxSessions = 2
+	ln := startEchoListener(t, conf)
+	a := dialEchoSession(t, conf)
+	// A connection that never starts its handshake holds the second place.
+	idle, err := net.Dial("unix", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer idle.Close()
+	waitUntil(t, "the idle connection to be counted", peerTimeout, func() bool {
+		ln.mu.Lock()
+		defer ln.mu.Unlock()
+		return len(ln.pending) == 1
+	})
+	over, err := net.Dial("unix", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer over.Close()
+	over.SetReadDeadline(time.Now().Add(peerTimeout))
+	if n, err := over.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("a third connection read %d bytes, %v; want it closed (io.EOF)", n, err)
+	}
+	mustEcho(t, a)
+	a.Close()
+	waitUntil(t, "the ended session to leave the listener", peerTimeout, func() bool { return len(ln.liveSessions()) == 0 })
+	mustEcho(t, dialEchoSession(t, conf))
 }

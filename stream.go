@@ -50,8 +50,7 @@ type Stream struct {
 	wDeadline  atomic.Pointer[time.Time]
 
 	writeClosed  atomic.Bool   // writes fail: closed here or by the peer
-	closeOwed    atomic.Bool   // Close left its writer's part to the goroutine holding wmu (finishClose)
-	closeTells   bool          // whether that part tells the peer; written before closeOwed is set
+	closeOwed    atomic.Uint32 // Close left its writer's part to the goroutine holding wmu (finishClose): closeSilent or closeTell
 	fallback     atomic.Bool   // once set, every message goes as FallbackData
 	refDropped   atomic.Bool   // the stream's references on the regions are gone
 	ended        atomic.Bool   // the session has ended (sessionEnded ran)
@@ -487,25 +486,37 @@ func (st *Stream) Close() error {
 	}
 	st.writeClosed.Store(true)
 	st.notify()
-	st.closeTells = tellPeer
-	st.closeOwed.Store(true)
+	owed := uint32(closeSilent)
+	if tellPeer {
+		owed = closeTell
+	}
+	st.closeOwed.Store(owed)
 	if werr := st.finishClose(); err == nil {
 		err = werr
 	}
 	return err
 }
 
+// What Close left to do (Stream.closeOwed): the writer's part, which tells
+// the peer or not.
+const (
+	closeSilent = 1
+	closeTell   = 2
+)
+
 // finishClose does the writer's part of Close, unless a writer holds wmu:
 // then that writer does it as it lets go (unlockWriter, handoverMutex).
 func (st *Stream) finishClose() error {
-	for st.closeOwed.Load() {
+	for st.closeOwed.Load() != 0 {
 		if !st.wmu.tryLockOrLeave() {
 			return nil
 		}
-		if !st.closeOwed.Swap(false) {
+		owed := st.closeOwed.Swap(0)
+		if owed == 0 {
 			st.wmu.Unlock()
 			continue
 		}
+		tell := owed == closeTell
 		if len(st.writer.segs) > 0 {
 			st.writer.closedUnsent = true
 		}
@@ -515,13 +526,13 @@ func (st *Stream) finishClose() error {
 		// client's OpenStream counts the streams in it against
 		// Config.MaxStreams, and the stream it opens next must not reach
 		// the server before this close does.
-		if st.closeTells {
+		if tell {
 			_ = st.s.access(func() error {
 				st.s.sendStreamClose(st.id, st.fallback.Load())
 				return nil
 			})
 		}
-		st.s.forgetStream(st, st.closeTells || st.failed())
+		st.s.forgetStream(st, tell || st.failed())
 		st.dropRef()
 		return err
 	}
@@ -569,7 +580,7 @@ func (st *Stream) letGo() {
 			st.dropRef()
 		}
 		st.wmu.Unlock()
-		if st.closeOwed.Load() {
+		if st.closeOwed.Load() != 0 {
 			_ = st.finishClose() // a Close that found wmu held by this look
 		}
 	}
@@ -585,7 +596,7 @@ func (st *Stream) lockWriter() { st.wmu.Lock() }
 // before it looks at the mark, so one of the two sees the other.
 func (st *Stream) unlockWriter() {
 	st.wmu.Unlock()
-	if st.closeOwed.Load() {
+	if st.closeOwed.Load() != 0 {
 		_ = st.finishClose() // the caller's own error stands
 	}
 	if st.ended.Load() {
