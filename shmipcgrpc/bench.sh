@@ -45,7 +45,7 @@ echo
 echo "per size, over the $count runs: median (min-max) of each run's ratio shm/uds, and the median p50 and p99 of each"
 awk '
 /^BenchmarkUnaryEcho\// {
-    split($1, n, "/"); size = n[2]; sub(/-[0-9]+$/, "", size)
+    size = $1; sub(/^BenchmarkUnaryEcho\//, "", size); sub(/-[0-9]+$/, "", size)
     if (!(size in seen)) { seen[size] = 1; order[++nsizes] = size }
     k = ++runs[size]
     for (i = 3; i < NF; i += 2) v[size, $(i + 1), k] = $i
@@ -59,7 +59,7 @@ function med(size, unit,   a, i, m, t, j) {
 }
 function us(ns) { return ns >= 1e6 ? sprintf("%.2f ms", ns / 1e6) : sprintf("%.0f µs", ns / 1e3) }
 END {
-    printf "| size | p50 shm/uds | p99 shm/uds | shm p50 | uds p50 | shm p99 | uds p99 |\n"
+    printf "| calls in flight/size | p50 shm/uds | p99 shm/uds | shm p50 | uds p50 | shm p99 | uds p99 |\n"
     printf "|---|---:|---:|---:|---:|---:|---:|\n"
     for (s = 1; s <= nsizes; s++) {
         size = order[s]

@@ -1,12 +1,14 @@
 package shmipcgrpc_test
 
-// BenchmarkUnaryEcho: gRPC unary echo between two processes, one call at a
-// time, over shmipc with shmipcgrpc's options and over a Unix socket with
-// gRPC's defaults, both against one server process (child_test.go). The two
-// take turns in blocks of 20 ms within each run of a size, so that a change
-// in the machine's load hits both alike, and each run reports both p50s,
-// both p99s and their ratios (shm/uds): read the ratios, run to run. bench.sh
-// runs it with the machine's state recorded.
+// BenchmarkUnaryEcho: gRPC unary echo between two processes over shmipc
+// with shmipcgrpc's options and over a Unix socket with gRPC's defaults,
+// both against one server process (child_test.go), with 1, 8 or 64 calls in
+// flight on the connection at once (calls=N; each op is one round of N
+// concurrent calls). The two take turns in blocks of 20 ms within each run,
+// so that a change in the machine's load hits both alike, and each run
+// reports the p50 and p99 of a call on each and their ratios (shm/uds):
+// read the ratios, run to run. bench.sh runs it with the machine's state
+// recorded.
 
 import (
 	"context"
@@ -77,36 +79,65 @@ func echoNoCopy(ctx context.Context, cc *grpc.ClientConn, req []byte) error {
 const benchBlock = 20 * time.Millisecond
 
 func BenchmarkUnaryEcho(b *testing.B) {
-	for _, size := range []int{64, 4 << 10, 64 << 10, 1 << 20} {
-		b.Run(sizeName(size), func(b *testing.B) { benchUnary(b, size) })
+	for _, calls := range []int{1, 8, 64} {
+		for _, size := range []int{64, 4 << 10, 64 << 10, 1 << 20} {
+			if calls == 64 && size > 4<<10 {
+				continue // 64 MiB in flight each way would not fit in the default buffer region
+			}
+			b.Run(fmt.Sprintf("calls=%d/%s", calls, sizeName(size)), func(b *testing.B) { benchUnary(b, calls, size) })
+		}
 	}
 }
 
-func benchUnary(b *testing.B, size int) {
+// benchUnary runs rounds of calls concurrent echo calls of size bytes.
+func benchUnary(b *testing.B, calls, size int) {
 	shm, sock := benchClients(b)
 	conns := [2]*grpc.ClientConn{shm, sock}
 	ctx := context.Background()
 	req := payload(size, 7)
+	var lat [2][]time.Duration
+	var mu sync.Mutex
+	var firstErr error
+	// round makes calls concurrent calls on cc and appends their latencies
+	// to record, unless it is a warm-up (keep false).
+	round := func(cc *grpc.ClientConn, record []time.Duration, keep bool) []time.Duration {
+		var wg sync.WaitGroup
+		for range calls {
+			wg.Go(func() {
+				t0 := time.Now()
+				err := echoNoCopy(ctx, cc, req)
+				d := time.Since(t0)
+				mu.Lock()
+				defer mu.Unlock()
+				if err != nil && firstErr == nil {
+					firstErr = err
+				}
+				if keep {
+					record = append(record, d)
+				}
+			})
+		}
+		wg.Wait()
+		return record
+	}
 	for _, cc := range conns { // warm up: connections, windows, pools
 		for start := time.Now(); time.Since(start) < 5*benchBlock; {
-			if err := echoNoCopy(ctx, cc, req); err != nil {
-				b.Fatal(err)
-			}
+			round(cc, nil, false)
 		}
 	}
-	var lat [2][]time.Duration
 	turn := 0
 	blockStart := time.Now()
 	for b.Loop() {
-		t0 := time.Now()
-		if err := echoNoCopy(ctx, conns[turn], req); err != nil {
-			b.Fatal(err)
+		lat[turn] = round(conns[turn], lat[turn], true)
+		if firstErr != nil {
+			b.Fatal(firstErr)
 		}
-		t1 := time.Now()
-		lat[turn] = append(lat[turn], t1.Sub(t0))
-		if t1.Sub(blockStart) >= benchBlock {
-			turn, blockStart = 1-turn, t1
+		if t := time.Now(); t.Sub(blockStart) >= benchBlock {
+			turn, blockStart = 1-turn, t
 		}
+	}
+	if firstErr != nil {
+		b.Fatal(firstErr)
 	}
 	if len(lat[0]) == 0 || len(lat[1]) == 0 {
 		return // too short a run to have both
