@@ -231,15 +231,14 @@ func rotated(targets []benchTarget, round int) []benchTarget {
 // connects a client to it.
 func connectInProc(ctx context.Context, opts optionSet) (*client, func(), error) {
 	lis := bufconn.Listen(1 << 20)
-	dialOpts, serverOpts := opts.on(transportInProc)
-	srv := grpc.NewServer(serverOpts...)
+	srv := grpc.NewServer(opts.serverOptions(transportInProc)...)
 	srv.RegisterService(&echoServiceDesc, &echoServer{})
 	go srv.Serve(lis)
 	dopts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
 		callOpts,
-	}, dialOpts...)
+	}, opts.dialOptions(transportInProc, nil)...)
 	cc, err := grpc.NewClient("passthrough:///in-process", dopts...)
 	if err != nil {
 		srv.Stop()

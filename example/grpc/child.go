@@ -74,8 +74,7 @@ func serveChild() error {
 		if err != nil {
 			return fmt.Errorf("listen %s: %w", tr, err)
 		}
-		_, serverOpts := opts.on(tr)
-		srv := grpc.NewServer(serverOpts...)
+		srv := grpc.NewServer(opts.serverOptions(tr)...)
 		srv.RegisterService(&echoServiceDesc, impl)
 		servers = append(servers, srv)
 		addrs[tr] = addr

@@ -4,6 +4,7 @@ go 1.26.0
 
 require (
 	github.com/goshm/shmipc v0.0.0
+	github.com/goshm/shmipc/shmipcgrpc v0.0.0
 	google.golang.org/grpc v1.85.0
 )
 
@@ -19,3 +20,5 @@ require (
 )
 
 replace github.com/goshm/shmipc => ../..
+
+replace github.com/goshm/shmipc/shmipcgrpc => ../../shmipcgrpc

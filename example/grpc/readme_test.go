@@ -10,8 +10,8 @@ import (
 )
 
 // The root README's gRPC snippet, headed "// grpc/….go", is built here as
-// a user would copy it: the root module's README test cannot, since gRPC is
-// not a dependency of the root module.
+// a user would copy it (it may use shmipcgrpc): the root module's README
+// test cannot, since gRPC is not a dependency of the root module.
 func TestReadmeGRPCSnippet(t *testing.T) {
 	readme, err := os.ReadFile("../../README.md")
 	if err != nil {
@@ -42,8 +42,9 @@ func TestReadmeGRPCSnippet(t *testing.T) {
 		t.Fatal(err)
 	}
 	mod := strings.Replace(string(gomod), "module github.com/goshm/shmipc/example/grpc", "module readme.grpc", 1)
-	mod = regexp.MustCompile(`(?m)^replace github.com/goshm/shmipc => .*$`).ReplaceAllString(mod, "")
+	mod = regexp.MustCompile(`(?m)^replace github.com/goshm/shmipc(/shmipcgrpc)? => .*$`).ReplaceAllString(mod, "")
 	mod += "\nreplace github.com/goshm/shmipc => " + repo + "\n"
+	mod += "\nreplace github.com/goshm/shmipc/shmipcgrpc => " + filepath.Join(repo, "shmipcgrpc") + "\n"
 	if err := os.WriteFile(filepath.Join(dir, "go.mod"), []byte(mod), 0o644); err != nil {
 		t.Fatal(err)
 	}

@@ -1,10 +1,11 @@
 package main
 
 // The three transports the benchmark compares, and the gRPC options it
-// compares them with. Over shmipc the only gRPC-specific code is two lines:
+// compares them with. Over shmipc the gRPC-specific code is one call per
+// side, shmipcgrpc's options:
 //
-//	client: grpc.NewClient("passthrough:///shmipc", grpc.WithContextDialer(manager.DialContext), ...)
-//	server: grpcServer.Serve(shmipcListener)
+//	client: grpc.NewClient(shmipcgrpc.Target, append(shmipcgrpc.DialOptions(manager), creds)...)
+//	server: grpc.NewServer(append(shmipcgrpc.ServerOptions(), ...)...).Serve(shmipcListener)
 
 import (
 	"context"
@@ -12,13 +13,12 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"slices"
 	"time"
 
 	"github.com/goshm/shmipc"
+	"github.com/goshm/shmipc/shmipcgrpc"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/experimental"
 )
 
 // Transports.
@@ -34,88 +34,86 @@ var allTransports = []string{transportShmipc, transportUDS, transportTCP}
 // default limit for receiving is 4 MiB.
 const maxMsgSize = 64 << 20
 
-// optionSet is one choice of gRPC options. Every transport gets the same
-// options, except for the read buffer of the tuned set (readBufferOn).
+// optionSet is one choice of gRPC options: gRPC's defaults (with or
+// without raised message limits), or the options tuned for each transport.
 type optionSet struct {
 	name   string
-	dial   []grpc.DialOption
-	server []grpc.ServerOption
+	limits bool // raise the message size limits to maxMsgSize
 	tuned  bool
-}
-
-// on returns the options for one transport.
-func (o optionSet) on(transport string) ([]grpc.DialOption, []grpc.ServerOption) {
-	dial, server := slices.Clone(o.dial), slices.Clone(o.server)
-	if o.tuned {
-		n := readBufferOn(transport)
-		dial = append(dial, grpc.WithReadBufferSize(n))
-		server = append(server, grpc.ReadBufferSize(n))
-	}
-	return dial, server
 }
 
 // defaultOptions are gRPC's defaults, with only the message size limits
 // raised so that large messages can be sent at all.
-func defaultOptions() optionSet {
-	return optionSet{
-		name: "default",
-		dial: []grpc.DialOption{
-			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsgSize), grpc.MaxCallSendMsgSize(maxMsgSize)),
-		},
-		server: []grpc.ServerOption{grpc.MaxRecvMsgSize(maxMsgSize), grpc.MaxSendMsgSize(maxMsgSize)},
-	}
-}
+func defaultOptions() optionSet { return optionSet{name: "default", limits: true} }
 
-// Tuned sizes for a transport that never drops or reorders data and whose
-// peer is on the same host: flow control only has to bound memory, not to
-// probe a network, so the windows are large enough that a message of a few
-// MiB never waits for a WINDOW_UPDATE; a larger write buffer means fewer,
-// larger writes on the connection.
-var (
-	tunedStreamWindow int32 = 16 << 20
-	tunedConnWindow   int32 = 64 << 20
-	tunedWriteBuffer        = 256 << 10
-	tunedSocketRead         = 256 << 10
-	// tunedPool saves gRPC's clearing of every buffer it takes from its pool
-	// (dirtyPool), whatever the transport. It is set through gRPC's
-	// experimental package.
-	tunedPool = &dirtyPool{}
+// tunedOptions are the options for a local transport: shmipcgrpc's over
+// shmipc; over the sockets and the in-process pipe the same windows and
+// write buffer (tunedSocket), with the read buffer that suits each.
+func tunedOptions() optionSet { return optionSet{name: "tuned", limits: true, tuned: true} }
+
+// Tuned sizes over the sockets and in-process, as shmipcgrpc has them:
+// flow control only has to bound memory, not to probe a network, so the
+// windows are large enough that a message of a few MiB never waits for a
+// WINDOW_UPDATE; a larger write buffer means fewer, larger writes.
+const (
+	tunedStreamWindow = 16 << 20
+	tunedConnWindow   = 64 << 20
+	tunedWriteBuffer  = 256 << 10
+	tunedSocketRead   = 256 << 10
 )
 
-// readBufferOn is the tuned read buffer of a transport. Over a socket a
-// large one saves system calls: one read takes in many HTTP/2 frames. Over
-// shmipc (and the in-process pipe) a read is a copy out of memory with no
-// system call, so a read buffer only adds a copy: gRPC reads each frame
-// straight into its own buffer with none (0). At 1 MiB that is about a
-// tenth of a call's time over shmipc, and over a Unix socket the same
-// setting is 1.7 times slower.
+// readBufferOn is the tuned read buffer of a transport other than shmipc.
+// Over a socket a large one saves system calls: one read takes in many
+// HTTP/2 frames. Over the in-process pipe (as over shmipc) a read is a copy
+// out of memory with no system call, so a read buffer only adds a copy.
 func readBufferOn(transport string) int {
-	if transport == transportShmipc || transport == transportInProc {
+	if transport == transportInProc {
 		return 0
 	}
 	return tunedSocketRead
 }
 
-// tunedOptions are the options this example recommends for a local
-// transport: the same windows and write buffer for all, and the read
-// buffer that suits each (readBufferOn).
-func tunedOptions() optionSet {
-	o := defaultOptions()
-	o.name = "tuned"
-	o.tuned = true
-	o.dial = append(o.dial,
-		grpc.WithInitialWindowSize(tunedStreamWindow),
-		grpc.WithInitialConnWindowSize(tunedConnWindow),
-		grpc.WithWriteBufferSize(tunedWriteBuffer),
-		experimental.WithBufferPool(tunedPool),
-	)
-	o.server = append(o.server,
-		grpc.InitialWindowSize(tunedStreamWindow),
-		grpc.InitialConnWindowSize(tunedConnWindow),
-		grpc.WriteBufferSize(tunedWriteBuffer),
-		experimental.BufferPool(tunedPool),
-	)
-	return o
+// dialOptions are the client's options over transport; m is the session
+// manager over shmipc.
+func (o optionSet) dialOptions(transport string, m *shmipc.SessionManager) []grpc.DialOption {
+	var opts []grpc.DialOption
+	switch {
+	case transport == transportShmipc && o.tuned:
+		opts = shmipcgrpc.DialOptions(m)
+	case transport == transportShmipc:
+		opts = []grpc.DialOption{grpc.WithContextDialer(m.DialContext)}
+	case o.tuned:
+		opts = []grpc.DialOption{
+			grpc.WithInitialWindowSize(tunedStreamWindow),
+			grpc.WithInitialConnWindowSize(tunedConnWindow),
+			grpc.WithWriteBufferSize(tunedWriteBuffer),
+			grpc.WithReadBufferSize(readBufferOn(transport)),
+		}
+	}
+	if o.limits {
+		opts = append(opts, grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsgSize), grpc.MaxCallSendMsgSize(maxMsgSize)))
+	}
+	return opts
+}
+
+// serverOptions are the server's options over transport.
+func (o optionSet) serverOptions(transport string) []grpc.ServerOption {
+	var opts []grpc.ServerOption
+	switch {
+	case transport == transportShmipc && o.tuned:
+		opts = shmipcgrpc.ServerOptions()
+	case o.tuned:
+		opts = []grpc.ServerOption{
+			grpc.InitialWindowSize(tunedStreamWindow),
+			grpc.InitialConnWindowSize(tunedConnWindow),
+			grpc.WriteBufferSize(tunedWriteBuffer),
+			grpc.ReadBufferSize(readBufferOn(transport)),
+		}
+	}
+	if o.limits {
+		opts = append(opts, grpc.MaxRecvMsgSize(maxMsgSize), grpc.MaxSendMsgSize(maxMsgSize))
+	}
+	return opts
 }
 
 func optionsByName(name string) (optionSet, error) {
@@ -174,11 +172,7 @@ type client struct {
 
 // dial connects a gRPC client to addr over transport.
 func dial(transport, addr string, opts optionSet) (*client, error) {
-	dialOpts, _ := opts.on(transport)
-	dopts := append([]grpc.DialOption{
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		callOpts,
-	}, dialOpts...)
+	dopts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials()), callOpts}
 	c := &client{}
 	target := ""
 	switch transport {
@@ -188,8 +182,7 @@ func dial(transport, addr string, opts optionSet) (*client, error) {
 			return nil, err
 		}
 		c.manager = m
-		target = "passthrough:///shmipc"
-		dopts = append(dopts, grpc.WithContextDialer(m.DialContext))
+		target = shmipcgrpc.Target
 	case transportUDS:
 		target = "unix://" + addr
 	case transportTCP:
@@ -197,6 +190,7 @@ func dial(transport, addr string, opts optionSet) (*client, error) {
 	default:
 		return nil, fmt.Errorf("unknown transport %q", transport)
 	}
+	dopts = append(dopts, opts.dialOptions(transport, c.manager)...)
 	cc, err := grpc.NewClient(target, dopts...)
 	if err != nil {
 		c.Close()
