@@ -17,9 +17,11 @@ import (
 // A stream is a byte stream: the boundaries of writes are not preserved.
 // Data written is sent by Flush (Write flushes by itself).
 //
-// Closing a stream closes both directions. When the peer closes its side,
-// data already received stays readable, then reads return io.EOF, and
-// writes return ErrStreamClosed.
+// Closing a stream closes both directions. After its own Close, its
+// methods return ErrStreamClosed, which matches net.ErrClosed. When the
+// peer closes its side, data already received stays readable, then reads
+// return io.EOF, and writes return ErrStreamPeerClosed (which does not
+// match net.ErrClosed: the stream must still be closed here).
 //
 // Every stream obtained from OpenStream, AcceptStream or a Listener must be
 // closed: until then it may keep slices of shared memory, and with them the
@@ -52,6 +54,12 @@ type Stream struct {
 	// peerGone: the stream is in its session's table and counted in the
 	// session's peerGone (the peer closed it). Guarded by the session's mu.
 	peerGone bool
+
+	// For SessionManager.PutBack (poolable): replyOwed is set as a message
+	// is sent and cleared as a read returns bytes; readFailed is set by a
+	// read that failed (a deadline, a close), and never cleared.
+	replyOwed  atomic.Bool
+	readFailed atomic.Bool
 
 	wmu    handoverMutex // serialises writers, Flush and Close
 	writer streamWriter
@@ -141,6 +149,7 @@ func (st *Stream) Read(p []byte) (int, error) {
 		st.offered, st.offerN = nil, 0
 		if n > 0 {
 			r.consumed += uint64(n)
+			st.replyOwed.Store(false)
 			return n, nil // copied in by the peer's writer (copyToReader)
 		}
 	}
@@ -248,6 +257,7 @@ func (st *Stream) waitReadable(n int) error { return st.waitOffered(n, false) }
 func (st *Stream) waitOffered(n int, offered bool) error {
 	err := st.awaitReadable(n, offered)
 	if err != nil {
+		st.readFailed.Store(true)
 		st.notify()
 	}
 	return err
@@ -453,6 +463,7 @@ func (st *Stream) Write(p []byte) (int, error) {
 	if err := st.writeDeadlineErr(); err != nil {
 		return 0, err
 	}
+	st.replyOwed.Store(true)
 	before := st.writer.size // left by BufferWriter calls: sent first
 	if before == 0 {
 		st.writerTurn(len(p))
@@ -509,6 +520,7 @@ func (st *Stream) flushLocked() error {
 		return w.usable() // nothing to send, but not on a closed stream either
 	}
 	raceReleaseIO()
+	st.replyOwed.Store(true)
 	if err := w.usable(); err != nil {
 		_ = w.discard()
 		return err
@@ -585,9 +597,28 @@ func (st *Stream) queueFullGiveUp() error {
 		return err
 	}
 	if st.writeClosed.Load() {
-		return ErrStreamClosed
+		return st.writeClosedErr()
 	}
 	return st.writeDeadlineErr()
+}
+
+// writeClosedErr is the error of a write on a stream whose writes are
+// closed: ErrStreamClosed after its own Close, ErrStreamPeerClosed after
+// the peer's, and the session's error when the session ended.
+func (st *Stream) writeClosedErr() error {
+	st.mu.Lock()
+	closed, peer := st.closed, st.peerClosed
+	st.mu.Unlock()
+	switch {
+	case closed:
+		return ErrStreamClosed
+	case peer:
+		return ErrStreamPeerClosed
+	}
+	if err := st.s.sendable(); err != nil {
+		return err
+	}
+	return ErrStreamClosed
 }
 
 // sendFallback copies the message into FallbackData frames and frees its
@@ -597,9 +628,12 @@ func (st *Stream) sendFallback() error {
 	s, w := st.s, &st.writer
 	st.fallback.Store(true)
 	limit := maxFallbackFrameSent - 16 // whatever the peer's MaxFallbackFrameSize
-	var deadline time.Time             // bounds the socket writes too
-	if d := st.wDeadline.Load(); d != nil {
-		deadline = *d
+	// The deadline bounds each frame's socket write, as it is then.
+	deadline := func() time.Time {
+		if d := st.wDeadline.Load(); d != nil {
+			return *d
+		}
+		return time.Time{}
 	}
 	var frame [][]byte
 	size, sent := 0, 0
@@ -612,18 +646,18 @@ func (st *Stream) sendFallback() error {
 			size += c
 			data = data[c:]
 			if size == limit {
-				if err = s.sendFallbackFrame(st.id, frame, deadline); err == nil {
+				if err = s.sendFallbackFrame(st.id, frame, deadline()); err == nil {
 					sent += size
 				}
 				frame, size = frame[:0], 0
 				if err == nil && st.writeClosed.Load() {
-					err = ErrStreamClosed // closed meanwhile: the rest is not sent
+					err = st.writeClosedErr() // closed meanwhile: the rest is not sent
 				}
 			}
 		}
 	}
 	if err == nil && size > 0 {
-		if err = s.sendFallbackFrame(st.id, frame, deadline); err == nil {
+		if err = s.sendFallbackFrame(st.id, frame, deadline()); err == nil {
 			sent += size
 		}
 	}
@@ -829,8 +863,13 @@ func (st *Stream) SetReadDeadline(t time.Time) error {
 // timeout error, including one waiting for space in the IO queue or the
 // buffer region, and one sending fallback data over the socket. A zero time
 // means no deadline; a write then waits for at most WriteSpaceTimeout for
-// space and ConnectionWriteTimeout for the socket. The deadline a write
-// starts with applies to it.
+// space and ConnectionWriteTimeout for the socket. Like every net.Conn
+// deadline it applies to writes already blocked: one waiting for space
+// looks at the deadline as it is before each pause (at most a millisecond
+// apart), so moving the deadline later or clearing it lets it wait on, and
+// moving it earlier ends its wait then. A fallback frame being written to
+// the socket keeps the deadline it started with; the next frame takes the
+// current one.
 //
 // Fallback data (see Config.FallbackWhenFull) goes over the socket in
 // frames. A deadline that passes before a frame starts fails the write and

@@ -231,7 +231,7 @@ func (w *streamWriter) usable() error {
 		return err
 	}
 	if st.writeClosed.Load() {
-		return ErrStreamClosed
+		return st.writeClosedErr()
 	}
 	return nil
 }
