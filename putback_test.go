@@ -192,9 +192,9 @@ func TestPutBackAfterReadTimeout(t *testing.T) {
 // TestPutBackRandomDeadlines sends 10,000 requests through a
 // SessionManager from 8 goroutines. Each request carries a unique id and
 // asks the server to answer after 0-2 ms; the client reads with a deadline
-// of 0.2-3 ms, so many reads time out with their reply on its way, and
-// every stream is put back after its request, whatever happened. No read
-// may return another request's reply.
+// of 0.2-3 ms (a quarter of them: 1 s), so many reads time out with their
+// reply on its way, and every stream is put back after its request,
+// whatever happened. No read may return another request's reply.
 func TestPutBackRandomDeadlines(t *testing.T) {
 	requests := 10000
 	if testing.Short() {
@@ -230,6 +230,9 @@ func TestPutBackRandomDeadlines(t *testing.T) {
 				mu.Unlock()
 				delay := time.Duration(rng.IntN(2000)) * time.Microsecond
 				deadline := time.Duration(200+rng.IntN(2800)) * time.Microsecond
+				if rng.IntN(4) == 0 {
+					deadline = time.Second // answered however loaded the machine is
+				}
 				if err := pbRequest(st, id, delay); err != nil {
 					errs <- err
 					return
@@ -265,7 +268,7 @@ func TestPutBackRandomDeadlines(t *testing.T) {
 	}
 	// The run must have exercised both paths: reads that gave up with the
 	// reply on its way, and streams reused after a clean exchange.
-	if timedOut.Load() < int64(requests/20) || reused.Load() < int64(requests/20) {
+	if timedOut.Load() < int64(requests/50) || reused.Load() < int64(requests/50) {
 		t.Errorf("too few timeouts (%d) or reused streams (%d) for the run to mean anything", timedOut.Load(), reused.Load())
 	}
 }
