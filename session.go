@@ -58,7 +58,6 @@ type Session struct {
 	// not count against its Config.MaxStreams.
 	peerGone int
 	nextID   uint32 // the last id OpenStream gave out
-	lastID   uint32 // the last id it may give out: math.MaxUint32 (a test lowers it)
 	// closedIDs are ids of streams this server closed while the client
 	// had not: data the client sent before it saw the close must not open
 	// a new stream.
@@ -121,7 +120,6 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 		ec:           newEventConn(conn, conf.ConnectionWriteTimeout),
 		streams:      make(map[uint32]*Stream),
 		nextID:       1,
-		lastID:       math.MaxUint32,
 		closed:       make(chan struct{}),
 		loopDone:     make(chan struct{}),
 		fallbackRoom: make(chan struct{}, 1),
@@ -186,8 +184,8 @@ func (s *Session) OpenStream() (*Stream, error) {
 	// long after this side closed it (a close in flight, or one it keeps
 	// to drop late data by), so a stream opened with it again would lose
 	// its data there.
-	if s.nextID == s.lastID {
-		return nil, fmt.Errorf("%w: this session opened its last stream id, %d; open streams on a new session", ErrStreamIDsExhausted, s.lastID)
+	if s.nextID == math.MaxUint32 {
+		return nil, fmt.Errorf("%w: this session gave out its last stream id, %d; open streams on a new session", ErrStreamIDsExhausted, s.nextID)
 	}
 	s.nextID++
 	return s.addStreamLocked(s.nextID)

@@ -308,11 +308,12 @@ func (m *SessionManager) GetStreamContext(ctx context.Context) (*Stream, error) 
 //     session is healthy and still the manager's.
 //
 // Any other stream is closed instead, and so is one that does not fit into
-// the pool. The stream cannot know where a reply ends: a caller that read
-// only the first part of one and puts the stream back breaks the contract
-// above (put back only once the response has been read completely); one
-// whose read gave up must let PutBack close the stream, as it does. Keeping
-// count costs a flag per message. A stream put back twice is pooled once.
+// the pool; either way the caller may put back every stream it got, even
+// after a failed read. (Keeping track costs a flag per message.) What the
+// stream cannot know is where a reply ends: a caller that read only the
+// first part of one and puts the stream back, with the rest still on its
+// way, breaks the contract above: put back only once the response has
+// been read completely. A stream put back twice is pooled once.
 func (m *SessionManager) PutBack(st *Stream) {
 	if st == nil {
 		return
