@@ -142,3 +142,22 @@ type closedError struct{ msg string }
 func (e *closedError) Error() string { return e.msg }
 
 func (e *closedError) Unwrap() error { return net.ErrClosed }
+
+// writeClosedErr is the error of a write on a stream whose writes are
+// closed: ErrStreamClosed after its own Close, ErrStreamPeerClosed after
+// the peer's, and the session's error when the session ended.
+func (st *Stream) writeClosedErr() error {
+	st.mu.Lock()
+	closed, peer := st.closed, st.peerClosed
+	st.mu.Unlock()
+	switch {
+	case closed:
+		return ErrStreamClosed
+	case peer:
+		return ErrStreamPeerClosed
+	}
+	if err := st.s.sendable(); err != nil {
+		return err
+	}
+	return ErrStreamClosed
+}

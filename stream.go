@@ -602,25 +602,6 @@ func (st *Stream) queueFullGiveUp() error {
 	return st.writeDeadlineErr()
 }
 
-// writeClosedErr is the error of a write on a stream whose writes are
-// closed: ErrStreamClosed after its own Close, ErrStreamPeerClosed after
-// the peer's, and the session's error when the session ended.
-func (st *Stream) writeClosedErr() error {
-	st.mu.Lock()
-	closed, peer := st.closed, st.peerClosed
-	st.mu.Unlock()
-	switch {
-	case closed:
-		return ErrStreamClosed
-	case peer:
-		return ErrStreamPeerClosed
-	}
-	if err := st.s.sendable(); err != nil {
-		return err
-	}
-	return ErrStreamClosed
-}
-
 // sendFallback copies the message into FallbackData frames and frees its
 // slices. From then on the stream always sends fallback data, so its bytes
 // cannot be overtaken by shared-memory messages (PROTOCOL.md §6.5).
