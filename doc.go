@@ -52,7 +52,9 @@
 //
 // Stream.BufferWriter builds a message directly in shared memory and
 // Stream.Flush sends it; Stream.BufferReader returns received bytes in
-// place. Their documentation says how long returned slices stay valid.
+// place. Their documentation says how long returned slices stay valid,
+// and that bytes returned in place stay writable by the peer: copy what you
+// must validate when the peer is not trusted (Stream.Read copies).
 // Stream.NetpollReader and Stream.NetpollWriter offer the same through
 // CloudWeGo netpoll's interfaces, for RPC frameworks.
 //
@@ -67,7 +69,8 @@
 //
 // Every sentinel error is declared in one block (ErrSessionClosed,
 // ErrProtocol, ErrLimitExceeded, ...); returned errors wrap them, for
-// errors.Is. Timeouts satisfy net.Error and match os.ErrDeadlineExceeded.
+// errors.Is. Timeouts satisfy net.Error and match os.ErrDeadlineExceeded;
+// the errors of a stream after its own Close match net.ErrClosed.
 //
 // Everything read from the socket or from shared memory is checked before
 // use. A peer that breaks the protocol ends its session with an error

@@ -34,8 +34,23 @@ var (
 	ErrPeerClosed = errors.New("peer closed the connection")
 
 	// ErrStreamClosed is returned by the methods of a stream after its own
-	// Close, and by writes after the peer closed the stream.
-	ErrStreamClosed = errors.New("shmipc: stream closed")
+	// Close (and by a call that Close cut short). It matches net.ErrClosed
+	// under errors.Is, as the error of a closed net.Conn does, so code that
+	// tells a deliberate close from a failure that way works on streams.
+	ErrStreamClosed error = &closedError{"shmipc: stream closed"}
+
+	// ErrStreamPeerClosed is returned by writes (Write, Flush, BufferWriter
+	// and netpoll writes) on a stream the peer has closed while this side
+	// has not. It does not match ErrStreamClosed or net.ErrClosed: the
+	// stream is still open here and must still be closed. Reads of such a
+	// stream return what had arrived, then io.EOF.
+	ErrStreamPeerClosed = errors.New("shmipc: stream closed by the peer")
+
+	// ErrStreamIDsExhausted is returned (wrapped) by OpenStream on a session
+	// that has opened every stream id (2 to 2^32-1, PROTOCOL.md §6.1). Ids
+	// are never reused, as the peer may still know a stream by an old one:
+	// open streams on a new session. A SessionManager does so by itself.
+	ErrStreamIDsExhausted = errors.New("shmipc: stream ids exhausted")
 
 	// ErrQueueFull is wrapped by the timeout error of a Flush (or Write)
 	// whose message found the peer's IO queue full until its write deadline
@@ -127,3 +142,24 @@ type closedError struct{ msg string }
 func (e *closedError) Error() string { return e.msg }
 
 func (e *closedError) Unwrap() error { return net.ErrClosed }
+
+// writeClosedErr is the error of a write on a stream whose writes are
+// closed: ErrStreamClosed after its own Close, ErrStreamPeerClosed after
+// the peer's, and the session's error when the session ended.
+func (st *Stream) writeClosedErr() error {
+	st.mu.Lock()
+	closed, failed, peer := st.closed, st.failErr, st.peerClosed
+	st.mu.Unlock()
+	switch {
+	case closed:
+		return ErrStreamClosed
+	case failed != nil:
+		return failed
+	case peer:
+		return ErrStreamPeerClosed
+	}
+	if err := st.s.sendable(); err != nil {
+		return err
+	}
+	return ErrStreamClosed
+}

@@ -136,7 +136,8 @@ func TestMisuseStreamZeroLengthAfterClose(t *testing.T) {
 }
 
 // TestMisuseStreamAfterPeerClose: the peer closed the stream. Reads give
-// io.EOF, writes ErrStreamClosed.
+// io.EOF, writes ErrStreamPeerClosed, which is not net.ErrClosed: the stream
+// is still open here.
 func TestMisuseStreamAfterPeerClose(t *testing.T) {
 	mzModes(t, func(t *testing.T) {
 		_, cli, srv := mzPair(t, nil)
@@ -156,7 +157,10 @@ func TestMisuseStreamAfterPeerClose(t *testing.T) {
 				}
 				continue
 			}
-			mzWantErr(t, op.name+" after peer close", err, ErrStreamClosed)
+			mzWantErr(t, op.name+" after peer close", err, ErrStreamPeerClosed)
+			if errors.Is(err, net.ErrClosed) || errors.Is(err, ErrStreamClosed) {
+				t.Errorf("%s after peer close: %v matches net.ErrClosed or ErrStreamClosed, the errors of this side's Close", op.name, err)
+			}
 		}
 	})
 }

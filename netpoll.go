@@ -41,7 +41,10 @@ var (
 // It shares the stream's receive buffer with BufferReader and Read: Release
 // is BufferReader.ReleasePreviousRead, and slices returned by Next, Peek and
 // Until stay valid until Release, ReleasePreviousRead, Read or Close. Do not
-// write into them: they may be shared memory.
+// write into them: they may be shared memory. For the same reason the peer
+// may still write into them after they were returned (see BufferReader):
+// with a peer that is not trusted, validate a copy (ReadBinary, ReadString
+// or Stream.Read copy).
 //
 // Reads block until enough bytes have arrived, the read deadline passes
 // (the error satisfies net.Error with Timeout() true and matches

@@ -446,11 +446,11 @@ func TestNetpollUntilSkipSlice(t *testing.T) {
 			t.Errorf("%s after peer close: %v, want io.EOF", what, err)
 		}
 	}
-	if err := server.NetpollWriter().WriteByte(1); !errors.Is(err, ErrStreamClosed) {
-		t.Errorf("WriteByte after peer close: %v, want ErrStreamClosed", err)
+	if err := server.NetpollWriter().WriteByte(1); !errors.Is(err, ErrStreamPeerClosed) {
+		t.Errorf("WriteByte after peer close: %v, want ErrStreamPeerClosed", err)
 	}
-	if _, err := server.NetpollWriter().Malloc(1); !errors.Is(err, ErrStreamClosed) {
-		t.Errorf("Malloc after peer close: %v, want ErrStreamClosed", err)
+	if _, err := server.NetpollWriter().Malloc(1); !errors.Is(err, ErrStreamPeerClosed) {
+		t.Errorf("Malloc after peer close: %v, want ErrStreamPeerClosed", err)
 	}
 }
 

@@ -14,6 +14,13 @@ import (
 // Stream.Read or Stream.Close is called; after that the memory may be
 // reused by either process. Do not write into them.
 //
+// Bytes returned in place are not a snapshot: the peer keeps the region
+// mapped read-write, so a hostile or buggy peer can change them after the
+// call returned, after the caller checked them (a length it validated can
+// become another). Where the peer is not trusted, copy the bytes before
+// validating them and use only the copy, or read with Stream.Read, which
+// copies.
+//
 // A BufferReader is not safe for concurrent use.
 type BufferReader interface {
 	io.ByteReader
@@ -151,6 +158,9 @@ func (r *streamReader) copyOut(p []byte) {
 func (r *streamReader) advance(n int) {
 	r.unread -= n
 	r.consumed += uint64(n)
+	if n > 0 && r.st.replyOwed.Load() {
+		r.st.replyOwed.Store(false) // a read returned bytes (poolable)
+	}
 	for n > 0 {
 		avail := len(r.segs[r.done].data) - r.pos
 		if n < avail {

@@ -70,7 +70,7 @@ var errSpaceTimeout = errors.New("no space in time")
 
 // spaceWait paces a writer that waits for the peer to free space: pauses
 // that grow from minSpacePause to maxSpacePause, until the stream's write
-// deadline or Config.WriteSpaceTimeout.
+// deadline (looked at before each pause) or Config.WriteSpaceTimeout.
 type spaceWait struct {
 	start time.Time
 	delay time.Duration
@@ -86,11 +86,13 @@ func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 	if w.start.IsZero() {
 		s.counters.of(0).spaceWaits.Add(1)
 		w.start, w.delay = now, minSpacePause
-		w.limit = now.Add(s.conf.WriteSpaceTimeout)
-		if st != nil {
-			if d := st.wDeadline.Load(); d != nil && !d.IsZero() && d.Before(w.limit) {
-				w.limit = *d
-			}
+	}
+	// The deadline as it is now: one moved or cleared while the writer
+	// waits applies to it, as net.Conn has it.
+	w.limit = w.start.Add(s.conf.WriteSpaceTimeout)
+	if st != nil {
+		if d := st.wDeadline.Load(); d != nil && !d.IsZero() && d.Before(w.limit) {
+			w.limit = *d
 		}
 	}
 	if st != nil {

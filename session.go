@@ -3,6 +3,7 @@ package shmipc
 import (
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"slices"
 	"sync"
@@ -51,7 +52,7 @@ type Session struct {
 	// this side has not: the peer no longer holds them open, so they do
 	// not count against its Config.MaxStreams.
 	peerGone int
-	nextID   uint32
+	nextID   uint32 // the last id OpenStream gave out
 	// closedIDs are ids of streams this server closed while the client
 	// had not: data the client sent before it saw the close must not open
 	// a new stream.
@@ -144,7 +145,9 @@ func (s *Session) RemoteAddr() net.Addr { return s.ec.conn.RemoteAddr() }
 
 // OpenStream opens a new stream. Only a client can open streams; the server
 // learns of it with the first message sent on it (PROTOCOL.md §6.2). It
-// fails while Config.MaxStreams streams are open.
+// fails while Config.MaxStreams streams are open, and with an error wrapping
+// ErrStreamIDsExhausted once the session has opened 2^32-2 streams (ids 2
+// to 2^32-1; a SessionManager then dials a new session).
 func (s *Session) OpenStream() (*Stream, error) {
 	if !s.isClient {
 		return nil, fmt.Errorf("%w: a server cannot open streams", ErrNotSupported)
@@ -157,15 +160,14 @@ func (s *Session) OpenStream() (*Stream, error) {
 	if len(s.streams) >= s.conf.MaxStreams {
 		return nil, fmt.Errorf("%w: %d streams are open, the limit set by Config.MaxStreams", ErrLimitExceeded, len(s.streams))
 	}
-	for {
-		s.nextID++
-		if s.nextID == 0 {
-			continue
-		}
-		if _, used := s.streams[s.nextID]; !used {
-			break
-		}
+	// Ids are never reused: the server may still know a stream by an id
+	// long after this side closed it (a close in flight, or one it keeps
+	// to drop late data by), so a stream opened with it again would lose
+	// its data there.
+	if s.nextID == math.MaxUint32 {
+		return nil, fmt.Errorf("%w: this session gave out its last stream id, %d; open streams on a new session", ErrStreamIDsExhausted, s.nextID)
 	}
+	s.nextID++
 	return s.addStreamLocked(s.nextID)
 }
 

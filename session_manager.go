@@ -294,10 +294,26 @@ func (m *SessionManager) GetStreamContext(ctx context.Context) (*Stream, error) 
 // by its reads become invalid, and clears its deadlines. The caller must not
 // use st afterwards.
 //
-// Only a stream that is ready for the next request is pooled: a stream that
-// is closed (by either side), in fallback mode, holds unread data or an
-// unflushed message, belongs to a session that has died, or does not fit
-// into the pool is closed instead. A stream put back twice is pooled once.
+// Only a clean stream is pooled, one on which nothing more can arrive for
+// the request it carried, as far as the stream can tell. A stream is clean
+// when all of these hold:
+//   - no read on it has ever failed: not with a deadline (a reply may still
+//     be on its way), nor with any other error, even after it returned
+//     some bytes (Discard, netpoll Until);
+//   - if anything was written on it (Write, Flush, netpoll writes, even a
+//     write that failed), a read returned bytes after the last of those
+//     writes began: a request whose reply was never read is not clean;
+//   - it holds no unread data and no unflushed message;
+//   - it is not closed by either side, not in fallback mode, and its
+//     session is healthy and still the manager's.
+//
+// Any other stream is closed instead, and so is one that does not fit into
+// the pool; either way the caller may put back every stream it got, even
+// after a failed read. (Keeping track costs a flag per message.) What the
+// stream cannot know is where a reply ends: a caller that read only the
+// first part of one and puts the stream back, with the rest still on its
+// way, breaks the contract above: put back only once the response has
+// been read completely. A stream put back twice is pooled once.
 func (m *SessionManager) PutBack(st *Stream) {
 	if st == nil {
 		return
@@ -316,9 +332,11 @@ func (m *SessionManager) PutBack(st *Stream) {
 	st.Close()
 }
 
-// poolable reports whether st can carry another request.
+// poolable reports whether st can carry another request: it is clean as
+// PutBack defines it.
 func poolable(st *Stream) bool {
 	return !st.writeClosed.Load() && !st.fallback.Load() && st.s.sendable() == nil &&
+		!st.readFailed.Load() && !st.replyOwed.Load() &&
 		st.BufferReader().Len() == 0 && st.BufferWriter().Len() == 0
 }
 

@@ -21,6 +21,8 @@ type smSlot struct {
 	lastErr error // why the last dial failed
 
 	refused chan *Session // a session whose server refused a stream (SessionManager.refused)
+
+	renewing sync.Mutex // held while a session that ran out of stream ids is replaced (renew)
 }
 
 // refusedMinAge is how long a session serves, and how long after the last
@@ -77,7 +79,47 @@ func (sl *smSlot) openStream() (*Stream, error) {
 		}
 		return nil, lastErr
 	}
-	return s.OpenStream()
+	st, err := s.OpenStream()
+	if errors.Is(err, ErrStreamIDsExhausted) {
+		if ns := sl.renew(s); ns != nil {
+			return ns.OpenStream()
+		}
+	}
+	return st, err
+}
+
+// renew replaces the slot's session s, which has opened its last stream
+// id, with a new session, and retires s as replaceRefused does: its idle
+// streams are closed, those handed out are closed as they are put back,
+// and s ends with the last of them. It returns the slot's session after
+// that (one another caller renewed it with, if s was renewed meanwhile),
+// or nil when no new session could be dialed.
+func (sl *smSlot) renew(s *Session) *Session {
+	sl.renewing.Lock()
+	defer sl.renewing.Unlock()
+	if cur := sl.current(); cur != s {
+		return cur
+	}
+	if sl.m.hotRestarting() { // it replaces the sessions itself
+		return nil
+	}
+	ns, err := sl.m.dial()
+	if err != nil {
+		return nil
+	}
+	old, idle, ok := sl.replaceIf(s, ns)
+	if !ok {
+		ns.Close()
+		return sl.current()
+	}
+	for _, is := range idle {
+		is.st.Close()
+	}
+	if old != nil {
+		old.retire()
+		sl.m.closeRetired(old)
+	}
+	return ns
 }
 
 // putBack pools st if it belongs to this slot's session; it reports whether

@@ -16,9 +16,11 @@ import (
 // A stream is a byte stream: the boundaries of writes are not preserved.
 // Data written is sent by Flush (Write flushes by itself).
 //
-// Closing a stream closes both directions. When the peer closes its side,
-// data already received stays readable, then reads return io.EOF, and
-// writes return ErrStreamClosed.
+// Closing a stream closes both directions. After its own Close, its
+// methods return ErrStreamClosed, which matches net.ErrClosed. When the
+// peer closes its side, data already received stays readable, then reads
+// return io.EOF, and writes return ErrStreamPeerClosed (which does not
+// match net.ErrClosed: the stream must still be closed here).
 //
 // Every stream obtained from OpenStream, AcceptStream or a Listener must be
 // closed: until then it may keep slices of shared memory, and with them the
@@ -39,6 +41,12 @@ type Stream struct {
 	// session's peerGone (the peer closed it). Guarded by the session's mu.
 	peerGone bool
 
+	// For SessionManager.PutBack (poolable): replyOwed is set as a message
+	// is sent and cleared as a read returns bytes; readFailed is set by a
+	// read that failed (a deadline, a close), and never cleared.
+	replyOwed  atomic.Bool
+	readFailed atomic.Bool
+
 	wmu    handoverMutex // serialises writers, Flush and Close
 	writer streamWriter
 	// partSent is how much of the message being written went out in
@@ -55,7 +63,6 @@ type Stream struct {
 	refDropped   atomic.Bool   // the stream's references on the regions are gone
 	ended        atomic.Bool   // the session has ended (sessionEnded ran)
 	heldFallback atomic.Int64  // received fallback bytes not yet released
-	gotData      atomic.Bool   // data has arrived on the stream
 	kept         atomic.Uint64 // a received slice kept for the next message (reuse.go)
 }
 
@@ -126,6 +133,7 @@ func (st *Stream) Read(p []byte) (int, error) {
 func (st *Stream) waitReadable(n int) error {
 	err := st.awaitReadable(n)
 	if err != nil {
+		st.readFailed.Store(true)
 		st.notify()
 	}
 	return err
@@ -210,9 +218,6 @@ func (st *Stream) deliver(slices []segment, heap []byte) bool {
 		st.reader.append(slices)
 	}
 	st.mu.Unlock()
-	if !st.gotData.Load() {
-		st.gotData.Store(true)
-	}
 	st.notify()
 	return true
 }
@@ -270,9 +275,10 @@ func (st *Stream) fail(err error) {
 func (st *Stream) peerClose() {
 	st.mu.Lock()
 	st.peerClosed = true
+	received := st.reader.consumed > 0 || st.reader.unread > 0
 	st.mu.Unlock()
 	st.s.peerClosedStream(st)
-	if f := st.s.onRefused; f != nil && !st.gotData.Load() {
+	if f := st.s.onRefused; f != nil && !received {
 		f()
 	}
 	st.writeClosed.Store(true)
@@ -294,6 +300,7 @@ func (st *Stream) Write(p []byte) (int, error) {
 	if err := st.writeDeadlineErr(); err != nil {
 		return 0, err
 	}
+	st.replyOwed.Store(true)
 	before := st.writer.size // left by BufferWriter calls: sent first
 	st.partSent = 0
 	err := st.s.access(func() error {
@@ -344,6 +351,7 @@ func (st *Stream) flushLocked() error {
 		return w.usable() // nothing to send, but not on a closed stream either
 	}
 	raceReleaseIO()
+	st.replyOwed.Store(true)
 	if err := w.usable(); err != nil {
 		_ = w.discard()
 		return err
@@ -409,7 +417,7 @@ func (st *Stream) queueFullGiveUp() error {
 		return err
 	}
 	if st.writeClosed.Load() {
-		return ErrStreamClosed
+		return st.writeClosedErr()
 	}
 	return st.writeDeadlineErr()
 }
@@ -421,9 +429,12 @@ func (st *Stream) sendFallback() error {
 	s, w := st.s, &st.writer
 	st.fallback.Store(true)
 	limit := maxFallbackFrameSent - 16 // whatever the peer's MaxFallbackFrameSize
-	var deadline time.Time             // bounds the socket writes too
-	if d := st.wDeadline.Load(); d != nil {
-		deadline = *d
+	// The deadline bounds each frame's socket write, as it is then.
+	deadline := func() time.Time {
+		if d := st.wDeadline.Load(); d != nil {
+			return *d
+		}
+		return time.Time{}
 	}
 	var frame [][]byte
 	size, sent := 0, 0
@@ -436,18 +447,18 @@ func (st *Stream) sendFallback() error {
 			size += c
 			data = data[c:]
 			if size == limit {
-				if err = s.sendFallbackFrame(st.id, frame, deadline); err == nil {
+				if err = s.sendFallbackFrame(st.id, frame, deadline()); err == nil {
 					sent += size
 				}
 				frame, size = frame[:0], 0
 				if err == nil && st.writeClosed.Load() {
-					err = ErrStreamClosed // closed meanwhile: the rest is not sent
+					err = st.writeClosedErr() // closed meanwhile: the rest is not sent
 				}
 			}
 		}
 	}
 	if err == nil && size > 0 {
-		if err = s.sendFallbackFrame(st.id, frame, deadline); err == nil {
+		if err = s.sendFallbackFrame(st.id, frame, deadline()); err == nil {
 			sent += size
 		}
 	}
@@ -650,8 +661,13 @@ func (st *Stream) SetReadDeadline(t time.Time) error {
 // timeout error, including one waiting for space in the IO queue or the
 // buffer region, and one sending fallback data over the socket. A zero time
 // means no deadline; a write then waits for at most WriteSpaceTimeout for
-// space and ConnectionWriteTimeout for the socket. The deadline a write
-// starts with applies to it.
+// space and ConnectionWriteTimeout for the socket. Like every net.Conn
+// deadline it applies to writes already blocked: one waiting for space
+// looks at the deadline as it is before each pause (at most a millisecond
+// apart), so moving the deadline later or clearing it lets it wait on, and
+// moving it earlier ends its wait then. A fallback frame being written to
+// the socket keeps the deadline it started with; the next frame takes the
+// current one.
 //
 // Fallback data (see Config.FallbackWhenFull) goes over the socket in
 // frames. A deadline that passes before a frame starts fails the write and

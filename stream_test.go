@@ -467,7 +467,7 @@ func TestStreamCloseSemantics(t *testing.T) {
 				t.Fatalf("second Read after end of stream: %v, want io.EOF", err)
 			}
 			_, err = srv.Write([]byte("late"))
-			requireErrorIs(t, err, ErrStreamClosed, "server Write after the client closed")
+			requireErrorIs(t, err, ErrStreamPeerClosed, "server Write after the client closed")
 			if err := srv.Close(); err != nil {
 				t.Fatalf("server Close of a half-closed stream: %v", err)
 			}
@@ -495,7 +495,7 @@ func TestStreamCloseSemantics(t *testing.T) {
 				t.Fatalf("client read %d bytes, want the %d-byte reply", len(got), len(want))
 			}
 			_, err = st.Write([]byte("after close"))
-			requireErrorIs(t, err, ErrStreamClosed, "client Write after the server closed")
+			requireErrorIs(t, err, ErrStreamPeerClosed, "client Write after the server closed")
 			if err := st.Close(); err != nil {
 				t.Fatalf("client Close of a half-closed stream: %v", err)
 			}
@@ -615,7 +615,7 @@ func TestStreamHalfClose(t *testing.T) {
 			t.Fatalf("Len() of the half-closed stream = %d, want %d", n, len(want))
 		}
 		_, err := a.Write([]byte("no"))
-		requireErrorIs(t, err, ErrStreamClosed, "Write on a stream the peer closed")
+		requireErrorIs(t, err, ErrStreamPeerClosed, "Write on a stream the peer closed")
 
 		peek, err := br.Peek(10)
 		if err != nil || !bytes.Equal(peek, want[:10]) {

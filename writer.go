@@ -214,10 +214,7 @@ func (w *streamWriter) usable() error {
 		return err
 	}
 	if st.writeClosed.Load() {
-		if err := st.failure(); err != nil {
-			return err
-		}
-		return ErrStreamClosed
+		return st.writeClosedErr()
 	}
 	return nil
 }
