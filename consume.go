@@ -43,10 +43,11 @@ import (
 
 // consumer is the receive loop's state for consuming; only the loop uses it.
 type consumer struct {
-	budget    int64 // how long to spin for, in ns; adapts
-	max       int64 // ConsumerSpinTime in ns
-	slept     int64 // when the loop last stopped consuming (UnixNano)
-	consuming bool  // the loop holds the working flag set
+	budget    int64       // how long to spin for, in ns; adapts
+	max       int64       // ConsumerSpinTime in ns
+	slept     int64       // when the loop last stopped consuming (UnixNano)
+	consuming bool        // the loop holds the working flag set
+	timer     *time.Timer // bounds awaitReader
 }
 
 // pollCheckEvery is how many looks at the queue a spinner makes between
@@ -109,7 +110,7 @@ func (s *Session) consume() error {
 			s.cons.woken()
 		}
 		first = false
-		if n > 0 {
+		if n > 0 && (s.waiting.Load() > 0 || s.awaitReader()) {
 			switch s.spin() {
 			case spinFound:
 				continue
@@ -124,6 +125,42 @@ func (s *Session) consume() error {
 			return nil
 		}
 		s.recvQ.setWorking(true) // something came in between: go on
+	}
+}
+
+// awaitReader parks the loop, its working flag still set, until a reader
+// of the session begins to wait for data, or for up to the spin budget.
+// While every reader is busy with what it was handed, spinning would only
+// take a core from them and from the peer: in a request-reply exchange the
+// loop and the reader it serves then take turns on one thread, the reader
+// waking the loop as it begins to wait for its reply, instead of each
+// holding a core of a machine the peer process needs too. It reports
+// whether a reader waits.
+func (s *Session) awaitReader() bool {
+	if s.cons.budget <= 0 {
+		return false
+	}
+	select {
+	case <-s.readerWaits:
+		return true
+	default:
+	}
+	d := time.Duration(s.cons.budget)
+	if s.cons.timer == nil {
+		s.cons.timer = time.NewTimer(d)
+	} else {
+		s.cons.timer.Reset(d)
+	}
+	select {
+	case <-s.readerWaits:
+		s.cons.timer.Stop()
+		return true
+	case <-s.cons.timer.C:
+		s.cons.miss()
+		return false
+	case <-s.closed:
+		s.cons.timer.Stop()
+		return false
 	}
 }
 

@@ -91,6 +91,12 @@ type Session struct {
 	closing []pendingClose // close elements waiting for the socket to catch up
 	stall   *stalledFrame  // fallback data waiting for room (fallback_recv.go)
 
+	// Readers waiting for data (Stream.countWaiting), and their signal to a
+	// receive loop that waits for one (awaitReader).
+	_           cacheLinePad
+	waiting     atomic.Int32
+	readerWaits chan struct{}
+
 	// Fallback data received and not yet released by the streams.
 	_            cacheLinePad
 	fallbackHeld atomic.Int64
@@ -108,6 +114,7 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 		closed:       make(chan struct{}),
 		loopDone:     make(chan struct{}),
 		fallbackRoom: make(chan struct{}, 1),
+		readerWaits:  make(chan struct{}, 1),
 	}
 	s.cons.init(conf.ConsumerSpinTime)
 	s.accepted.init()

@@ -37,6 +37,7 @@ type Stream struct {
 	closed     bool  // Close was called
 	peerClosed bool  // the peer closed its side
 	failErr    error // why this side ended the stream (fail), nil if it did not
+	waiting    bool  // a reader waits for data and counts in its session's waiting
 	// peerGone: the stream is in its session's table and counted in the
 	// session's peerGone (the peer closed it). Guarded by the session's mu.
 	peerGone bool
@@ -60,13 +61,20 @@ type Stream struct {
 	writeClosed  atomic.Bool   // writes fail: closed here or by the peer
 	closeOwed    atomic.Uint32 // Close left its writer's part to the goroutine holding wmu (finishClose): closeSilent or closeTell
 	fallback     atomic.Bool   // once set, every message goes as FallbackData
-	refDropped   atomic.Bool   // the stream's references on the regions are gone
-	ended        atomic.Bool   // the session has ended (sessionEnded ran)
+	life         atomic.Uint32 // lifeEnded, lifeDropped
 	heldFallback atomic.Int64  // received fallback bytes not yet released
 	kept         atomic.Uint64 // a received slice kept for the next message (reuse.go)
 }
 
 var _ net.Conn = (*Stream)(nil)
+
+// The bits of Stream.life.
+const (
+	lifeEnded   = 1 << iota // the session has ended (sessionEnded ran)
+	lifeDropped             // the stream's references on the regions are gone
+)
+
+func (st *Stream) isEnded() bool { return st.life.Load()&lifeEnded != 0 }
 
 func newStream(s *Session, id uint32) *Stream {
 	st := &Stream{s: s, id: id, readNotify: make(chan struct{}, 1)}
@@ -132,6 +140,7 @@ func (st *Stream) Read(p []byte) (int, error) {
 // the others' waits.
 func (st *Stream) waitReadable(n int) error {
 	err := st.awaitReadable(n)
+	st.uncountWaiting()
 	if err != nil {
 		st.readFailed.Store(true)
 		st.notify()
@@ -188,12 +197,36 @@ func (st *Stream) awaitReadable(n int) error {
 		if !deadline.IsZero() && !time.Now().Before(deadline) {
 			return ErrTimeout
 		}
+		st.countWaiting()
 		st.mu.Unlock()
 		st.s.wait(st.readNotify, deadline)
 		st.mu.Lock()
 	}
 	raceAcquireIO()
 	return nil
+}
+
+// countWaiting counts the stream's reader, about to wait, in its session's
+// waiting readers, and tells a receive loop that waits for one
+// (Session.awaitReader). st.mu is held.
+func (st *Stream) countWaiting() {
+	if !st.waiting {
+		st.waiting = true
+		st.s.waiting.Add(1)
+	}
+	select {
+	case st.s.readerWaits <- struct{}{}:
+	default:
+	}
+}
+
+// uncountWaiting ends what countWaiting began, unless a delivery did.
+// st.mu is held.
+func (st *Stream) uncountWaiting() {
+	if st.waiting {
+		st.waiting = false
+		st.s.waiting.Add(-1)
+	}
 }
 
 // holdsReceived reports whether the stream's reader holds received slices
@@ -208,7 +241,7 @@ func (st *Stream) holdsReceived() bool {
 // the stream no longer takes data; the caller then frees the slices.
 func (st *Stream) deliver(slices []segment, heap []byte) bool {
 	st.mu.Lock()
-	if st.closed || st.peerClosed || st.failErr != nil || st.ended.Load() {
+	if st.closed || st.peerClosed || st.failErr != nil || st.isEnded() {
 		st.mu.Unlock()
 		return false
 	}
@@ -217,6 +250,7 @@ func (st *Stream) deliver(slices []segment, heap []byte) bool {
 	} else {
 		st.reader.append(slices)
 	}
+	st.uncountWaiting()
 	st.mu.Unlock()
 	st.notify()
 	return true
@@ -236,7 +270,7 @@ func (st *Stream) failed() bool { return st.failure() != nil }
 func (st *Stream) takesData() bool {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	return !st.closed && !st.peerClosed && st.failErr == nil && !st.ended.Load()
+	return !st.closed && !st.peerClosed && st.failErr == nil && !st.isEnded()
 }
 
 // fail ends the stream for a reason of this side's, err (a bound its
@@ -580,7 +614,7 @@ func (st *Stream) sessionEnded(local bool) {
 // (unlockWriter), so that a stream whose last Write overlapped the end of
 // its session does not keep the region mapped until Close.
 func (st *Stream) letGo() {
-	if st.refDropped.Load() || !st.ended.Load() {
+	if st.life.Load()&lifeDropped != 0 || !st.isEnded() {
 		return
 	}
 	st.mu.Lock()
@@ -610,7 +644,7 @@ func (st *Stream) unlockWriter() {
 	if st.closeOwed.Load() != 0 {
 		_ = st.finishClose() // the caller's own error stands
 	}
-	if st.ended.Load() {
+	if st.isEnded() {
 		st.letGo()
 	}
 }
@@ -620,14 +654,14 @@ func (st *Stream) unlockWriter() {
 func (st *Stream) releaseUnexposed(local bool) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	st.ended.Store(true) // before letGo's look at the writer: see unlockWriter
+	st.life.Or(lifeEnded) // before letGo's look at the writer: see unlockWriter
 	if local && !st.reader.exposed() {
 		_ = st.s.access(st.reader.releaseAll)
 	}
 }
 
 func (st *Stream) dropRef() {
-	if st.refDropped.CompareAndSwap(false, true) {
+	if st.life.Or(lifeDropped)&lifeDropped == 0 {
 		st.dropKept()
 		st.s.buf.region.release()
 		st.s.queueRegion.release()
