@@ -398,7 +398,7 @@ func hostileVictim(t *testing.T, perStream, session int) (*rawPeer, *Session) {
 		c.MaxFallbackFrameSize = minFallbackFrame
 		c.MaxFallbackBufferedPerStream = perStream
 		c.MaxFallbackBuffered = session
-		c.FallbackStallTimeout = 2 * time.Second
+		c.FallbackStallTimeout = shortOr(2*time.Second, 500*time.Millisecond)
 	})
 }
 

@@ -76,7 +76,7 @@ func TestHotRestartServerFrames(t *testing.T) {
 	if !strings.Contains(err.Error(), "1 of 2 sessions") {
 		t.Errorf("WaitHotRestart: %v, want 1 of 2 sessions unacknowledged", err)
 	}
-	if elapsed < hotRestartTimeout-50*time.Millisecond || elapsed > hotRestartTimeout+time.Second {
+	if elapsed < hotRestartTimeout-50*time.Millisecond || elapsed > hotRestartTimeout+10*time.Second { // the upper bound catches a hang, not a loaded machine
 		t.Errorf("WaitHotRestart failed after %v, want about %v", elapsed, hotRestartTimeout)
 	}
 	if restartDone(env.ln) {
@@ -270,7 +270,7 @@ func TestHotRestartManagerTimeout(t *testing.T) {
 	if len(got) != 0 {
 		t.Errorf("client sent % x on the parked session, want nothing (no ack on timeout)", got)
 	}
-	if elapsed < hotRestartTimeout-100*time.Millisecond || elapsed > hotRestartTimeout+2*time.Second {
+	if elapsed < hotRestartTimeout-100*time.Millisecond || elapsed > hotRestartTimeout+10*time.Second { // the upper bound catches a hang, not a loaded machine
 		t.Errorf("parked session closed after %v, want about %v", elapsed, hotRestartTimeout)
 	}
 	waitUntil(t, "parked session closed", 5*time.Second, olds[0].IsClosed)

@@ -26,7 +26,7 @@ func TestMaxStreamsConcurrentOpenClose(t *testing.T) {
 				io.Copy(io.Discard, st)
 				st.Close()
 			})
-			deadline := time.Now().Add(2 * time.Second)
+			deadline := time.Now().Add(shortOr(2*time.Second, 500*time.Millisecond))
 			var wg sync.WaitGroup
 			rounds := make([]int, goroutines)
 			for g := range goroutines {

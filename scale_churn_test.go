@@ -54,9 +54,9 @@ func TestScaleClientChurn(t *testing.T) {
 	}
 	total, concurrent := 96, 16
 	if testing.Short() {
-		total, concurrent = 24, 8
+		total, concurrent = 12, 6
 	}
-	for _, mode := range bothModes {
+	for _, mode := range testModes() {
 		t.Run(mode.String(), func(t *testing.T) {
 			prefix := shmPrefix(t, "scchurn")
 			conf := scConfig(mode, prefix)

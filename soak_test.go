@@ -553,7 +553,7 @@ func skRun(t *testing.T, fwf bool) {
 	if fwf {
 		fwfArg = "1"
 	}
-	dur := *soakDuration
+	dur := shortOr(*soakDuration, *soakDuration/3)
 	prefix := shmPrefix(t, "soak")
 	dir := t.TempDir()
 	sockA, sockB := filepath.Join(dir, "a.sock"), filepath.Join(dir, "b.sock")
@@ -670,7 +670,7 @@ func TestSoakInProcess(t *testing.T) {
 }
 
 func skRunInProcess(t *testing.T, fwf bool) {
-	dur := *soakDuration / 2
+	dur := shortOr(*soakDuration, *soakDuration/3) / 2
 	prefix := shmPrefix(t, "soakip")
 	base := clBaseline(t, prefix)
 	seed := rand.Uint64()
