@@ -268,7 +268,7 @@ func (s *Session) closeWithError(cause error) {
 			s.err = ErrSessionClosed
 			s.localClose = true
 		} else {
-			s.err = fmt.Errorf("%w: %w", ErrSessionClosed, cause)
+			s.err = errorf("%w: %w", ErrSessionClosed, cause)
 		}
 		close(s.closed)
 		s.notifyStreams()

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -216,7 +217,7 @@ func (m *SessionManager) dialWith(ctx context.Context, conf *Config) (*Session, 
 	d := net.Dialer{Timeout: conf.ConnectionWriteTimeout}
 	conn, err := d.DialContext(ctx, m.conf.Network, m.conf.Address)
 	if err != nil {
-		return nil, fmt.Errorf("shmipc: dial %s %s: %w", m.conf.Network, m.conf.Address, err)
+		return nil, netError("dial", m.conf.Network, m.conf.Address, err)
 	}
 	stop := context.AfterFunc(ctx, func() { conn.Close() }) // abort the handshake
 	s, err := handshake(conn, conf, true, m.setupSession)
@@ -260,7 +261,10 @@ func (m *SessionManager) GetStream() (*Stream, error) {
 	if lastErr == nil {
 		lastErr = errors.New("reconnecting")
 	}
-	return nil, fmt.Errorf("%w: all %d sessions to %s %s are down: %w",
+	if strings.Contains(lastErr.Error(), m.conf.Address) { // a dial error names it
+		return nil, errorf("%w: all %d sessions are down: %w", ErrNoHealthySession, n, lastErr)
+	}
+	return nil, errorf("%w: all %d sessions to %s %s are down: %w",
 		ErrNoHealthySession, n, m.conf.Network, m.conf.Address, lastErr)
 }
 
