@@ -392,6 +392,9 @@ func (l *fpLoad) round(rng *rand.Rand) error {
 // slice of every shared region must be free again. Regions of killed servers
 // must be gone.
 func TestSharedRegionKills(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: multi-process churn: sessions and server processes killed at random")
+	}
 	const servers, perServer, workers, kills = 2, 3, 2, 100
 	// Regions mapped before this test (an earlier test's, still going away)
 	// are not this test's to account for.

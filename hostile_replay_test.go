@@ -118,7 +118,7 @@ func TestHostileFreeCountOverflow(t *testing.T) {
 	}()
 	defer func() { stop.Store(true); <-done }()
 	var parked int32
-	for end := time.Now().Add(4 * time.Second); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
+	for end := time.Now().Add(shortOr(4*time.Second, time.Second)); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
 		parked = max(parked, circ.lists[li].parked.Load())
 	}
 	if parked > int32(l.count) {

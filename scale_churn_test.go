@@ -52,6 +52,9 @@ func TestScaleClientChurn(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip()
 	}
+	if testing.Short() {
+		t.Skip("-short: a scale test: dozens of client processes")
+	}
 	total, concurrent := 96, 16
 	if testing.Short() {
 		total, concurrent = 12, 6

@@ -90,6 +90,9 @@ func TestScaleFdExhaustion(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip()
 	}
+	if testing.Short() {
+		t.Skip("-short: a scale test: a server process run out of descriptors")
+	}
 	for _, mode := range testModes() {
 		t.Run(mode.String(), func(t *testing.T) {
 			prefix := shmPrefix(t, "scfd")

@@ -884,6 +884,9 @@ func TestSessionManagerCloseEndsRetiredSessions(t *testing.T) {
 // application closes new streams without answering: the wait then
 // doubles).
 func TestSessionManagerRefusalDialsAreRateLimited(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: watches a rate over seconds")
+	}
 	t.Run("failed dials", func(t *testing.T) {
 		sock := filepath.Join(t.TempDir(), "s.sock")
 		old := smStartEcho(t, sock)
