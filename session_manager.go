@@ -86,7 +86,7 @@ type SessionManagerConfig struct {
 // one, the wait doubles, up to about a minute.) Close also ends the
 // retired sessions that are still open.
 //
-// Hot restart (PROTOCOL.md §7, hotrestart.go): the first HotRestart frame
+// Hot restart (docs/protocol.md §10): the first HotRestart frame
 // from the server (more than a second after the last restart began: a
 // server repeating it cannot make the manager dial in a loop) makes the
 // manager dial SessionNum new sessions to the same
