@@ -135,6 +135,9 @@ func TestHostileFreeCountOverflow(t *testing.T) {
 // (a fallocate each) once the list is quiet: the loop is bounded by the
 // slices the list has, and it is over before the session's end.
 func TestHostileFreeCountLoop(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: waits out the give-back period")
+	}
 	p, victim := acceptRawVictim(t, MemMapTypeMemFd, 0)
 	const li = 0
 	l := p.list(li)

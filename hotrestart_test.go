@@ -45,6 +45,9 @@ func hrSessionCount(l *Listener) int {
 // count; without every ack WaitHotRestart fails after about 2 s and the
 // sessions stay up; then a restart whose sessions all ack succeeds.
 func TestHotRestartServerFrames(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: waits out the hot restart timeout")
+	}
 	env := startTestServer(t, 0)
 	p, victim := connectRawClient(t, env, MemMapTypeMemFd)
 
@@ -215,6 +218,9 @@ func TestHotRestartManagerAck(t *testing.T) {
 // old session of the first slot is closed without an acknowledgement, the
 // second slot keeps its old session, and nothing is sent on either.
 func TestHotRestartManagerTimeout(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: waits out the hot restart timeout")
+	}
 	conf := peerConfig(t, MemMapTypeMemFd, 0)
 	ln, sock := listenRaw(t)
 	ch := make(chan *SessionManager, 1)
@@ -656,6 +662,9 @@ func TestTakeoverLongPath(t *testing.T) {
 // SessionManager dial new sessions (and create new regions) in a loop: a
 // restart starts at most once a second.
 func TestHotRestartRepeatedByServer(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: hot restarts a second apart")
+	}
 	ln, sock := listenRaw(t)
 	var accepted atomic.Int64
 	stop := make(chan struct{})

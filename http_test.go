@@ -362,6 +362,9 @@ func TestHTTP(t *testing.T) {
 		}
 	})
 	t.Run("ServerIdleTimeout", func(t *testing.T) {
+		if testing.Short() {
+			t.Skip("-short: waits out a server timeout")
+		}
 		st, err := sc.sess.OpenStream()
 		if err != nil {
 			t.Fatal(err)
@@ -395,6 +398,9 @@ func TestHTTP(t *testing.T) {
 		}
 	})
 	t.Run("ServerWriteTimeout", func(t *testing.T) {
+		if testing.Short() {
+			t.Skip("-short: waits out a server timeout")
+		}
 		// Within the write timeout the answer comes; past it the server's
 		// write fails and it drops the connection.
 		if _, _, err := sc.get("http://shmipc/sleep?d=10ms"); err != nil {

@@ -865,6 +865,9 @@ func TestPeerDeathBlockedWriter(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip()
 	}
+	if testing.Short() {
+		t.Skip("-short: waits out write timeouts")
+	}
 	pdFreshAfter(t, MemMapTypeMemFd)
 	for _, tc := range []struct {
 		side, what string

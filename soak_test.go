@@ -544,6 +544,9 @@ func TestSoak(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip("parent-only test")
 	}
+	if testing.Short() {
+		t.Skip("-short: a soak test")
+	}
 	t.Run("fallback-when-full", func(t *testing.T) { skRun(t, true) })
 	t.Run("backpressure", func(t *testing.T) { skRun(t, false) })
 }
@@ -663,6 +666,9 @@ func skRun(t *testing.T, fwf bool) {
 func TestSoakInProcess(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip("parent-only test")
+	}
+	if testing.Short() {
+		t.Skip("-short: a soak test")
 	}
 	paired(t)
 	t.Run("fallback-when-full", func(t *testing.T) { skRunInProcess(t, true) })
