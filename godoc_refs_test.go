@@ -2,6 +2,7 @@ package shmipc
 
 import (
 	"go/ast"
+	"go/build"
 	"go/doc"
 	"go/parser"
 	"go/token"
@@ -21,19 +22,17 @@ var (
 // file it names is in the repository, and every section it cites (§n) is a
 // section of the file named with it.
 func TestGoDocReferences(t *testing.T) {
-	fset := token.NewFileSet()
-	pkgs, err := parser.ParseDir(fset, ".", func(fi os.FileInfo) bool {
-		return !strings.HasSuffix(fi.Name(), "_test.go")
-	}, parser.ParseComments)
+	bp, err := build.Default.ImportDir(".", 0) // the files go doc reads
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := pkgs["shmipc"]
-	if p == nil {
-		t.Fatal("no package shmipc")
-	}
+	fset := token.NewFileSet()
 	var files []*ast.File
-	for _, f := range p.Files {
+	for _, name := range bp.GoFiles {
+		f, err := parser.ParseFile(fset, name, nil, parser.ParseComments)
+		if err != nil {
+			t.Fatal(err)
+		}
 		files = append(files, f)
 	}
 	d, err := doc.NewFromFiles(fset, files, "github.com/goshm/shmipc")
