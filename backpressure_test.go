@@ -388,6 +388,9 @@ func TestHostileFramesForWaitingReaders(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			if testing.Short() && tc.name != "ReadBytes of a header" && tc.name != "Until" {
+				t.Skip("-short: a reader of each kind")
+			}
 			p, victim := hostileVictim(t, tc.perStream, tc.session)
 			defer victim.Close()
 			block := make(chan struct{})
@@ -492,6 +495,9 @@ func TestFallbackFramesFitAnyPeer(t *testing.T) {
 // must hold no more than MaxFallbackBuffered plus a frame, fail the streams
 // whose data nobody reads, and go on.
 func TestWaitingReadersKeepFallbackBound(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: waits out the fallback stall timeout")
+	}
 	conf := smallRegion()
 	conf.MaxFallbackFrameSize = minFallbackFrame
 	conf.MaxFallbackBufferedPerStream = 1 << 20

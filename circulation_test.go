@@ -192,7 +192,10 @@ func TestCommittedFollowsInFlight(t *testing.T) {
 	time.Sleep(10 * circulationPeriod)
 	var peak, shmemPeak uint64
 	var parked int32
-	for end := time.Now().Add(3 * time.Second); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
+	// At least the measuring time and 100 echoes: a loaded machine gets
+	// more time, not a failure.
+	end, giveUp := time.Now().Add(shortOr(3*time.Second, time.Second)), time.Now().Add(time.Minute)
+	for ; (time.Now().Before(end) || rounds.Load() < 100) && time.Now().Before(giveUp); time.Sleep(10 * time.Millisecond) {
 		st := sess.Stats()
 		peak = max(peak, st.Buffer.Committed)
 		shmemPeak = max(shmemPeak, meminfo(t, "Shmem"))
@@ -225,16 +228,16 @@ func TestCommittedFollowsInFlight(t *testing.T) {
 		t.Errorf("under load %d bytes were committed; the bound is %d (idle %d + %d + %d slack)", peak, limit, idle, bound, slack)
 	}
 
-	deadline := time.Now().Add(giveBackPeriod + 5*time.Second)
+	stopped := time.Now()
 	for {
 		now := sess.Stats().Buffer.Committed
 		if now <= idle+256<<10 {
-			t.Logf("committed %s after traffic stopped", mib(now))
+			t.Logf("committed %s %v after traffic stopped", mib(now), time.Since(stopped).Round(time.Millisecond))
 			break
 		}
-		if time.Now().After(deadline) {
+		if time.Since(stopped) > giveBackPeriod+time.Minute {
 			circLogLists(t, sess, "once quiet")
-			t.Fatalf("committed %d bytes %v after traffic stopped; %d when idle", now, giveBackPeriod+5*time.Second, idle)
+			t.Fatalf("committed %d bytes %v after traffic stopped; %d when idle", now, time.Since(stopped).Round(time.Second), idle)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -322,7 +325,7 @@ func TestParkedSlicesReachThePeer(t *testing.T) {
 			if off != 0 {
 				break
 			}
-			if time.Since(start) > 20*circulationPeriod {
+			if time.Since(start) > 30*time.Second { // a bound for a loaded machine: a slice comes within a few looks
 				t.Fatalf("the peer holds %d of %d slices and has found none for %v: %+v", len(held), count, time.Since(start), sess.Stats().Lists[li])
 			}
 			time.Sleep(time.Millisecond)

@@ -34,6 +34,9 @@ func eoPayload(i int) []byte {
 // ends with its stream still open: that reader gets all of its data too,
 // then the session's error, never a clean io.EOF.
 func TestStreamCloseThenSessionEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: waits out timeouts of seconds")
+	}
 	const sessions = 150
 	prefix := shmPrefix(t, "eo")
 	sock := filepath.Join(t.TempDir(), "s.sock")

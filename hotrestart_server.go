@@ -78,7 +78,7 @@ func (hr *srvHotRestart) finished() bool {
 }
 
 // HotRestart starts a hot restart with the given epoch: it sends a
-// HotRestart frame to every session of the listener (PROTOCOL.md §7) and
+// HotRestart frame to every session of the listener (docs/protocol.md §10) and
 // counts the HotRestartAck frames that come back with the same epoch. It
 // returns once the frames are sent; WaitHotRestart waits for the
 // acknowledgements (at most 2 s from now).

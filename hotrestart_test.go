@@ -45,6 +45,9 @@ func hrSessionCount(l *Listener) int {
 // count; without every ack WaitHotRestart fails after about 2 s and the
 // sessions stay up; then a restart whose sessions all ack succeeds.
 func TestHotRestartServerFrames(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: waits out the hot restart timeout")
+	}
 	env := startTestServer(t, 0)
 	p, victim := connectRawClient(t, env, MemMapTypeMemFd)
 
@@ -76,7 +79,7 @@ func TestHotRestartServerFrames(t *testing.T) {
 	if !strings.Contains(err.Error(), "1 of 2 sessions") {
 		t.Errorf("WaitHotRestart: %v, want 1 of 2 sessions unacknowledged", err)
 	}
-	if elapsed < hotRestartTimeout-50*time.Millisecond || elapsed > hotRestartTimeout+time.Second {
+	if elapsed < hotRestartTimeout-50*time.Millisecond || elapsed > hotRestartTimeout+10*time.Second { // the upper bound catches a hang, not a loaded machine
 		t.Errorf("WaitHotRestart failed after %v, want about %v", elapsed, hotRestartTimeout)
 	}
 	if restartDone(env.ln) {
@@ -215,6 +218,9 @@ func TestHotRestartManagerAck(t *testing.T) {
 // old session of the first slot is closed without an acknowledgement, the
 // second slot keeps its old session, and nothing is sent on either.
 func TestHotRestartManagerTimeout(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: waits out the hot restart timeout")
+	}
 	conf := peerConfig(t, MemMapTypeMemFd, 0)
 	ln, sock := listenRaw(t)
 	ch := make(chan *SessionManager, 1)
@@ -270,7 +276,7 @@ func TestHotRestartManagerTimeout(t *testing.T) {
 	if len(got) != 0 {
 		t.Errorf("client sent % x on the parked session, want nothing (no ack on timeout)", got)
 	}
-	if elapsed < hotRestartTimeout-100*time.Millisecond || elapsed > hotRestartTimeout+2*time.Second {
+	if elapsed < hotRestartTimeout-100*time.Millisecond || elapsed > hotRestartTimeout+10*time.Second { // the upper bound catches a hang, not a loaded machine
 		t.Errorf("parked session closed after %v, want about %v", elapsed, hotRestartTimeout)
 	}
 	waitUntil(t, "parked session closed", 5*time.Second, olds[0].IsClosed)
@@ -656,6 +662,9 @@ func TestTakeoverLongPath(t *testing.T) {
 // SessionManager dial new sessions (and create new regions) in a loop: a
 // restart starts at most once a second.
 func TestHotRestartRepeatedByServer(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: hot restarts a second apart")
+	}
 	ln, sock := listenRaw(t)
 	var accepted atomic.Int64
 	stop := make(chan struct{})

@@ -317,7 +317,7 @@ func TestHTTP(t *testing.T) {
 		if !errors.As(err, &ne) || !ne.Timeout() {
 			t.Errorf("error %v (%T) is not a timeout", err, err)
 		}
-		if elapsed < 200*time.Millisecond || elapsed > 3*time.Second {
+		if elapsed < 200*time.Millisecond || elapsed > 10*time.Second { // the upper bound catches a hang
 			t.Errorf("the request failed after %v with a 200ms timeout", elapsed)
 		}
 		// The Transport closed the stream; the server sees the close and
@@ -362,6 +362,9 @@ func TestHTTP(t *testing.T) {
 		}
 	})
 	t.Run("ServerIdleTimeout", func(t *testing.T) {
+		if testing.Short() {
+			t.Skip("-short: waits out a server timeout")
+		}
 		st, err := sc.sess.OpenStream()
 		if err != nil {
 			t.Fatal(err)
@@ -390,11 +393,14 @@ func TestHTTP(t *testing.T) {
 			t.Fatalf("read on an idle connection: %d, %v; want io.EOF when the server closes it", n, err)
 		}
 		t.Logf("the server closed the idle connection after %v (IdleTimeout %v)", elapsed, httpStrictIdle)
-		if elapsed < httpStrictIdle-50*time.Millisecond || elapsed > 5*time.Second {
+		if elapsed < httpStrictIdle-50*time.Millisecond || elapsed > 15*time.Second { // the upper bound catches a hang
 			t.Errorf("idle connection closed after %v with IdleTimeout %v", elapsed, httpStrictIdle)
 		}
 	})
 	t.Run("ServerWriteTimeout", func(t *testing.T) {
+		if testing.Short() {
+			t.Skip("-short: waits out a server timeout")
+		}
 		// Within the write timeout the answer comes; past it the server's
 		// write fails and it drops the connection.
 		if _, _, err := sc.get("http://shmipc/sleep?d=10ms"); err != nil {

@@ -482,6 +482,9 @@ func TestIsolationPollingStorm(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip("parent-only test")
 	}
+	if testing.Short() {
+		t.Skip("-short: a storm kept up for seconds")
+	}
 	c, sock := fpStartServer(t) // an echo server process with DefaultConfig
 	defer c.Stop(10 * time.Second)
 	conf := peerConfig(t, MemMapTypeMemFd, 0)

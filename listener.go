@@ -27,7 +27,7 @@ func Dial(network, address string, conf *Config) (*Session, error) {
 	}
 	conn, err := net.DialTimeout(network, address, conf.ConnectionWriteTimeout)
 	if err != nil {
-		return nil, fmt.Errorf("shmipc: dial %s %s: %w", network, address, err)
+		return nil, netError("dial", network, address, err)
 	}
 	return Client(conn, conf)
 }
@@ -85,7 +85,7 @@ func Listen(network, address string, conf *Config) (*Listener, error) {
 		ln, err = listenOverStale(network, address, err, conf.ConnectionWriteTimeout)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("shmipc: listen %s %s: %w", network, address, err)
+		return nil, netError("listen", network, address, err)
 	}
 	if ul, ok := ln.(*net.UnixListener); ok && !strings.HasPrefix(address, "@") {
 		err := os.Chmod(address, conf.SocketFileMode)
@@ -96,7 +96,7 @@ func Listen(network, address string, conf *Config) (*Listener, error) {
 		}
 		if err != nil {
 			ul.Close()
-			return nil, fmt.Errorf("shmipc: listen %s %s: %w", network, address, err)
+			return nil, netError("listen", network, address, err)
 		}
 	}
 	return NewListener(ln, conf), nil
@@ -118,12 +118,12 @@ func listenOverStale(network, address string, bindErr error, timeout time.Durati
 		return nil, bindErr // gone meanwhile, or unreadable: nothing to take over
 	}
 	if fi.Mode().Type() != os.ModeSocket {
-		return nil, fmt.Errorf("%w (%s is not a socket; left alone)", bindErr, address)
+		return nil, fmt.Errorf("%w (not a socket; left alone)", bindErr) // bindErr names the address
 	}
 	c, err := net.DialTimeout(network, address, timeout)
 	if err == nil {
 		c.Close()
-		return nil, fmt.Errorf("%w: a live server listens on %s", bindErr, address)
+		return nil, fmt.Errorf("%w: a live server listens there", bindErr)
 	}
 	if !errors.Is(err, syscall.ECONNREFUSED) {
 		return nil, fmt.Errorf("%w (connecting to the socket to see whether it is stale: %w)", bindErr, err)

@@ -26,7 +26,7 @@ func TestMaxStreamsConcurrentOpenClose(t *testing.T) {
 				io.Copy(io.Discard, st)
 				st.Close()
 			})
-			deadline := time.Now().Add(2 * time.Second)
+			deadline := time.Now().Add(shortOr(2*time.Second, 250*time.Millisecond))
 			var wg sync.WaitGroup
 			rounds := make([]int, goroutines)
 			for g := range goroutines {
@@ -64,6 +64,9 @@ func TestMaxStreamsConcurrentOpenClose(t *testing.T) {
 // the client's next stream, through the queue, can overtake. The client
 // kept within MaxStreams 1, so the server's session lives on.
 func TestMaxStreamsCloseFrameOvertaken(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: rounds kept up for seconds")
+	}
 	mzModes(t, func(t *testing.T) {
 		p := newStreamTestPair(t, MemMapTypeMemFd, func(c *Config) {
 			c.MaxStreams = 1

@@ -117,6 +117,9 @@ func TestMisuseConcurrentCloseStream(t *testing.T) {
 // TestMisuseConcurrentCloseSession closes the session while streams are in
 // the middle of reads and writes.
 func TestMisuseConcurrentCloseSession(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: races kept up for seconds")
+	}
 	mzModes(t, func(t *testing.T) {
 		for r := range 20 {
 			p := newStreamTestPair(t, MemMapTypeMemFd, nil)

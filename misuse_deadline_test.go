@@ -99,6 +99,9 @@ func TestMisuseDeadlineChangedWhileBlocked(t *testing.T) {
 	mzModes(t, func(t *testing.T) {
 		_, cli, srv := mzPair(t, func(c *Config) {})
 		for name, f := range mzReaders(srv) {
+			if testing.Short() && name != "Read" && name != "np.Until" {
+				continue // -short: a reader of each package
+			}
 			// none -> soon
 			srv.SetReadDeadline(time.Time{})
 			ch := mzBlocked(f)
@@ -223,6 +226,9 @@ func TestMisuseWriteDeadlineWhileBlocked(t *testing.T) {
 // (short deadlines) while a writer sends: every byte must arrive once, in
 // order, and a timed-out Read must not have its buffer written afterwards.
 func TestMisuseReadTimeoutsLoseNothing(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: rounds of timeouts kept up for seconds")
+	}
 	mzModes(t, func(t *testing.T) {
 		_, cli, srv := mzPair(t, nil)
 		const total = 300000

@@ -7,90 +7,60 @@ package shmipc
 // arrive, followed by exactly one clean end of stream.
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
-	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/proctest"
 )
 
-// orderingKit returns the conformance kit's directory (beside the repo, or
-// $SHMIPC_KIT), and fails the test if it is missing: CI always has it.
-func orderingKit(t *testing.T) string {
+// orderingServerPeer starts the peer process as a server on network
+// (a Unix socket of the test's own, or TCP loopback) and returns its
+// address.
+func orderingServerPeer(t *testing.T, network, mode string) string {
 	t.Helper()
-	dir := os.Getenv("SHMIPC_KIT")
-	if dir == "" {
-		dir = filepath.Join("..", "shared", "conformance")
+	addr := "127.0.0.1:0"
+	if network == "unix" {
+		addr = filepath.Join(t.TempDir(), "peer.sock")
 	}
-	abs, err := filepath.Abs(dir)
-	if err == nil {
-		_, err = os.Stat(filepath.Join(abs, "shmpeer.py"))
-	}
-	if err != nil {
-		t.Fatalf("the conformance kit's shmpeer.py is needed (set SHMIPC_KIT): %v", err)
-	}
-	return abs
-}
-
-// orderingPeer starts testdata/fallback_close_peer.py with args and waits
-// for its first line.
-func orderingPeer(t *testing.T, want string, args ...string) (*exec.Cmd, io.WriteCloser) {
-	t.Helper()
-	cmd := exec.Command("python3", append([]string{"testdata/fallback_close_peer.py"}, args...)...)
-	cmd.Env = append(os.Environ(), "SHMIPC_KIT="+orderingKit(t))
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	c, info := startChild(t, proctest.Config{
+		TestName: "TestOrderingPeerChild",
+		Role:     "order-server",
+		Args:     map[string]string{"NET": network, "ADDR": addr, "MODE": mode},
+		Timeout:  5 * time.Minute,
+	})
 	t.Cleanup(func() {
-		stdin.Close()
-		done := make(chan struct{})
-		go func() { cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			cmd.Process.Kill()
-			<-done
-		}
-		if t.Failed() && stderr.Len() > 0 {
-			t.Logf("peer stderr:\n%s", stderr.String())
+		if err := c.Stop(30 * time.Second); err != nil {
+			t.Errorf("peer: %v\n%s", err, c.Output())
 		}
 	})
-	line := make(chan string, 1)
-	go func() {
-		s, _ := bufio.NewReader(stdout).ReadString('\n')
-		line <- strings.TrimSpace(s)
-		io.Copy(io.Discard, stdout)
-	}()
-	if want == "" {
-		return cmd, stdin
-	}
-	select {
-	case got := <-line:
-		if got != want {
-			t.Fatalf("peer said %q, want %q; stderr:\n%s", got, want, stderr.String())
+	return info
+}
+
+// orderingClientPeer starts the peer process as a client of addr; it
+// opens streams streams of size + 37·k bytes each and keeps its session
+// until the test ends.
+func orderingClientPeer(t *testing.T, network, addr, mode, prefix string, streams, size int) *proctest.Child {
+	t.Helper()
+	c := proctest.Start(t, proctest.Config{
+		TestName: "TestOrderingPeerChild",
+		Role:     "order-client",
+		Args: map[string]string{"NET": network, "ADDR": addr, "MODE": mode, "PREFIX": prefix,
+			"COUNT": fmt.Sprint(streams), "SIZE": fmt.Sprint(size)},
+		Timeout: 5 * time.Minute,
+	})
+	t.Cleanup(func() {
+		if err := c.Stop(30 * time.Second); err != nil {
+			t.Errorf("peer: %v\n%s", err, c.Output())
 		}
-	case <-time.After(30 * time.Second):
-		t.Fatalf("peer did not say %q; stderr:\n%s", want, stderr.String())
-	}
-	return cmd, stdin
+	})
+	return c
 }
 
 // orderingPattern is the peer's byte sequence for stream id.
@@ -135,23 +105,50 @@ func readToEnd(st *Stream, want []byte) error {
 	return nil
 }
 
+// orderingRounds is how many streams each ordering test runs: fewer with
+// -short.
+func orderingRounds() int {
+	if testing.Short() {
+		return 20
+	}
+	return 100
+}
+
 // Our client against a server that replies by FallbackData and then closes
-// with a queue element, 100 times, with and without spinning.
+// with a queue element, with and without spinning.
 func TestOrderingFallbackThenCloseClient(t *testing.T) {
+	testOrderingClient(t, "unix", MemMapTypeMemFd)
+}
+
+// Our server against a client that sends each stream's bytes by
+// FallbackData and closes it with a queue element right after.
+func TestOrderingFallbackThenCloseServer(t *testing.T) {
+	for _, mode := range []string{"memfd", "file"} {
+		t.Run(mode, func(t *testing.T) { testOrderingServer(t, "unix", mode) })
+	}
+}
+
+func testOrderingClient(t *testing.T, network string, mode MemMapType) {
+	modeArg := "file"
+	if mode == MemMapTypeMemFd {
+		modeArg = "memfd"
+	}
 	for _, spin := range []time.Duration{0, DefaultConfig().ConsumerSpinTime} {
 		t.Run(fmt.Sprintf("spin=%v", spin), func(t *testing.T) {
-			sock := filepath.Join(t.TempDir(), "peer.sock")
-			orderingPeer(t, "ready", "server", sock)
+			addr := orderingServerPeer(t, network, modeArg)
 			conf := DefaultConfig()
+			conf.MemMapType = mode
 			conf.ConsumerSpinTime = spin
 			conf.ShareMemoryPathPrefix = shmPrefix(t, "order")
-			s, err := Dial("unix", sock, conf)
+			s, err := Dial(network, addr, conf)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer s.Close()
-			for k := 0; k < 100; k++ {
+			var total uint64
+			for k := 0; k < orderingRounds(); k++ {
 				size := 1<<20 + k*(48<<10) // 1 to ~5.6 MiB, one to two frames each
+				total += uint64(size)
 				st, err := s.OpenStream()
 				if err != nil {
 					t.Fatal(err)
@@ -167,65 +164,95 @@ func TestOrderingFallbackThenCloseClient(t *testing.T) {
 					t.Fatalf("round %d: %v", k, err)
 				}
 			}
+			if got := s.Stats().FallbackBytesIn; got < total {
+				t.Errorf("%d bytes arrived as FallbackData, want all %d", got, total)
+			}
 		})
 	}
 }
 
-// Our server against a client that sends each stream's bytes by
-// FallbackData and closes it with a queue element right after, 100 streams.
-func TestOrderingFallbackThenCloseServer(t *testing.T) {
-	for _, mode := range []string{"memfd", "file"} {
-		t.Run(mode, func(t *testing.T) {
-			const streams, size = 100, 1 << 20
-			conf := DefaultConfig()
-			conf.ShareMemoryPathPrefix = "/dev/shm/shmipc_order" // the peer's names
-			ln, err := Listen("unix", filepath.Join(t.TempDir(), "srv.sock"), conf)
+func testOrderingServer(t *testing.T, network, mode string) {
+	streams := orderingRounds()
+	const size = 1 << 20
+	conf := DefaultConfig()
+	prefix := shmPrefix(t, "order") // the peer's names, in the server's directory
+	conf.ShareMemoryPathPrefix = prefix
+	addr := "127.0.0.1:0"
+	if network == "unix" {
+		addr = filepath.Join(t.TempDir(), "srv.sock")
+	}
+	ln, err := Listen(network, addr, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var mu sync.Mutex
+	var errs []error
+	var wg sync.WaitGroup
+	wg.Add(streams)
+	go func() {
+		for k := 0; k < streams; k++ {
+			st, err := ln.AcceptStream()
 			if err != nil {
-				t.Fatal(err)
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+				for ; k < streams; k++ {
+					wg.Done()
+				}
+				return
 			}
-			defer ln.Close()
-			var mu sync.Mutex
-			var errs []error
-			var wg sync.WaitGroup
-			wg.Add(streams)
 			go func() {
-				for k := 0; k < streams; k++ {
-					st, err := ln.AcceptStream()
-					if err != nil {
-						mu.Lock()
-						errs = append(errs, err)
-						mu.Unlock()
-						for ; k < streams; k++ {
-							wg.Done()
-						}
-						return
-					}
-					go func(k int) {
-						defer wg.Done()
-						defer st.Close()
-						// Streams are opened in order: the k-th has id k+2.
-						if err := readToEnd(st, orderingPattern(st.ID(), size+37*int(st.ID()-2))); err != nil {
-							mu.Lock()
-							errs = append(errs, err)
-							mu.Unlock()
-						}
-					}(k)
+				defer wg.Done()
+				defer st.Close()
+				// Streams are opened in order: the k-th has id k+2.
+				if err := readToEnd(st, orderingPattern(st.ID(), size+37*int(st.ID()-2))); err != nil {
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
 				}
 			}()
-			_, stdin := orderingPeer(t, "", "client", ln.Addr().String(), mode, fmt.Sprint(streams), fmt.Sprint(size))
-			done := make(chan struct{})
-			go func() { wg.Wait(); close(done) }()
-			select {
-			case <-done:
-			case <-time.After(2 * time.Minute):
-				t.Fatal("the streams did not all end within 2 minutes")
-			}
-			stdin.Close()
-			mu.Lock()
-			defer mu.Unlock()
-			for _, err := range errs {
-				t.Error(err)
-			}
-		})
+		}
+	}()
+	peer := orderingClientPeer(t, network, ln.Addr().String(), mode, prefix, streams, size)
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-peer.Done():
+		select {
+		case <-done:
+		case <-time.After(2 * time.Minute):
+			t.Fatalf("the peer exited before the streams ended:\n%s", peer.Output())
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the streams did not all end within 2 minutes")
 	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, err := range errs {
+		t.Error(err)
+	}
+	var total, got uint64
+	for k := range streams {
+		total += uint64(size + 37*k)
+	}
+	for s := range listenerSessions(ln) {
+		got += s.Stats().FallbackBytesIn
+	}
+	if got < total {
+		t.Errorf("%d bytes arrived as FallbackData, want all %d", got, total)
+	}
+}
+
+// TestOrderingFallbackThenCloseTCPClient is TestOrderingFallbackThenCloseClient
+// over TCP loopback, with file-mode regions.
+func TestOrderingFallbackThenCloseTCPClient(t *testing.T) {
+	testOrderingClient(t, "tcp", MemMapTypeDevShmFile)
+}
+
+// TestOrderingFallbackThenCloseTCPServer is TestOrderingFallbackThenCloseServer
+// over TCP loopback, with file-mode regions.
+func TestOrderingFallbackThenCloseTCPServer(t *testing.T) {
+	testOrderingServer(t, "tcp", "file")
 }

@@ -42,7 +42,7 @@ func (s *Session) sendFailed(what string, err error) error {
 		s.closeWithError(cause)
 		return s.closedErr()
 	}
-	e := fmt.Errorf("%w: %w (%w)", ErrSessionClosed, ErrPeerClosed, cause)
+	e := errorf("%w: %w (%w)", ErrSessionClosed, ErrPeerClosed, cause)
 	if s.sendErr.CompareAndSwap(nil, &e) {
 		time.AfterFunc(peerGoneGrace, func() { s.closeWithError(fmt.Errorf("%w (%w)", ErrPeerClosed, cause)) })
 	}

@@ -82,8 +82,9 @@ func createRawRegions(t *testing.T, conf *Config, mode MemMapType, lay rawLayout
 }
 
 // handshake runs the client side: version 2 with file paths, or version 3
-// with memfds (PROTOCOL.md §1.4, §1.5). It returns the version in use.
-func (r *rawRegions) handshake(c *net.UnixConn, mode MemMapType) (byte, error) {
+// with memfds (PROTOCOL.md §1.4, §1.5), which needs a Unix connection. It
+// returns the version in use.
+func (r *rawRegions) handshake(c net.Conn, mode MemMapType) (byte, error) {
 	c.SetDeadline(time.Now().Add(peerTimeout))
 	defer c.SetDeadline(time.Time{})
 	if mode == MemMapTypeDevShmFile {
@@ -112,7 +113,11 @@ func (r *rawRegions) handshake(c *net.UnixConn, mode MemMapType) (byte, error) {
 	if err := expect(7); err != nil {
 		return 3, err
 	}
-	if _, _, err := c.WriteMsgUnix([]byte{0}, unix.UnixRights(r.bufFd, r.queueFd), nil); err != nil {
+	uc, ok := c.(*net.UnixConn)
+	if !ok {
+		return 3, fmt.Errorf("memfds cannot be passed over %s", c.LocalAddr().Network())
+	}
+	if _, _, err := uc.WriteMsgUnix([]byte{0}, unix.UnixRights(r.bufFd, r.queueFd), nil); err != nil {
 		return 3, err
 	}
 	return 3, expect(6)
@@ -176,8 +181,8 @@ func rawMmap(fd int) ([]byte, error) {
 }
 
 // serveRawHandshake plays a correct server handshake and maps the client's
-// regions itself.
-func serveRawHandshake(c *net.UnixConn, mode MemMapType) (buf, q []byte, version byte, err error) {
+// regions itself. Memfds need a Unix connection.
+func serveRawHandshake(c net.Conn, mode MemMapType) (buf, q []byte, version byte, err error) {
 	c.SetDeadline(time.Now().Add(peerTimeout))
 	defer c.SetDeadline(time.Time{})
 	readPaths := func(h []byte) (string, string, error) {
@@ -227,7 +232,11 @@ func serveRawHandshake(c *net.UnixConn, mode MemMapType) (buf, q []byte, version
 	if _, err := c.Write(rawFrame(8, rawMagic, 3, 7)); err != nil {
 		return nil, nil, 0, err
 	}
-	fds, err := rawRecvFds(c)
+	uc, ok := c.(*net.UnixConn)
+	if !ok {
+		return nil, nil, 0, fmt.Errorf("memfds cannot be received over %s", c.LocalAddr().Network())
+	}
+	fds, err := rawRecvFds(uc)
 	if err != nil {
 		return nil, nil, 0, err
 	}

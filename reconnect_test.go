@@ -90,6 +90,9 @@ func (srv *rcServer) close() {
 // re-dials slow down (the backoff is not reset by a dial whose session dies
 // straight away), and once the server is healthy the manager recovers.
 func TestSessionManagerBackoffAcrossShortSessions(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: watches a backoff grow over seconds")
+	}
 	prefix := shmPrefix(t, "rc")
 	conf := clConfig(MemMapTypeMemFd, prefix)
 	conf.BufferSliceSizes = ReferenceSliceSizes()

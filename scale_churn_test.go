@@ -52,11 +52,14 @@ func TestScaleClientChurn(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip()
 	}
+	if testing.Short() {
+		t.Skip("-short: a scale test: dozens of client processes")
+	}
 	total, concurrent := 96, 16
 	if testing.Short() {
-		total, concurrent = 24, 8
+		total, concurrent = 12, 6
 	}
-	for _, mode := range bothModes {
+	for _, mode := range testModes() {
 		t.Run(mode.String(), func(t *testing.T) {
 			prefix := shmPrefix(t, "scchurn")
 			conf := scConfig(mode, prefix)

@@ -47,6 +47,9 @@ func TestScaleSlowReaderIsolation(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip()
 	}
+	if testing.Short() {
+		t.Skip("-short: a scale test of several processes for several seconds")
+	}
 	for _, mode := range bothModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			prefix := shmPrefix(t, "scslow")
@@ -87,7 +90,10 @@ func TestScaleFdExhaustion(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip()
 	}
-	for _, mode := range bothModes {
+	if testing.Short() {
+		t.Skip("-short: a scale test: a server process run out of descriptors")
+	}
+	for _, mode := range testModes() {
 		t.Run(mode.String(), func(t *testing.T) {
 			prefix := shmPrefix(t, "scfd")
 			conf := scConfig(mode, prefix)

@@ -89,6 +89,9 @@ func TestScaleManagerServerRestarts(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip()
 	}
+	if testing.Short() {
+		t.Skip("-short: multi-process churn: server processes restarted")
+	}
 	restarts := 24
 	if testing.Short() {
 		restarts = 8

@@ -16,13 +16,13 @@ import (
 // Session is one connection between a client and a server process, with its
 // shared regions. It carries any number of streams. Only the client opens
 // streams; the server accepts them. A Session is safe for concurrent use.
-//
-// The fields are grouped by who writes them, and the groups written for
-// every message are kept on cache lines of their own: the first group is
-// read for every message by goroutines on every core and written only
-// while the session starts, so a write to a counter or a lock must not
-// take its line from the other cores.
 type Session struct {
+	// The fields are grouped by who writes them, and the groups written for
+	// every message are kept on cache lines of their own: the first group is
+	// read for every message by goroutines on every core and written only
+	// while the session starts, so a write to a counter or a lock must not
+	// take its line from the other cores.
+
 	conf     *Config
 	isClient bool
 	version  uint8
@@ -151,7 +151,7 @@ func (s *Session) LocalAddr() net.Addr { return s.ec.conn.LocalAddr() }
 func (s *Session) RemoteAddr() net.Addr { return s.ec.conn.RemoteAddr() }
 
 // OpenStream opens a new stream. Only a client can open streams; the server
-// learns of it with the first message sent on it (PROTOCOL.md §6.2). It
+// learns of it with the first message sent on it (docs/protocol.md §9.2). It
 // fails while Config.MaxStreams streams are open, and with an error wrapping
 // ErrStreamIDsExhausted once the session has opened 2^32-2 streams (ids 2
 // to 2^32-1; a SessionManager then dials a new session).
@@ -206,7 +206,7 @@ func (s *Session) AcceptStream() (*Stream, error) {
 }
 
 // Close closes the session and all its streams without telling the peer
-// about each stream (PROTOCOL.md §6.4), closes the connection, and releases
+// about each stream (docs/protocol.md §9.4), closes the connection, and releases
 // the shared memory once no stream holds slices of it. Slices a stream's
 // reads returned in place (ReadBytes, Peek) stay valid, and keep the memory
 // mapped, until that stream's ReleasePreviousRead or Close: a server that
@@ -248,7 +248,7 @@ func (s *Session) closeWithError(cause error) {
 			s.err = ErrSessionClosed
 			s.localClose = true
 		} else {
-			s.err = fmt.Errorf("%w: %w", ErrSessionClosed, cause)
+			s.err = errorf("%w: %w", ErrSessionClosed, cause)
 		}
 		close(s.closed)
 		s.notifyStreams()

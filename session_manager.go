@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -85,7 +86,7 @@ type SessionManagerConfig struct {
 // one, the wait doubles, up to about a minute.) Close also ends the
 // retired sessions that are still open.
 //
-// Hot restart (PROTOCOL.md §7, hotrestart.go): the first HotRestart frame
+// Hot restart (docs/protocol.md §10): the first HotRestart frame
 // from the server (more than a second after the last restart began: a
 // server repeating it cannot make the manager dial in a loop) makes the
 // manager dial SessionNum new sessions to the same
@@ -216,7 +217,7 @@ func (m *SessionManager) dialWith(ctx context.Context, conf *Config) (*Session, 
 	d := net.Dialer{Timeout: conf.ConnectionWriteTimeout}
 	conn, err := d.DialContext(ctx, m.conf.Network, m.conf.Address)
 	if err != nil {
-		return nil, fmt.Errorf("shmipc: dial %s %s: %w", m.conf.Network, m.conf.Address, err)
+		return nil, netError("dial", m.conf.Network, m.conf.Address, err)
 	}
 	stop := context.AfterFunc(ctx, func() { conn.Close() }) // abort the handshake
 	s, err := handshake(conn, conf, true, m.setupSession)
@@ -260,7 +261,10 @@ func (m *SessionManager) GetStream() (*Stream, error) {
 	if lastErr == nil {
 		lastErr = errors.New("reconnecting")
 	}
-	return nil, fmt.Errorf("%w: all %d sessions to %s %s are down: %w",
+	if strings.Contains(lastErr.Error(), m.conf.Address) { // a dial error names it
+		return nil, errorf("%w: all %d sessions are down: %w", ErrNoHealthySession, n, lastErr)
+	}
+	return nil, errorf("%w: all %d sessions to %s %s are down: %w",
 		ErrNoHealthySession, n, m.conf.Network, m.conf.Address, lastErr)
 }
 

@@ -660,6 +660,9 @@ func TestSessionManagerServerStopsGracefully(t *testing.T) {
 // was still handed out, follows that new server's graceful stop as it
 // follows the first server's: it reaches the server that listens next.
 func TestSessionManagerStopsGracefullyAfterHotRestart(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: waits out the hot restart timeout")
+	}
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	first := smStartEcho(t, sock)
 	t.Cleanup(func() { first.ln.CloseAll() })
@@ -818,6 +821,9 @@ func smRefuseOnce(t *testing.T, m *SessionManager, old *smEchoServer, start func
 // slot dials its replacement after a refusal; a GetStreamContext that found
 // no healthy session meanwhile is woken when the replacement is installed.
 func TestSessionManagerRefusalWakesWaiters(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: waits out the refusal age")
+	}
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	old := smStartEcho(t, sock)
 	t.Cleanup(func() { old.ln.CloseAll() })
@@ -884,6 +890,9 @@ func TestSessionManagerCloseEndsRetiredSessions(t *testing.T) {
 // application closes new streams without answering: the wait then
 // doubles).
 func TestSessionManagerRefusalDialsAreRateLimited(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: watches a rate over seconds")
+	}
 	t.Run("failed dials", func(t *testing.T) {
 		sock := filepath.Join(t.TempDir(), "s.sock")
 		old := smStartEcho(t, sock)

@@ -544,6 +544,9 @@ func TestSoak(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip("parent-only test")
 	}
+	if testing.Short() {
+		t.Skip("-short: a soak test")
+	}
 	t.Run("fallback-when-full", func(t *testing.T) { skRun(t, true) })
 	t.Run("backpressure", func(t *testing.T) { skRun(t, false) })
 }
@@ -553,7 +556,7 @@ func skRun(t *testing.T, fwf bool) {
 	if fwf {
 		fwfArg = "1"
 	}
-	dur := *soakDuration
+	dur := shortOr(*soakDuration, *soakDuration/3)
 	prefix := shmPrefix(t, "soak")
 	dir := t.TempDir()
 	sockA, sockB := filepath.Join(dir, "a.sock"), filepath.Join(dir, "b.sock")
@@ -663,12 +666,15 @@ func TestSoakInProcess(t *testing.T) {
 	if proctest.IsChild() {
 		t.Skip("parent-only test")
 	}
+	if testing.Short() {
+		t.Skip("-short: a soak test")
+	}
 	t.Run("fallback-when-full", func(t *testing.T) { skRunInProcess(t, true) })
 	t.Run("backpressure", func(t *testing.T) { skRunInProcess(t, false) })
 }
 
 func skRunInProcess(t *testing.T, fwf bool) {
-	dur := *soakDuration / 2
+	dur := shortOr(*soakDuration, *soakDuration/3) / 2
 	prefix := shmPrefix(t, "soakip")
 	base := clBaseline(t, prefix)
 	seed := rand.Uint64()

@@ -515,7 +515,7 @@ func (st *Stream) sendFallback() error {
 }
 
 // Close closes the stream in both directions. If the peer had not closed
-// it, the peer is told (PROTOCOL.md §6.4). Slices returned by reads and
+// it, the peer is told (docs/protocol.md §9.4). Slices returned by reads and
 // Reserve become invalid. Close is idempotent.
 //
 // Close does not wait for a Write, Flush or netpoll write in progress on the

@@ -126,7 +126,7 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			li, off, err := buf.alloc(want, !contiguous, leave)
 			if err != nil {
 				st.s.closeWithError(err)
-				return fmt.Errorf("%w: %w", ErrSessionClosed, err)
+				return errorf("%w: %w", ErrSessionClosed, err)
 			}
 			if li >= 0 {
 				w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
