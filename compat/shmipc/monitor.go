@@ -1,6 +1,7 @@
 package shmipc
 
 import (
+	"sync/atomic"
 	"time"
 
 	shm "github.com/goshm/shmipc"
@@ -8,7 +9,8 @@ import (
 
 // Monitor receives the metrics of the sessions of every Config it is set
 // in: OnEmitSessionMetrics for each session every 30 s and once more when
-// the session has ended, each followed by Flush. The calls come from one
+// the session has ended (before its CloseChan is closed), each followed
+// by Flush. The calls come from one
 // goroutine of the package, one at a time.
 type Monitor interface {
 	OnEmitSessionMetrics(PerformanceMetrics, StabilityMetrics, ShareMemoryMetrics, *Session)
@@ -55,10 +57,11 @@ type ShareMemoryMetrics struct {
 
 // How often watch looks for ended sessions, and how often it reports to
 // monitors.
-var (
-	watchInterval   = 20 * time.Millisecond
-	monitorInterval = 30 * time.Second
-)
+const watchInterval = 20 * time.Millisecond
+
+var monitorInterval atomic.Int64 // a time.Duration
+
+func init() { monitorInterval.Store(int64(30 * time.Second)) }
 
 // watch runs while sessions holds any: it closes the CloseChan of ended
 // sessions and forgets them, and reports to their monitors.
@@ -67,7 +70,7 @@ func watch() {
 	defer t.Stop()
 	lastReport := time.Now()
 	for range t.C {
-		report := time.Since(lastReport) >= monitorInterval
+		report := time.Since(lastReport) >= time.Duration(monitorInterval.Load())
 		if report {
 			lastReport = time.Now()
 		}
@@ -89,16 +92,16 @@ func watchOnce(report bool) int {
 	sessions.m.Range(func(k, v any) bool {
 		s := v.(*Session)
 		ended := k.(*shm.Session).IsClosed()
+		if s.monitor != nil && (ended || report) {
+			p, q, m := s.GetMetrics()
+			s.monitor.OnEmitSessionMetrics(p, q, m, s)
+			s.monitor.Flush()
+		}
 		if ended {
 			sessions.m.Delete(k)
 			close(s.closed)
 		} else {
 			open++
-		}
-		if s.monitor != nil && (ended || report) {
-			p, q, m := s.GetMetrics()
-			s.monitor.OnEmitSessionMetrics(p, q, m, s)
-			s.monitor.Flush()
 		}
 		return true
 	})
