@@ -36,7 +36,7 @@ func testPrefix(t testing.TB) string {
 }
 
 // testConfig is DefaultConfig with a 32 MiB region of the reference
-// classes, regions named after prefix, and logs on stderr.
+// classes, regions named after prefix, and no logs.
 func testConfig(prefix string) *Config {
 	c := DefaultConfig()
 	c.ShareMemoryBufferCap = shm.ReferenceBufferCap
@@ -45,7 +45,7 @@ func testConfig(prefix string) *Config {
 		c.BufferSliceSizes = append(c.BufferSliceSizes, &SizePercentPair{Size: p.Size, Percent: p.Percent})
 	}
 	c.ShareMemoryPathPrefix = prefix
-	c.LogOutput = os.Stderr
+	c.LogOutput = nil
 	return c
 }
 
