@@ -206,7 +206,6 @@ func TestCallbackServerProcess(t *testing.T) {
 type clientCallbacks struct {
 	replies chan string
 	closed  chan string
-	partial []byte
 }
 
 func (c *clientCallbacks) OnData(r BufferReader) {
