@@ -247,7 +247,7 @@ func (s *Session) spin() int {
 	w.start()
 	for {
 		for range pollCheckEvery {
-			if !s.recvQ.isEmpty() {
+			if !s.recvQ.looksEmpty() {
 				s.cons.hit()
 				return spinFound
 			}

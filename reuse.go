@@ -6,60 +6,29 @@ import "math"
 // next message it sends.
 //
 // Without it, every message costs two operations on a free list shared by
-// both processes: the receiver pushes the slices it has read, and the
-// sender of the next message pops others. Those lists' heads and tails are
-// cache lines that both processes write, and with many streams the two
-// processes contend for them. In a request-reply exchange a stream instead
-// keeps the slice of the message it just read and writes its next message
-// in it: the same slice then goes back and forth on the stream without
-// touching the free lists, and its data is already in the caches.
+// both processes (the receiver pushes what it read, the next sender pops),
+// on cache lines both processes write. A stream in a request-reply exchange
+// instead writes its next message in the slice it just read: the slice goes
+// back and forth on the stream without touching the free lists, and each
+// side writes the lines its peer has just written. Between two processes
+// this made 64 B round trips a third faster and 64 streams of 4 KiB 1.5
+// times the round trips per second (docs/bench/HISTORY.md has the runs).
 //
 // Slices of every class up to keepMaxCap are kept, one per stream, and used
-// only for a message piece that fits in one. For small messages the list
-// operations weigh most: a build that kept nothing took
-// 1.8 µs instead of 1.2 for 64 B between processes, and 64 streams of
-// 4 KiB made 560 k round trips per second instead of 820 k (two runs each).
+// only for a message piece that fits in one. A stream asks for permission
+// to keep slices of a class when it first has one to keep, and holds it
+// until it lets go of the region or receives a slice of another keepable
+// class, which replaces the one it held. At most 1/keepShare of a class may
+// be kept by a process's streams, so that many open streams cannot starve
+// its list. PROTOCOL.md §6.6 allows it: a peer may hold slices, and the
+// root slice of a message may have been allocated by the other process.
 //
-// Between two processes the two ends run on different processors, and the
-// lines of a kept slice move from one to the other for every message. A
-// slice taken from the list instead is one that this process or its peer
-// wrote some round trips ago, and which one depends on how many slices the
-// list rotates through (circulation.go parks the rest): in a request-reply
-// exchange over one stream, each side pops one slice per round trip from
-// the FIFO list and the other pushes it back, so with an even number in
-// rotation each side always rewrites the slices it wrote itself, which the
-// peer has since read, and with an odd number the two take turns. On the
-// 2-vCPU AMD EPYC VM of 2026-11-29 that parity decided the round trip: one
-// stream of 64 KiB took 5 µs at p50 with 11 slices of the 128 KiB class in
-// rotation and 10-12 µs with 10, in 14 of 14 runs, and 10 is what
-// circulation leaves most often. Keeping the slice it read gives each side
-// the lines its peer has just written, always: 16, 32 and 64 KiB took 1.7-
-// 2.4, 2.4-2.6 and 4.7-5.0 µs at p50 against 3.7, 5.6-6.5 and 10.3-10.6 µs
-// taking from the list (example/pingpong, three alternating runs of each
-// build), 8 streams of 16 and 64 KiB made 1.35-1.54 and 1.71-1.79 times
-// the round trips per second, and through net.Conn 16 and 64 KiB took 2.4
-// and 7.5-7.8 µs against 5.7 and 19-20 µs. (On a 2-vCPU Intel Xeon VM,
-// before the rotation's parity was known, keeping had measured slower
-// between processes: 16 and 64 KiB took 5.4 and 15 µs against 4.1 and
-// 9.3 µs, two runs each. That machine may prefer the list; it has not been
-// measured since.) Larger classes are not kept (keepMaxCap).
-//
-// A stream asks for permission to keep slices of one class when it first
-// has a slice of that class to keep, and holds it until it lets go of the
-// buffer region or receives a slice of another class it may keep, which
-// replaces the one it held (a kept slice serves any message that fits).
-// At most 1/keepShare of a class may be kept by a process's streams, so
-// that many open streams cannot starve its list. PROTOCOL.md §6.6 allows
-// it: a peer may hold slices, and the root slice of a message may have
-// been allocated by the other process (the reference implementations'
-// stream pools do the same).
 // A kept slice goes back to its list when the stream lets go of the buffer
 // region (dropRef: Close, or the end of the session), when the peer closes
-// the stream (peerClose: it sends nothing more), and, for a session closed
-// locally, before its connection closes (dropAllKept), since a peer may
-// count its free lists as soon as it sees the end. Until then it counts as
-// in flight. An open stream thus holds at most one slice of up to
-// keepMaxCap bytes at rest.
+// the stream (peerClose), and, for a session closed locally, before its
+// connection closes (dropAllKept), since a peer may count its free lists as
+// soon as it sees the end. An open stream thus holds at most one slice of
+// up to keepMaxCap bytes at rest.
 
 // keepShare: at most 1/keepShare of a class of a region may be kept by the
 // streams of a process (307 of the 2457 slices of the smallest class of

@@ -1,0 +1,421 @@
+package shmipc
+
+import (
+	"encoding/binary"
+	"fmt"
+	"sort"
+	"sync/atomic"
+)
+
+// Taking slices from the free lists and giving them back, the held bitmap
+// that says which slices this process has handed out, allocation by size
+// class, and the chains of slices that carry one message.
+
+// corrupt builds the error for a value in the buffer region that cannot be.
+func corrupt(format string, args ...any) error {
+	return fmt.Errorf("%w: buffer region: %s", ErrProtocol, fmt.Sprintf(format, args...))
+}
+
+// pop takes one free slice from list li (PROTOCOL.md §4.8). It returns the
+// absolute offset of the slice header, or 0 when the list has no slice to
+// spare. An error means the list is corrupt.
+func (m *bufferManager) pop(li int) (uint32, error) {
+	return m.popLeaving(li, 0)
+}
+
+// popLeaving is pop that gives up when it would leave the list with fewer
+// than keep free slices.
+func (m *bufferManager) popLeaving(li int, keep int32) (uint32, error) {
+	off, left, err := m.popList(li, keep)
+	if off != 0 && m.circ != nil {
+		err = m.circ.observe(m, li, left)
+	}
+	return off, err
+}
+
+// popList is pop without the circulation bookkeeping, giving up when it
+// would leave the list with fewer than keep free slices (0: take any but
+// the last). It also returns the free count the list was left with.
+func (m *bufferManager) popList(li int, keep int32) (uint32, int32, error) {
+	l := &m.lists[li]
+	free, head := m.i32(l.header+listFreeOff), m.u32(l.header+listHeadOff)
+	h := shmLoadUint32(head)
+	left := shmAddInt32(free, -1)
+	if left <= 0 || left < keep {
+		shmAddInt32(free, 1)
+		return 0, 0, nil
+	}
+	for range popAttempts {
+		if !l.validRelative(h) {
+			shmAddInt32(free, 1)
+			return 0, 0, corrupt("list of %d-byte slices: head %d is not a slice", l.sliceCap, h)
+		}
+		hdr := l.area + h
+		if m.flags(hdr)&flagHasNext != 0 {
+			next := shmLoadUint32(m.u32(hdr + sliceNextOff))
+			if !l.validRelative(next) {
+				if shmLoadUint32(head) == h {
+					shmAddInt32(free, 1)
+					return 0, 0, corrupt("list of %d-byte slices: free slice %d links to %d, not a slice", l.sliceCap, h, next)
+				}
+			} else if shmCASUint32(head, h, next) {
+				m.setFlags(hdr, flagInUse)
+				shmAddInt32(m.i32(l.header+m.counter), 1)
+				return hdr, left, nil
+			}
+		} else if shmLoadUint32(head) == h && shmLoadInt32(free) <= 1 {
+			// h is the last slice on the list. A head that moved on means
+			// h was taken meanwhile (its flags no longer say a slice
+			// follows): try the new head.
+			shmAddInt32(free, 1)
+			return 0, 0, nil
+		}
+		h = shmLoadUint32(head)
+	}
+	shmAddInt32(free, 1)
+	return 0, 0, nil
+}
+
+// push returns the slice at absolute offset off, which belongs to list li, to
+// its free list (PROTOCOL.md §4.9).
+func (m *bufferManager) push(li int, off uint32) error {
+	left, err := m.pushList(li, off)
+	if err == nil && m.circ != nil {
+		// Just before this push the list held one slice fewer.
+		err = m.circ.observe(m, li, left-1)
+	}
+	return err
+}
+
+// pushList is push without the circulation bookkeeping. It also returns the
+// free count the list was left with.
+func (m *bufferManager) pushList(li int, off uint32) (int32, error) {
+	l := &m.lists[li]
+	// Before the slice is on the list: from then on the peer may allocate
+	// it and publish it again.
+	m.unhold(li, off)
+	binary.LittleEndian.PutUint32(m.mem[off+sliceSizeOff:], 0)
+	binary.LittleEndian.PutUint32(m.mem[off+sliceStartOff:], 0)
+	m.setFlags(off, 0)
+	rel := off - l.area
+	tail := m.u32(l.header + listTailOff)
+	for range pushAttempts {
+		t := shmLoadUint32(tail)
+		if !l.validRelative(t) {
+			return 0, corrupt("list of %d-byte slices: tail %d is not a slice", l.sliceCap, t)
+		}
+		if shmCASUint32(tail, t, rel) {
+			prev := l.area + t
+			shmStoreUint32(m.u32(prev+sliceNextOff), rel)
+			atomic.OrUint32(m.u32(prev+sliceFlagsOff), flagHasNext)
+			left := shmAddInt32(m.i32(l.header+listFreeOff), 1)
+			shmAddInt32(m.i32(l.header+m.counter), -1)
+			m.space.freed()
+			return left, nil
+		}
+	}
+	return 0, corrupt("list of %d-byte slices: tail kept moving for %d attempts", l.sliceCap, pushAttempts)
+}
+
+// locate returns the list holding the slice whose header is at absolute
+// offset off, checking that off is exactly on a slice boundary.
+func (m *bufferManager) locate(off uint32) (int, error) {
+	i := sort.Search(len(m.lists), func(i int) bool { return m.lists[i].area > off }) - 1
+	if i < 0 {
+		return 0, corrupt("offset %d lies before the first slice", off)
+	}
+	l := &m.lists[i]
+	if off >= l.end() || (off-l.area)%l.stride != 0 {
+		return 0, corrupt("offset %d is not the start of a slice", off)
+	}
+	return i, nil
+}
+
+// hold marks the slice at off of list li as received and held by this
+// process. It reports false when it was held already.
+func (m *bufferManager) hold(li int, off uint32) bool {
+	w, bit := m.heldBit(li, off)
+	return w.Or(bit)&bit == 0
+}
+
+// unhold clears the mark of hold: the slice leaves this process's hands as
+// received data.
+func (m *bufferManager) unhold(li int, off uint32) {
+	w, bit := m.heldBit(li, off)
+	if w.Load()&bit != 0 {
+		w.And(^bit)
+	}
+}
+
+// heldBit locates the bit of held for the slice at off of list li, which
+// locate has checked.
+func (m *bufferManager) heldBit(li int, off uint32) (*atomic.Uint64, uint64) {
+	l := &m.lists[li]
+	i := l.first + (off-l.area)/l.stride
+	// Slice i is bit p of cache line i mod lines: a line of 8 words holds
+	// 512 bits, and there are enough lines for every slice.
+	line := i & (1<<m.heldShift - 1)
+	p := i >> m.heldShift
+	return &m.held[line*8+p/64&7], 1 << (p % 64)
+}
+
+// alloc pops one slice for n more bytes: from the smallest list whose
+// slices hold n, falling back to larger lists when it is empty. When split
+// is set the bytes need not be contiguous, so after those it takes the
+// largest smaller slice that is left, of at least an eighth of n (or of the
+// largest slice that can be handed out, for n beyond it; maxSplitPieces).
+// It returns li = -1 when no list can give a slice.
+//
+// With leave, the writer holds no slice of the region, and it leaves the
+// reserve (maxReserve slices) of the lists it takes as a last resort: the
+// largest list, and the smaller ones of a split. It takes no slice that
+// would leave such a list with fewer free slices than its reserve besides
+// the last one, which is never handed out; parked slices count as being on
+// the list. The reserve goes to writers that hold slices: part of the
+// message they are building, or a message they received and have not
+// released, such as a request an echo answers before releasing it. When
+// every writer may take every slice, new requests fill the region and the
+// writers that would answer them, holding a request each, wait for room
+// that only their answers would free; with the reserve there is always
+// room for an answer, so exchanges go on turning instead of stalling until
+// those writers fall back to the socket. The lists between the first that
+// fits and the largest are taken in full: an answer that finds one empty
+// goes on to a larger one, as a request does.
+//
+// Only the region's creator leaves a reserve. It alone sees the slices it
+// parked (circulation.go), and keeps a busy list short of free slices on
+// purpose; a mapper that counted only the free list could find such a list
+// never above the reserve, and wait for ever.
+func (m *bufferManager) alloc(n int, split, leave bool) (li int, off uint32, err error) {
+	leave = leave && m.circ != nil
+	start := m.firstFit(n)
+	largest := m.bySize[len(m.bySize)-1]
+	for _, i := range m.bySize[start:] {
+		if off, err = m.take(i, leave && i == largest); off != 0 || err != nil {
+			return i, off, err
+		}
+	}
+	if !split {
+		return -1, 0, nil
+	}
+	floor := min(n, int(m.usable)) / maxSplitPieces
+	if leave && !m.roomFor(n, start, floor) {
+		return -1, 0, nil
+	}
+	for k := start - 1; k >= 0 && int(m.lists[m.bySize[k]].sliceCap) >= floor; k-- {
+		i := m.bySize[k]
+		if off, err = m.take(i, leave); off != 0 || err != nil {
+			return i, off, err
+		}
+	}
+	return -1, 0, nil
+}
+
+// roomFor reports whether the lists below position start in bySize whose
+// slices hold at least floor bytes have room for n bytes beyond their
+// reserves. A writer that holds nothing begins a message that takes
+// several slices only then: once it holds the first, it takes the rest
+// from the reserves, which are kept for writers whose slices an exchange
+// needs to finish. Between two processes, requests of 4 MiB split over
+// 1 MiB slices took the reserves in about one run of three, and the echo
+// server, holding a request each, found no room for its replies and sent
+// them over the socket.
+func (m *bufferManager) roomFor(n, start, floor int) bool {
+	room := 0
+	for k := start - 1; k >= 0 && room < n; k-- {
+		li := m.bySize[k]
+		l := &m.lists[li]
+		if int(l.sliceCap) < floor {
+			break
+		}
+		spare := m.freeCount(li) + m.circ.lists[li].parked.Load() - l.reserve - 1
+		if spare > 0 {
+			room += int(spare) * int(l.sliceCap)
+		}
+	}
+	return room >= n
+}
+
+// firstFit is the position in bySize of the smallest list whose slices
+// hold n bytes (len(bySize) if none does).
+func (m *bufferManager) firstFit(n int) int {
+	return sort.Search(len(m.bySize), func(i int) bool { return int(m.lists[m.bySize[i]].sliceCap) >= n })
+}
+
+// class is the queue a writer asking for n bytes waits for room in
+// (space_queue.go): for n contiguous bytes, that of the smallest list whose
+// slices hold them (or the largest list); for bytes that may be split over
+// slices of any list, one queue of its own.
+func (m *bufferManager) class(n int, split bool) int {
+	if split {
+		return len(m.lists)
+	}
+	return m.bySize[min(m.firstFit(n), len(m.bySize)-1)]
+}
+
+// take pops a slice of list li for this process's own use: from the free
+// list, or when that has none to spare, one of the list's parked slices
+// (circulation.go). With leave (which alloc sets only for the region's
+// creator, the one that parks), it leaves the list's reserve, parked slices
+// included.
+func (m *bufferManager) take(li int, leave bool) (uint32, error) {
+	l := &m.lists[li]
+	var keep, parked int32
+	if leave {
+		// The reserve, beyond the last slice, which is never handed out;
+		// parked slices are free too.
+		parked = m.circ.lists[li].parked.Load()
+		keep = l.reserve + 1 - parked
+	}
+	off, err := m.popLeaving(li, keep)
+	if off != 0 || err != nil || m.circ == nil {
+		return off, err
+	}
+	if leave && m.freeCount(li)+parked-1 < l.reserve+1 {
+		return 0, nil
+	}
+	return m.circ.unparkOne(m, li)
+}
+
+// sliceData returns the whole data area of the slice at off in list li.
+func (m *bufferManager) sliceData(li int, off uint32) []byte {
+	d := off + sliceHeaderSize
+	return m.mem[d : d+m.lists[li].sliceCap : d+m.lists[li].sliceCap]
+}
+
+// linkSlice writes the header of a slice of an outgoing message: its size,
+// start 0, and a link to the next slice (next == 0 ends the message).
+func (m *bufferManager) linkSlice(off uint32, size int, next uint32) {
+	binary.LittleEndian.PutUint32(m.mem[off+sliceSizeOff:], uint32(size))
+	binary.LittleEndian.PutUint32(m.mem[off+sliceStartOff:], 0)
+	if next != 0 {
+		binary.LittleEndian.PutUint32(m.mem[off+sliceNextOff:], next)
+		m.setFlags(off, flagInUse|flagHasNext)
+	} else {
+		m.setFlags(off, flagInUse)
+	}
+}
+
+// readChain walks the message that starts at the slice header at root and
+// appends its slices to dst, marking them held (bufferManager.held). Every
+// header is read once and checked: the offset must be a slice of a list,
+// cap must match that list, start+size must fit in cap, and no slice may
+// be held already: by another message this process received and has not
+// freed (the peer published it again), or by this one (a cycle, or two
+// links to one slice). Empty slices are freed once the whole chain has been
+// checked and are not returned. On error nothing is freed (a corrupt chain
+// may name slices that are free, or another message's: freeing them would
+// hand them out twice; the session ends), the slices marked by this call
+// are unmarked, and dst is returned unchanged.
+func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error) {
+	first := len(dst)
+	var empty [4]segment
+	empties := empty[:0]
+	fail := func(err error) ([]segment, error) {
+		for _, sl := range dst[first:] {
+			m.unhold(int(sl.list), sl.off)
+		}
+		for _, sl := range empties {
+			m.unhold(int(sl.list), sl.off)
+		}
+		return dst[:first], err
+	}
+	off := root
+	for n := uint32(0); ; n++ {
+		if n == m.slices {
+			return fail(corrupt("message at %d links more slices than the region has", root))
+		}
+		li, err := m.locate(off)
+		if err != nil {
+			return fail(fmt.Errorf("message at %d: %w", root, err))
+		}
+		if !m.hold(li, off) {
+			if n > 0 && (seen(dst[first:], off) || seen(empties, off)) {
+				return fail(corrupt("message at %d links the slice at %d twice (a cycle?)", root, off))
+			}
+			return fail(corrupt("message at %d: the slice at %d was received before and not freed (published twice)", root, off))
+		}
+		sliceCap := binary.LittleEndian.Uint32(m.mem[off+sliceCapOff:])
+		size := binary.LittleEndian.Uint32(m.mem[off+sliceSizeOff:])
+		start := binary.LittleEndian.Uint32(m.mem[off+sliceStartOff:])
+		next := shmLoadUint32(m.u32(off + sliceNextOff))
+		flags := m.flags(off)
+		want := m.lists[li].sliceCap
+		sl := segment{list: int32(li), off: off}
+		if sliceCap != want {
+			m.unhold(li, off)
+			return fail(corrupt("slice at %d has cap %d, its list has %d", off, sliceCap, want))
+		}
+		if uint64(start)+uint64(size) > uint64(want) {
+			m.unhold(li, off)
+			return fail(corrupt("slice at %d has start %d and size %d beyond its cap %d", off, start, size, want))
+		}
+		if size == 0 {
+			empties = append(empties, sl)
+		} else {
+			d := off + sliceHeaderSize + start
+			sl.data = m.mem[d : d+size : d+size]
+			dst = append(dst, sl)
+		}
+		if flags&flagHasNext == 0 {
+			break
+		}
+		off = next
+	}
+	for _, sl := range empties {
+		if err := m.push(int(sl.list), sl.off); err != nil {
+			return fail(err)
+		}
+	}
+	return dst, nil
+}
+
+// seen reports whether a slice at off is among slices: only to word the
+// error when a slice is found held.
+func seen(slices []segment, off uint32) bool {
+	for i := range slices {
+		if slices[i].off == off {
+			return true
+		}
+	}
+	return false
+}
+
+// freeCounts returns the free slices of each list, for tests and
+// statistics: those on the free list and those this process has parked
+// (circulation.go), which are free and handed out on demand.
+func (m *bufferManager) freeCounts() []int32 {
+	free, _ := m.counts()
+	return free
+}
+
+// counts returns the free slices of each list (parked ones included) and,
+// of those, how many this process has parked.
+func (m *bufferManager) counts() (free, parked []int32) {
+	free = make([]int32, len(m.lists))
+	parked = make([]int32, len(m.lists))
+	c := m.circ
+	if c != nil {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+	}
+	for i := range m.lists {
+		free[i] = m.freeCount(i)
+		if c != nil {
+			parked[i] = int32(len(c.parked[i]))
+			free[i] += parked[i]
+		}
+	}
+	return free, parked
+}
+
+// segment is one piece of a received or outgoing message: a slice of the
+// buffer region (list >= 0) or private memory (list < 0).
+type segment struct {
+	data []byte
+	n    int // writer: bytes used in data
+	list int32
+	off  uint32
+}
+
+const heapSegment = -1

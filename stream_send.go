@@ -1,0 +1,203 @@
+package shmipc
+
+import (
+	"errors"
+	"time"
+)
+
+// Sending on a stream: Write and Flush, a message published on the IO
+// queue, or sent over the socket as fallback data.
+
+// Write writes p as one message and flushes it. On error n counts the
+// bytes of p the peer will read: none, except for a message going over the
+// socket in fallback frames (a message larger than the buffer region can
+// give), which Close, the write deadline or a failed socket write can cut
+// short after some of its frames went out. A message that reached the IO
+// queue counts as written even if the peer closed its connection just
+// then (as with bytes in a socket buffer, it may or may not have read it);
+// the writes after it fail with an error wrapping ErrPeerClosed.
+func (st *Stream) Write(p []byte) (int, error) {
+	st.lockWriter()
+	defer st.unlockWriter()
+	if err := st.writeDeadlineErr(); err != nil {
+		return 0, err
+	}
+	st.replyOwed.Store(true)
+	before := st.writer.size // left by BufferWriter calls: sent first
+	st.partSent = 0
+	err := st.s.access(func() error {
+		_, err := writeTo(&st.writer, p)
+		if err == nil {
+			err = st.flushLocked()
+		}
+		if err != nil {
+			_ = st.writer.discard()
+		}
+		return err
+	})
+	if err != nil {
+		// Only a message sent as fallback frames goes out in parts: the
+		// peer reads those that were written whole.
+		return min(max(st.partSent-before, 0), len(p)), err
+	}
+	return len(p), nil
+}
+
+// Flush sends the message built with BufferWriter (and anything Write left).
+// endStream has no effect on the wire; it is accepted for compatibility.
+// On error the message is discarded.
+func (st *Stream) Flush(endStream bool) error {
+	st.lockWriter()
+	defer st.unlockWriter()
+	return st.s.access(st.flushLocked)
+}
+
+func (st *Stream) writeDeadlineErr() error {
+	if d := st.wDeadline.Load(); d != nil && !d.IsZero() && !time.Now().Before(*d) {
+		return ErrTimeout
+	}
+	return nil
+}
+
+// flushLocked sends the pending message; st.wmu is held and it runs inside
+// an access.
+func (st *Stream) flushLocked() error {
+	w := &st.writer
+	if w.size == 0 {
+		if w.closedUnsent {
+			return ErrStreamClosed
+		}
+		if err := w.discard(); err != nil {
+			return err
+		}
+		return w.usable() // nothing to send, but not on a closed stream either
+	}
+	raceReleaseIO()
+	st.replyOwed.Store(true)
+	if err := w.usable(); err != nil {
+		_ = w.discard()
+		return err
+	}
+	if err := st.writeDeadlineErr(); err != nil {
+		_ = w.discard()
+		return err
+	}
+	if w.heap || st.fallback.Load() {
+		return st.sendFallback()
+	}
+	return st.sendShm()
+}
+
+// sendShm links the message's slices into a chain and publishes it on the
+// queue, retrying while the queue is full (PROTOCOL.md §5.6).
+func (st *Stream) sendShm() error {
+	s, w := st.s, &st.writer
+	// Drop empty slices first, so that a failure below frees each slice once.
+	kept := w.segs[:0]
+	var empty []segment
+	for _, seg := range w.segs {
+		if seg.n == 0 {
+			empty = append(empty, seg)
+		} else {
+			kept = append(kept, seg)
+		}
+	}
+	clear(w.segs[len(kept):])
+	w.segs = kept
+	if err := s.freeSegments(empty); err != nil {
+		_ = w.discard()
+		return err
+	}
+	var root uint32
+	for i := len(w.segs) - 1; i >= 0; i-- {
+		s.buf.linkSlice(w.segs[i].off, w.segs[i].n, root)
+		root = w.segs[i].off
+	}
+	c := s.counters.of(st.id)
+	sent, err := s.putElem(queueElem{id: st.id, offset: root, status: statusOpened}, st)
+	if !sent {
+		_ = w.discard()
+		return err
+	}
+	c.messagesOut.Add(1)
+	c.bytesOut.Add(uint64(w.size))
+	w.reset()
+	if errors.Is(err, ErrPeerClosed) {
+		// The message is on the queue; only the wake-up after it found
+		// the peer's socket closed. A peer that polls its queue may well
+		// have read it before it closed, so the message counts as sent,
+		// as bytes in a socket buffer do; the next write fails (sendable).
+		return nil
+	}
+	return err
+}
+
+// queueFullGiveUp tells a writer waiting for space to stop: the stream was
+// closed, or its write deadline passed.
+func (st *Stream) queueFullGiveUp() error {
+	if err := st.s.sendable(); err != nil {
+		return err
+	}
+	if st.writeClosed.Load() {
+		return st.writeClosedErr()
+	}
+	return st.writeDeadlineErr()
+}
+
+// sendFallback copies the message into FallbackData frames and frees its
+// slices. From then on the stream always sends fallback data, so its bytes
+// cannot be overtaken by shared-memory messages (PROTOCOL.md §6.5).
+func (st *Stream) sendFallback() error {
+	s, w := st.s, &st.writer
+	st.fallback.Store(true)
+	limit := maxFallbackFrameSent - 16 // whatever the peer's MaxFallbackFrameSize
+	// The deadline bounds each frame's socket write, as it is then.
+	deadline := func() time.Time {
+		if d := st.wDeadline.Load(); d != nil {
+			return *d
+		}
+		return time.Time{}
+	}
+	var frame [][]byte
+	size, sent := 0, 0
+	var err error
+	for i := 0; i < len(w.segs) && err == nil; i++ {
+		data := w.segs[i].data[:w.segs[i].n]
+		for len(data) > 0 && err == nil {
+			c := min(len(data), limit-size)
+			frame = append(frame, data[:c])
+			size += c
+			data = data[c:]
+			if size == limit {
+				if err = s.sendFallbackFrame(st.id, frame, deadline()); err == nil {
+					sent += size
+				}
+				frame, size = frame[:0], 0
+				if err == nil && st.writeClosed.Load() {
+					err = st.writeClosedErr() // closed meanwhile: the rest is not sent
+				}
+			}
+		}
+	}
+	if err == nil && size > 0 {
+		if err = s.sendFallbackFrame(st.id, frame, deadline()); err == nil {
+			sent += size
+		}
+	}
+	if sent > 0 {
+		c := s.counters.of(st.id)
+		c.bytesOut.Add(uint64(sent))
+		c.fallbackBytesOut.Add(uint64(sent))
+	}
+	if err == nil {
+		c := s.counters.of(st.id)
+		c.messagesOut.Add(1)
+		c.fallbackMessagesOut.Add(1)
+	} else {
+		st.partSent = sent
+	}
+	if derr := w.discard(); err == nil {
+		err = derr
+	}
+	return err
+}

@@ -1,0 +1,140 @@
+package shmipc
+
+import (
+	"fmt"
+	"time"
+)
+
+// Growing the message being written: a slice from the stream's kept slot
+// or the free lists, or a wait for room in turn with the process's other
+// writers (space_queue.go), or the heap for fallback data.
+
+// grow appends a segment with room for at least min bytes when contiguous
+// is set, or for as much of want as one slice gives otherwise. Like every
+// streamWriter method that touches slices, it runs inside an access.
+func (w *streamWriter) grow(want int, contiguous bool) error {
+	st := w.st
+	buf := st.s.buf
+	if st.fallback.Load() || w.heap || w.neverFits(want, contiguous) {
+		w.appendHeap(want)
+		return nil
+	}
+	if li, off, ok := st.takeKept(want); ok {
+		w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
+		return nil
+	}
+	var wait spaceWait
+	// A writer that holds no slice leaves each list's reserve to those that
+	// do (bufferManager.alloc), and waits for room in turn with the other
+	// writers of this process that hold none (space_queue.go). A writer
+	// that never waits has no need to.
+	leave := len(w.segs) == 0 && !st.s.conf.FallbackWhenFull
+	asked := false
+	class, queued := -1, false
+	quit := func() {
+		if queued {
+			buf.space.leave(class, st.spaceCh)
+			queued = false
+		}
+	}
+	// Every return leaves the queue, the next in it then looks at once;
+	// deferred, so also when a fault in alloc unwinds from here: a writer
+	// left in the queue would keep every later one of its class waiting
+	// behind it.
+	defer quit()
+	join := func() {
+		if st.spaceCh == nil {
+			st.spaceCh = make(chan struct{}, 1)
+		}
+		select {
+		case <-st.spaceCh: // a wake-up left over from an earlier wait
+		default:
+		}
+		buf.space.join(class, st.spaceCh)
+		queued = true
+	}
+	if leave && buf.space.waiting.Load() > 0 {
+		class = buf.class(want, !contiguous)
+		if buf.space.busy(class) {
+			// Others wait for this class: after them, unless the stream
+			// holds received slices.
+			asked = true
+			if st.holdsReceived() {
+				leave = false
+			} else {
+				join()
+			}
+		}
+	}
+	head := false
+	for {
+		if queued && !head && buf.space.isHead(class, st.spaceCh) {
+			// Its turn: it looks for everyone in the queue, so it looks
+			// often. Room the peer frees wakes nobody.
+			head = true
+			wait.delay, wait.max = minSpacePause, headSpacePause
+		}
+		if !queued || head {
+			li, off, err := buf.alloc(want, !contiguous, leave)
+			if err != nil {
+				st.s.closeWithError(err)
+				return errorf("%w: %w", ErrSessionClosed, err)
+			}
+			if li >= 0 {
+				w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
+				return nil
+			}
+			if leave && !asked {
+				// Short of room: does the stream hold received slices?
+				asked = true
+				if st.holdsReceived() {
+					leave = false
+					quit()
+					continue
+				}
+			}
+		}
+		waitedLong := !wait.start.IsZero() && time.Since(wait.start) >= heldSpaceWait
+		if st.s.conf.FallbackWhenFull || waitedLong && (len(w.segs) > 0 || st.holdsReceived()) {
+			// A writer waits only briefly while it holds part of its
+			// message: writers holding slices while waiting for more could
+			// hold the whole region between them and wait for ever. So
+			// does a writer whose stream's reader holds received slices in
+			// place: an echo that reserves its reply before releasing a
+			// large request could be waiting for the very slices it holds.
+			// (Unread data is left to the reader: a full-duplex stream,
+			// such as gRPC's, reads and frees it on another goroutine.)
+			// Briefly, not at all: the region's creator hands its parked
+			// slices back within one look (circulation.go), and most
+			// shortages are that. Falling back is not undone: the stream
+			// sends fallback data from then on.
+			w.appendHeap(want)
+			return nil
+		}
+		if leave && !queued {
+			class = buf.class(want, !contiguous)
+			join()
+		}
+		// Back-pressure: wait for the peer to free slices.
+		var wake <-chan struct{}
+		if queued {
+			wake = st.spaceCh
+		}
+		if err := wait.pause(st.s, st, wake); err != nil {
+			if err == errSpaceTimeout {
+				return &spaceTimeout{msg: fmt.Sprintf("shmipc: no shared memory for %d more bytes for %v: the peer is not releasing what it received", want, wait.waited())}
+			}
+			return err
+		}
+	}
+}
+
+// headSpacePause is the longest pause of the writer at the head of a queue
+// for room (space_queue.go): the writers behind it do not look at all.
+const headSpacePause = 50 * time.Microsecond
+
+// heldSpaceWait is how long a writer that holds part of its message waits
+// for more of the region before the rest goes as fallback data: one look of
+// the region's creator at its lists (circulationPeriod), after which slices
+// it parked are back on a list that runs short.
+const heldSpaceWait = 50 * time.Millisecond
