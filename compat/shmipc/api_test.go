@@ -205,7 +205,7 @@ func (b *syncBuffer) Len() int {
 // TestLogOutputAndLevel: a failed handshake is logged to LogOutput at the
 // default level, and not at all after SetLogLevel(5).
 func TestLogOutputAndLevel(t *testing.T) {
-	defer SetLogLevel(levelWarn)
+	defer SetLogLevel(3)
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	var logs syncBuffer
 	conf := NewDefaultListenerConfig(sock, "unix")
@@ -230,7 +230,7 @@ func TestLogOutputAndLevel(t *testing.T) {
 			t.Fatal("nothing logged for a failed handshake")
 		}
 	}
-	SetLogLevel(levelNoPrint)
+	SetLogLevel(5)
 	n := logs.Len()
 	junk()
 	time.Sleep(300 * time.Millisecond)

@@ -10,33 +10,23 @@ import (
 	shm "github.com/goshm/shmipc"
 )
 
-// Config is the configuration of a session, shmipc-go's fields over the
-// root package's Config (whose other tunables keep their defaults).
+// Config is the configuration of a session: shmipc-go's fields over the
+// root package's Config, whose other tunables keep their defaults.
+// QueueCap must be a positive multiple of 16. QueuePath is not used: the
+// queue region is named after ShareMemoryPathPrefix, like the buffer
+// region. LogOutput receives log records at the level SetLogLevel sets
+// (nil: none). Monitor, if set, receives the metrics of each session.
 type Config struct {
-	// ConnectionWriteTimeout bounds each write to the session's socket.
-	ConnectionWriteTimeout time.Duration
-	// InitializeTimeout bounds the handshake.
-	InitializeTimeout time.Duration
-	// QueueCap is the number of elements of each IO queue: a positive
-	// multiple of 16.
-	QueueCap uint32
-	// QueuePath is not used: the queue region is named after
-	// ShareMemoryPathPrefix, like the buffer region.
-	QueuePath string
-	// ShareMemoryBufferCap is the size of a session's buffer region.
-	ShareMemoryBufferCap uint32
-	// ShareMemoryPathPrefix names the regions a client creates.
-	ShareMemoryPathPrefix string
-	// LogOutput receives the library's log records, at the level set by
-	// SetLogLevel; nil logs nothing.
-	LogOutput io.Writer
-	// BufferSliceSizes are the size classes of the buffer region.
-	BufferSliceSizes []*SizePercentPair
-	// MemMapType selects memfd or /dev/shm file regions.
-	MemMapType MemMapType
-	// Monitor, if set, receives the metrics of each session periodically
-	// and when the session ends.
-	Monitor Monitor
+	ConnectionWriteTimeout time.Duration      // bounds each write to the socket
+	InitializeTimeout      time.Duration      // bounds the handshake
+	QueueCap               uint32             // elements of each IO queue
+	QueuePath              string             // not used
+	ShareMemoryBufferCap   uint32             // size of a session's buffer region
+	ShareMemoryPathPrefix  string             // names the regions a client creates
+	LogOutput              io.Writer          // where log records go
+	BufferSliceSizes       []*SizePercentPair // size classes of the buffer region
+	MemMapType             MemMapType         // memfd or /dev/shm file regions
+	Monitor                Monitor            // receives the sessions' metrics
 }
 
 // SizePercentPair is one size class of the buffer region: slices of Size
@@ -60,11 +50,7 @@ const (
 // DefaultConfig returns this library's defaults (the root package's
 // DefaultConfig) in shmipc-go's fields, with logs to os.Stdout.
 func DefaultConfig() *Config {
-	return fromRoot(shm.DefaultConfig())
-}
-
-// fromRoot converts a root Config.
-func fromRoot(rc *shm.Config) *Config {
+	rc := shm.DefaultConfig()
 	c := &Config{
 		ConnectionWriteTimeout: rc.ConnectionWriteTimeout,
 		InitializeTimeout:      rc.InitializeTimeout,
@@ -130,16 +116,6 @@ func VerifyConfig(config *Config) error {
 	return err
 }
 
-// The levels of SetLogLevel, as in shmipc-go.
-const (
-	levelTrace = iota
-	levelDebug
-	levelInfo
-	levelWarn
-	levelError
-	levelNoPrint
-)
-
 // logLevel is the level of every logger made from a Config.LogOutput.
 var logLevel slog.LevelVar
 
@@ -149,16 +125,9 @@ func init() { logLevel.Set(slog.LevelWarn) }
 // LogOutput: 0 trace, 1 debug, 2 info, 3 warn (the default), 4 error, 5 and
 // above nothing. It applies to sessions already running too.
 func SetLogLevel(l int) {
-	switch {
-	case l <= levelDebug:
-		logLevel.Set(slog.LevelDebug)
-	case l == levelInfo:
-		logLevel.Set(slog.LevelInfo)
-	case l == levelWarn:
-		logLevel.Set(slog.LevelWarn)
-	case l == levelError:
-		logLevel.Set(slog.LevelError)
-	default:
+	levels := []slog.Level{slog.LevelDebug, slog.LevelDebug, slog.LevelInfo, slog.LevelWarn, slog.LevelError}
+	logLevel.Set(levels[min(max(l, 0), len(levels)-1)])
+	if l >= len(levels) {
 		logLevel.Set(slog.LevelError + 4)
 	}
 }

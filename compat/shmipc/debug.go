@@ -2,7 +2,6 @@ package shmipc
 
 import (
 	"fmt"
-	"io"
 	"os"
 
 	shm "github.com/goshm/shmipc"
@@ -15,13 +14,11 @@ func MemfdCreate(name string, flags int) (fd int, err error) {
 	return unix.MemfdCreate(name, flags)
 }
 
-// DebugBufferListDetail prints, on os.Stdout, the size of the region file
-// at path and then the size classes of the buffer region of every open
-// session of this process that the package has handed out: slices and
-// free slices per class. It reads the sessions' own view of their regions
-// (the root package's Session.Stats), not the file's contents.
+// DebugBufferListDetail prints on os.Stdout the size of the file at path,
+// then the slices and free slices per size class of the buffer region of
+// each open session of this process, as the session sees them.
 func DebugBufferListDetail(path string) {
-	debugRegionFile(os.Stdout, path)
+	debugRegionFile(path)
 	forSessions(func(s *Session, st shm.Stats) {
 		fmt.Printf("session %s: buffer region of %d bytes, %d in use\n", s.ID(), st.Buffer.Size, st.Buffer.InUse)
 		for _, l := range st.Lists {
@@ -30,12 +27,10 @@ func DebugBufferListDetail(path string) {
 	})
 }
 
-// DebugQueueDetail prints, on os.Stdout, the size of the region file at
-// path and then the IO queues of every open session of this process that
-// the package has handed out: the queue region's size and the elements
-// waiting in each direction.
+// DebugQueueDetail prints on os.Stdout the size of the file at path, then
+// the IO queues of each open session of this process.
 func DebugQueueDetail(path string) {
-	debugRegionFile(os.Stdout, path)
+	debugRegionFile(path)
 	forSessions(func(s *Session, st shm.Stats) {
 		fmt.Printf("session %s: queue region of %d bytes, %d elements to send, %d received\n",
 			s.ID(), st.Queue.Size, st.SendQueueDepth, st.RecvQueueDepth)
@@ -43,13 +38,12 @@ func DebugQueueDetail(path string) {
 }
 
 // debugRegionFile prints what the file system says of path.
-func debugRegionFile(w io.Writer, path string) {
-	fi, err := os.Stat(path)
-	if err != nil {
-		fmt.Fprintf(w, "%s: %v\n", path, err)
-		return
+func debugRegionFile(path string) {
+	if fi, err := os.Stat(path); err != nil {
+		fmt.Printf("%s: %v\n", path, err)
+	} else {
+		fmt.Printf("%s: %d bytes\n", path, fi.Size())
 	}
-	fmt.Fprintf(w, "%s: %d bytes\n", path, fi.Size())
 }
 
 // forSessions calls fn with each open session and its Stats.

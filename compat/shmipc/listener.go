@@ -22,12 +22,11 @@ type ListenCallback interface {
 }
 
 // ListenerConfig configures a Listener: the sessions' Config, and where
-// to listen.
+// to listen: Network "unix" and a socket path in ListenPath (or "tcp" and
+// host:port, for MemMapTypeDevShmFile clients).
 type ListenerConfig struct {
 	*Config
-	// Network is "unix" (or "tcp", for MemMapTypeDevShmFile clients).
-	Network string
-	// ListenPath is the socket path (or host:port).
+	Network    string
 	ListenPath string
 }
 
@@ -71,9 +70,7 @@ func Listen(shmIPCAddress string) (net.Listener, error) {
 	return listen(nil, nil, "unix", shmIPCAddress)
 }
 
-// ListenWithBacklog is Listen. backlog must be positive; the streams
-// waiting to be accepted are bounded per session instead (by the root
-// package's Config.MaxPendingAccepts).
+// ListenWithBacklog is Listen; backlog must be positive, and is not a bound.
 func ListenWithBacklog(shmIPCAddress string, backlog int) (net.Listener, error) {
 	if backlog <= 0 {
 		return nil, fmt.Errorf("%w: backlog %d", shm.ErrInvalidConfig, backlog)
@@ -89,17 +86,17 @@ func listen(cb ListenCallback, conf *Config, network, path string) (*Listener, e
 	if err != nil {
 		return nil, err
 	}
-	if network == "" {
-		network = "unix"
-	}
 	var ln *shm.Listener
-	if strings.HasPrefix(network, "unix") && path != "" && path[0] != '@' {
+	if (network == "" || strings.HasPrefix(network, "unix")) && path != "" && path[0] != '@' {
 		ln, err = shm.ListenTakeover(path, rc)
 	} else {
 		ln, err = shm.Listen(network, path, rc)
 	}
 	if err != nil {
 		return nil, err
+	}
+	if cb == nil {
+		cb = noCallback{}
 	}
 	l := &Listener{ln: ln, cb: cb, monitor: conf.Monitor}
 	l.restarts.total = func() (uint64, uint64) { return l.restartsOK.Load(), l.restartsFailed.Load() }
@@ -118,9 +115,6 @@ func (l *Listener) accept() (*Stream, error) {
 // Run serves the listener's callback until Close: it calls OnNewStream
 // for each stream, then OnShutdown. It returns nil after Close.
 func (l *Listener) Run() error {
-	if l.cb == nil {
-		return fmt.Errorf("%w: Run on a listener without ListenCallback", shm.ErrInvalidConfig)
-	}
 	for {
 		st, err := l.accept()
 		if err != nil {
@@ -137,9 +131,7 @@ func (l *Listener) Run() error {
 
 // stopped calls OnShutdown, once.
 func (l *Listener) stopped(reason string) {
-	if l.cb != nil {
-		l.shutdown.Do(func() { l.cb.OnShutdown(reason) })
-	}
+	l.shutdown.Do(func() { l.cb.OnShutdown(reason) })
 }
 
 // Accept waits for the next stream and returns it (a *Stream). Do not
@@ -156,20 +148,15 @@ func (l *Listener) Accept() (net.Conn, error) {
 func (l *Listener) Addr() net.Addr { return l.ln.Addr() }
 
 // Close stops accepting and calls OnShutdown. Streams already accepted
-// stay open until either side closes them, and each session ends with its
-// last stream. The socket file is removed unless another server has taken
-// it over or a hot restart handed it on.
+// stay open until either side closes them; each session ends with its last.
 func (l *Listener) Close() error {
 	err := l.ln.Close()
 	l.stopped("listener closed")
 	return err
 }
 
-// SetUnlinkOnClose has no effect. Close removes the socket file only
-// while it is still this listener's and no hot restart has handed it on:
-// the case the setting exists for (an old server must not remove its
-// successor's socket) is handled either way, and a file left by a server
-// that is gone is taken over by the next one.
+// SetUnlinkOnClose has no effect: Close removes the socket file only while
+// it is still this listener's and no hot restart has handed it on.
 func (l *Listener) SetUnlinkOnClose(unlink bool) {}
 
 // HotRestart starts a hot restart with epoch: every session's client is
@@ -203,3 +190,9 @@ func (l *Listener) HotRestart(epoch uint64) error {
 // with every session acknowledged. After one that timed out it stays
 // false (the sessions stay up); HotRestart may be called again.
 func (l *Listener) IsHotRestartDone() bool { return l.restartDone.Load() }
+
+// noCallback is the ListenCallback of Listen's listeners, for Run.
+type noCallback struct{}
+
+func (noCallback) OnNewStream(s *Stream)    { s.Close() }
+func (noCallback) OnShutdown(reason string) {}

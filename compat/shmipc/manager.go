@@ -3,26 +3,24 @@ package shmipc
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	shm "github.com/goshm/shmipc"
 )
 
-// SessionManagerConfig configures a SessionManager.
+// SessionManagerConfig configures a SessionManager: its sessions' Config,
+// where to dial them (Network "unix" and a socket path in Address, or
+// UnixPath when Address is empty; or "tcp" and host:port, for
+// MemMapTypeDevShmFile), how many sessions to keep, how many idle streams
+// to pool per session, and after how long idle streams are closed.
 type SessionManagerConfig struct {
 	*Config
-	// UnixPath is the server's socket path when Address is empty
-	// (deprecated in shmipc-go).
-	UnixPath string
-	// Network and Address are where the sessions are dialed: "unix" and a
-	// socket path, or "tcp" and host:port (MemMapTypeDevShmFile only).
-	Network string
-	Address string
-	// SessionNum is the number of sessions kept open.
-	SessionNum int
-	// MaxStreamNum bounds the idle streams pooled per session.
-	MaxStreamNum int
-	// StreamMaxIdleTime closes pooled streams idle for longer.
+	UnixPath          string
+	Network           string
+	Address           string
+	SessionNum        int
+	MaxStreamNum      int
 	StreamMaxIdleTime time.Duration
 }
 
@@ -43,12 +41,10 @@ func DefaultSessionManagerConfig() *SessionManagerConfig {
 // streams (GetStream, PutBack), re-dials sessions that die and follows the
 // server through hot restarts. It is safe for concurrent use.
 type SessionManager struct {
-	// RWMutex is there for programs that lock the manager themselves; the
-	// package does not use it.
-	sync.RWMutex
-	m        *shm.SessionManager
-	monitor  Monitor
-	restarts restartCount
+	sync.RWMutex // for programs that lock the manager; the package does not
+	m            *shm.SessionManager
+	monitor      Monitor
+	restarts     restartCount
 }
 
 // NewSessionManager dials config.SessionNum sessions and returns the
@@ -120,8 +116,8 @@ func (sm *SessionManager) PutBack(stream *Stream) {
 func (sm *SessionManager) Close() error { return compatErr(sm.m.Close()) }
 
 var global struct {
-	mu sync.Mutex
-	sm *SessionManager
+	mu sync.Mutex // held by InitGlobalSessionManager
+	sm atomic.Pointer[SessionManager]
 }
 
 // InitGlobalSessionManager makes the manager GlobalSessionManager
@@ -129,21 +125,17 @@ var global struct {
 func InitGlobalSessionManager(config *SessionManagerConfig) (*SessionManager, error) {
 	global.mu.Lock()
 	defer global.mu.Unlock()
-	if global.sm != nil {
-		return global.sm, nil
+	if sm := global.sm.Load(); sm != nil {
+		return sm, nil
 	}
 	sm, err := NewSessionManager(config)
 	if err != nil {
 		return nil, err
 	}
-	global.sm = sm
+	global.sm.Store(sm)
 	return sm, nil
 }
 
-// GlobalSessionManager returns the manager made by
-// InitGlobalSessionManager, or nil before.
-func GlobalSessionManager() *SessionManager {
-	global.mu.Lock()
-	defer global.mu.Unlock()
-	return global.sm
-}
+// GlobalSessionManager returns the manager InitGlobalSessionManager made,
+// or nil before.
+func GlobalSessionManager() *SessionManager { return global.sm.Load() }

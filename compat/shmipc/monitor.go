@@ -29,22 +29,18 @@ type PerformanceMetrics struct {
 }
 
 // StabilityMetrics are a session's events since its previous report; the
-// stream count is current.
+// stream count is current. AllocShmErrorCount counts writes that found no
+// room in shared memory or the peer's queue and waited (this library
+// waits rather than falling back), so QueueFullErrorCount is 0. The hot
+// restart counts are those of the session's listener or manager, each
+// reported by one of its sessions.
 type StabilityMetrics struct {
-	// AllocShmErrorCount counts writes that found no room in shared memory
-	// or the peer's queue and waited for it (this library waits rather
-	// than falling back).
-	AllocShmErrorCount  uint64
-	FallbackWriteCount  uint64 // messages sent over the socket
-	FallbackReadCount   uint64 // fallback frames received
-	EventConnErrorCount uint64 // 1 in the report of a session that ended by an error
-	// QueueFullErrorCount is 0: a full queue makes writers wait, counted
-	// in AllocShmErrorCount.
-	QueueFullErrorCount uint64
-	ActiveStreamCount   uint64 // open streams
-	// HotRestartSuccessCount and HotRestartErrorCount count the hot
-	// restarts of the session's listener or manager, each reported by one
-	// of its sessions.
+	AllocShmErrorCount     uint64
+	FallbackWriteCount     uint64 // messages sent over the socket
+	FallbackReadCount      uint64 // fallback frames received
+	EventConnErrorCount    uint64 // 1 in the report of a session that ended by an error
+	QueueFullErrorCount    uint64
+	ActiveStreamCount      uint64 // open streams
 	HotRestartSuccessCount uint64
 	HotRestartErrorCount   uint64
 }
@@ -75,9 +71,8 @@ func watch() {
 			lastReport = time.Now()
 		}
 		if watchOnce(report) == 0 {
+			// A session stored meanwhile found watch running: look again.
 			sessions.watched.Store(false)
-			// A session stored since it counted gets no watch of its own
-			// if its CompareAndSwap came first: look again.
 			if empty() || !sessions.watched.CompareAndSwap(false, true) {
 				return
 			}

@@ -27,9 +27,8 @@ type Session struct {
 	errShown bool      // EventConnErrorCount has counted the end
 }
 
-// Server runs the server side of the handshake on conn, an accepted
-// connection, and returns the session. A nil conf means DefaultConfig().
-// On error conn is closed.
+// Server runs the server side of the handshake on conn and returns the
+// session (nil conf: DefaultConfig()). On error conn is closed.
 func Server(conn net.Conn, conf *Config) (*Session, error) {
 	if conf == nil {
 		conf = DefaultConfig()
@@ -67,12 +66,10 @@ func (s *Session) OpenStream() (*Stream, error) {
 // Close closes the session and its streams.
 func (s *Session) Close() error { return compatErr(s.s.Close()) }
 
-// CloseChan returns a channel that is closed once the session has ended.
-// The package notices the end within a few tens of milliseconds.
+// CloseChan returns a channel closed once the session has ended.
 func (s *Session) CloseChan() <-chan struct{} { return s.closed }
 
-// Err returns why the session ended (nil while it is open), with the
-// cause the errors of its methods leave out.
+// Err returns why the session ended (nil while it is open).
 func (s *Session) Err() error { return s.s.Err() }
 
 // GetActiveStreamCount returns the number of open streams.

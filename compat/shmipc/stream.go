@@ -1,7 +1,6 @@
 package shmipc
 
 import (
-	"errors"
 	"io"
 	"net"
 	"sync/atomic"
@@ -22,49 +21,40 @@ type Stream struct {
 	localClosed, ended, callbacks atomic.Bool
 }
 
-// StreamCallbacks receives the events of a stream after SetCallbacks.
+// StreamCallbacks receives the events of a stream after SetCallbacks:
+// OnData when data has arrived (it reads what it can), then OnLocalClose
+// once the stream ended by its own Close, or OnRemoteClose once it ended
+// otherwise (the peer closed it, or its session ended).
 type StreamCallbacks interface {
-	// OnData is called when data has arrived; it reads what it can.
 	OnData(reader BufferReader)
-	// OnLocalClose is called once the stream ended by its own Close.
 	OnLocalClose()
-	// OnRemoteClose is called once the stream ended otherwise: the peer
-	// closed it, or its session ended.
 	OnRemoteClose()
 }
 
-// BufferReader reads a stream's received bytes, zero-copy where it can.
-// Slices returned by ReadBytes and Peek stay valid until
-// ReleasePreviousRead, Stream.ReleaseReadAndReuse, Stream.Read or
-// Stream.Close. Reads wait until the bytes they ask for have arrived,
-// bounded by the stream's read deadline.
+// BufferReader reads a stream's received bytes, zero-copy where it can:
+// ReadBytes, Peek (without consuming), Discard and ReadByte wait until the
+// bytes they ask for have arrived, bounded by the read deadline; Len is
+// the number not yet read; ReadString copies. Slices returned stay valid
+// until ReleasePreviousRead, Stream.ReleaseReadAndReuse, Stream.Read or
+// Stream.Close.
 type BufferReader interface {
 	io.ByteReader
-	// Len is the number of received bytes not yet read.
 	Len() int
-	// ReadBytes returns the next size bytes.
 	ReadBytes(size int) ([]byte, error)
-	// Peek returns the next size bytes without consuming them.
 	Peek(size int) ([]byte, error)
-	// Discard skips the next size bytes.
 	Discard(size int) (int, error)
-	// ReleasePreviousRead gives back the shared memory read so far.
 	ReleasePreviousRead()
-	// ReadString returns the next size bytes as a string (a copy).
 	ReadString(size int) (string, error)
 }
 
-// BufferWriter builds the next message of a stream in shared memory;
-// Stream.Flush sends it.
+// BufferWriter builds the next message of a stream in shared memory:
+// Reserve returns bytes at its end to fill, WriteBytes, WriteString and
+// WriteByte append copies, Len is its length. Stream.Flush sends it.
 type BufferWriter interface {
-	// Len is the number of bytes in the message so far.
 	Len() int
 	io.ByteWriter
-	// Reserve returns size bytes at the end of the message to fill.
 	Reserve(size int) ([]byte, error)
-	// WriteBytes appends a copy of data to the message.
 	WriteBytes(data []byte) (n int, err error)
-	// WriteString appends a copy of the string to the message.
 	WriteString(string) error
 }
 
@@ -91,8 +81,7 @@ func (s *Stream) BufferReader() BufferReader { return &s.r }
 // BufferWriter returns the stream's writer.
 func (s *Stream) BufferWriter() BufferWriter { return &s.w }
 
-// Close closes the stream in both directions; with callbacks set, their
-// OnLocalClose follows.
+// Close closes the stream in both directions.
 func (s *Stream) Close() error {
 	s.localClosed.Store(true)
 	return s.err(s.st.Close())
@@ -101,9 +90,8 @@ func (s *Stream) Close() error {
 // Flush sends the message built with BufferWriter. endStream has no effect.
 func (s *Stream) Flush(endStream bool) error { return s.err(s.st.Flush(endStream)) }
 
-// IsOpen reports whether the stream may still carry data: it has not been
-// closed, its session is up, and no read or write has found it ended by
-// the peer.
+// IsOpen reports whether the stream is open: not closed, its session up,
+// and no read or write has found it ended by the peer.
 func (s *Stream) IsOpen() bool {
 	return !s.localClosed.Load() && !s.ended.Load() && !s.sess.IsClosed()
 }
@@ -126,9 +114,8 @@ func (s *Stream) Write(p []byte) (int, error) {
 	return n, s.err(err)
 }
 
-// ReleaseReadAndReuse releases what has been read. The stream keeps the
-// last slice it read for its next message by itself, so this is
-// BufferReader().ReleasePreviousRead().
+// ReleaseReadAndReuse releases what has been read; the stream keeps the
+// last slice it read for its next message by itself.
 func (s *Stream) ReleaseReadAndReuse() { s.r.r.ReleasePreviousRead() }
 
 // Session returns the session of the stream.
@@ -140,8 +127,7 @@ func (s *Stream) StreamID() uint32 { return s.st.ID() }
 // SetDeadline sets the read and write deadlines.
 func (s *Stream) SetDeadline(t time.Time) error { return s.st.SetDeadline(t) }
 
-// SetReadDeadline sets the read deadline; with callbacks set, callbacks
-// end (OnRemoteClose) when it passes with no data.
+// SetReadDeadline sets the read deadline.
 func (s *Stream) SetReadDeadline(t time.Time) error { return s.st.SetReadDeadline(t) }
 
 // SetWriteDeadline sets the write deadline.
@@ -153,12 +139,9 @@ func (s *Stream) SetWriteDeadline(t time.Time) error { return s.st.SetWriteDeadl
 // OnLocalClose or OnRemoteClose. OnData may leave an incomplete message
 // unread: it is called again when more has arrived. Slices it read stay
 // valid until it returns. Nobody else may read the stream meanwhile. A
-// second call fails with ErrStreamCallbackHadExisted.
+// second call (or nil callbacks) fails with ErrStreamCallbackHadExisted.
 func (s *Stream) SetCallbacks(callback StreamCallbacks) error {
-	if callback == nil {
-		return errors.New("shmipc: SetCallbacks with nil callbacks")
-	}
-	if !s.callbacks.CompareAndSwap(false, true) {
+	if callback == nil || !s.callbacks.CompareAndSwap(false, true) {
 		return ErrStreamCallbackHadExisted
 	}
 	done := shm.OnData(s.st, func(*shm.Stream) error {
@@ -183,8 +166,7 @@ type reader struct {
 	r shm.BufferReader
 }
 
-func (r *reader) Len() int { return r.r.Len() }
-
+func (r *reader) Len() int             { return r.r.Len() }
 func (r *reader) ReleasePreviousRead() { r.r.ReleasePreviousRead() }
 
 func (r *reader) ReadByte() (byte, error) {
@@ -221,8 +203,7 @@ type writer struct {
 	w shm.BufferWriter
 }
 
-func (w *writer) Len() int { return w.w.Len() }
-
+func (w *writer) Len() int               { return w.w.Len() }
 func (w *writer) WriteByte(b byte) error { return w.s.err(w.w.WriteByte(b)) }
 
 func (w *writer) Reserve(size int) ([]byte, error) {
