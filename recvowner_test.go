@@ -110,6 +110,7 @@ func TestFallbackStallLeavesOtherStreams(t *testing.T) {
 	conf.MaxFallbackFrameSize = minFallbackFrame
 	conf.MaxFallbackBufferedPerStream = 1 << 20
 	conf.FallbackStallTimeout = 1500 * time.Millisecond
+	conf.ConsumerSpinTime = 0 // every message comes with a wake-up on the socket
 	sess, accepted := bpPair(t, conf)
 	stuck, err := sess.OpenStream()
 	if err != nil {
@@ -189,8 +190,12 @@ func TestOnDataKeepsFallbackBound(t *testing.T) {
 	limit := int64(conf.MaxFallbackBufferedPerStream) + int64(conf.MaxFallbackFrameSize)
 	var most int64
 	var err2 error
+	deadline := time.Now().Add(time.Minute)
 	for got := false; !got; {
 		most = max(most, srv.heldFallback.Load())
+		if most > limit || time.Now().After(deadline) {
+			t.Fatalf("OnData still running after holding %d bytes of fallback data; the stream's bound and a frame are %d", most, limit)
+		}
 		select {
 		case err2 = <-done:
 			got = true
@@ -220,6 +225,7 @@ func TestPartialFrameHoldsNothing(t *testing.T) {
 	for range sessions {
 		p, victim := acceptRawVictimWith(t, MemMapTypeDevShmFile, 0, func(c *Config) {
 			c.PartialFrameTimeout = 500 * time.Millisecond
+			c.MaxFallbackFrameSize = DefaultConfig().MaxFallbackFrameSize // 64 MiB
 		})
 		defer victim.Close()
 		p.write(rawFallbackFrame(p.version, victim.conf.MaxFallbackFrameSize, 2, 0, "x"))
