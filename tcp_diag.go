@@ -60,7 +60,7 @@ func queryPeerSocket(local, remote *net.TCPAddr) (tcpWritten, error) {
 			continue
 		}
 		var w tcpWritten
-		w, err = diagQuery(family, src, dst, uint16(remote.Port), uint16(local.Port))
+		w, err = diagQuery(family, src, dst, uint16(remote.Port), uint16(local.Port), remote.IP, local.IP)
 		if err == nil || !errors.Is(err, unix.ENOENT) {
 			return w, err
 		}
@@ -92,7 +92,7 @@ func diagAddrs(family uint8, src, dst net.IP) (s, d [16]byte, ok bool) {
 
 // diagQuery sends one request for the socket (src, sport) connected to
 // (dst, dport) and reads its answer.
-func diagQuery(family uint8, src, dst [16]byte, sport, dport uint16) (tcpWritten, error) {
+func diagQuery(family uint8, src, dst [16]byte, sport, dport uint16, srcIP, dstIP net.IP) (tcpWritten, error) {
 	diagSock.Lock()
 	defer diagSock.Unlock()
 	if diagSock.buf == nil {
@@ -128,7 +128,7 @@ func diagQuery(family uint8, src, dst [16]byte, sport, dport uint16) (tcpWritten
 		if err != nil {
 			return tcpWritten{}, fmt.Errorf("sock_diag: receive: %w", err)
 		}
-		w, done, err := parseDiagReply(diagSock.buf[:n], seq, id[:36])
+		w, done, err := parseDiagReply(diagSock.buf[:n], seq, id[:4], srcIP, dstIP)
 		if done || err != nil {
 			return w, err
 		}
@@ -137,7 +137,7 @@ func diagQuery(family uint8, src, dst [16]byte, sport, dport uint16) (tcpWritten
 
 // parseDiagReply reads the messages of one datagram. done is false when none
 // of them answers request seq (a late answer to an earlier one).
-func parseDiagReply(b []byte, seq uint32, id []byte) (w tcpWritten, done bool, err error) {
+func parseDiagReply(b []byte, seq uint32, ports []byte, src, dst net.IP) (w tcpWritten, done bool, err error) {
 	ne := binary.NativeEndian
 	for len(b) >= unix.NLMSG_HDRLEN {
 		l := int(ne.Uint32(b))
@@ -159,20 +159,27 @@ func parseDiagReply(b []byte, seq uint32, id []byte) (w tcpWritten, done bool, e
 			}
 			continue
 		case unix.SOCK_DIAG_BY_FAMILY:
-			w, err = parseDiagMsg(m, id)
+			w, err = parseDiagMsg(m, ports, src, dst)
 			return w, true, err
 		}
 	}
 	return w, false, nil
 }
 
-// parseDiagMsg reads an inet_diag_msg and its INET_DIAG_INFO attribute.
-func parseDiagMsg(m, id []byte) (tcpWritten, error) {
+// parseDiagMsg reads an inet_diag_msg and its INET_DIAG_INFO attribute. The
+// kernel may answer about another socket than the one named (a listener on
+// the port): the answer must name the same ports and addresses, an IPv4
+// address being the same as its IPv4-mapped IPv6 form.
+func parseDiagMsg(m, ports []byte, src, dst net.IP) (tcpWritten, error) {
 	ne := binary.NativeEndian
 	if len(m) < diagMsgSize {
 		return tcpWritten{}, fmt.Errorf("sock_diag: answer of %d bytes", len(m))
 	}
-	if string(m[4:4+36]) != string(id) {
+	alen := net.IPv6len
+	if m[0] == unix.AF_INET {
+		alen = net.IPv4len
+	}
+	if string(m[4:8]) != string(ports) || !net.IP(m[8:8+alen]).Equal(src) || !net.IP(m[24:24+alen]).Equal(dst) {
 		return tcpWritten{}, errors.New("sock_diag: the answer is about another socket")
 	}
 	w := tcpWritten{state: m[1], wqueue: ne.Uint32(m[60:])}

@@ -40,10 +40,10 @@ func toPayload(id uint32) []byte {
 
 // toListen listens on TCP loopback; accepted connections get a receive
 // buffer of rcvbuf bytes when rcvbuf > 0.
-func toListen(t *testing.T, rcvbuf int) net.Listener {
+func toListen(t *testing.T, addr string, rcvbuf int) net.Listener {
 	t.Helper()
 	lc := net.ListenConfig{Control: toSetRcvBuf(rcvbuf)}
-	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
+	ln, err := lc.Listen(context.Background(), "tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -68,14 +68,21 @@ func toSetRcvBuf(n int) func(string, string, syscall.RawConn) error {
 // (accepted when victimAccepts) has the small receive buffer.
 func toPair(t *testing.T, victimAccepts bool) (victim, peer net.Conn) {
 	t.Helper()
-	ln := toListen(t, map[bool]int{true: toRcvBuf}[victimAccepts])
+	return toPairOn(t, "127.0.0.1:0", victimAccepts)
+}
+
+// toPairOn is toPair with the listener on addr; the dialer connects to
+// 127.0.0.1 at its port.
+func toPairOn(t *testing.T, addr string, victimAccepts bool) (victim, peer net.Conn) {
+	t.Helper()
+	ln := toListen(t, addr, map[bool]int{true: toRcvBuf}[victimAccepts])
 	ch := make(chan net.Conn, 1)
 	go func() {
 		c, _ := ln.Accept()
 		ch <- c
 	}()
 	d := net.Dialer{Control: toSetRcvBuf(map[bool]int{false: toRcvBuf}[victimAccepts])}
-	dialed, err := d.Dial("tcp", ln.Addr().String())
+	dialed, err := d.Dial("tcp", net.JoinHostPort("127.0.0.1", fmt.Sprint(ln.Addr().(*net.TCPAddr).Port)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -346,4 +353,75 @@ func (b *syncBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.b.String()
+}
+
+// TestTCPPeerWrittenQuery checks the sock_diag query against a plain TCP
+// loopback pair: after k bytes written and read, and then n more written and
+// not read, the reading end sees k+n written on the peer's socket, plus one
+// for the SYN when the writer is the end that connected; this side's own
+// count (tcpConsumed) is k; and the close target (tcpTarget) is n less
+// tcpCountSlack. The second n is larger than both socket buffers can hold
+// in flight, so part of it is in the writer's send queue (idiag_wqueue).
+func TestTCPPeerWrittenQuery(t *testing.T) {
+	for _, tc := range []struct {
+		listen      string
+		writerDials bool
+	}{{"127.0.0.1:0", true}, {"127.0.0.1:0", false}, {":0", true}, {":0", false}} {
+		writerDials := tc.writerDials
+		t.Run(fmt.Sprintf("listen=%s/writerDials=%v", tc.listen, writerDials), func(t *testing.T) {
+			// The reader has the small buffer. A listener on ":0" is
+			// dual-stack: the accepted end is IPv6 with IPv4-mapped addresses.
+			reader, writer := toPairOn(t, tc.listen, writerDials)
+			const k = 1000
+			if _, err := writer.Write(make([]byte, k)); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := readN(reader, k); err != nil {
+				t.Fatal(err)
+			}
+			writer.SetWriteDeadline(time.Now().Add(200 * time.Millisecond))
+			n, err := writer.Write(make([]byte, 8<<20)) // stops when the buffers are full
+			if n == 0 || !isTimeout(err) {
+				t.Fatalf("write: %d bytes, %v; want a partial write and a timeout", n, err)
+			}
+			syn := map[bool]uint64{true: 1}[writerDials]
+			local, remote := reader.LocalAddr().(*net.TCPAddr), reader.RemoteAddr().(*net.TCPAddr)
+			deadline := time.Now().Add(peerTimeout)
+			var w tcpWritten
+			for {
+				if w, err = queryPeerSocket(local, remote); err != nil {
+					t.Fatal(err)
+				}
+				if w.total() == k+uint64(n)+syn || time.Now().After(deadline) {
+					break
+				}
+				time.Sleep(time.Millisecond) // an answer raced an acknowledgement
+			}
+			if w.total() != k+uint64(n)+syn {
+				t.Fatalf("peer socket: acked %d + wqueue %d = %d, want %d written (+%d SYN)", w.acked, w.wqueue, w.total(), k+n, syn)
+			}
+			if w.wqueue == 0 {
+				t.Errorf("nothing in the writer's send queue (acked %d): the test did not fill it", w.acked)
+			}
+			t.Logf("%d+%d written: acked %d, wqueue %d", k, n, w.acked, w.wqueue)
+			ec := newEventConn(reader, time.Second)
+			if got, err := ec.tcpConsumed(); err != nil || got != k {
+				t.Fatalf("tcpConsumed = %d, %v; want %d", got, err, k)
+			}
+			ec.tcp = &tcpOrder{local: local, remote: remote}
+			at, _, err := ec.tcpTarget(^uint64(0))
+			if want := uint64(n) + syn - tcpCountSlack; err != nil || at != want {
+				t.Fatalf("tcpTarget = %d, %v; want %d", at, err, want)
+			}
+			// Addresses of no connection name no socket; when the port is a
+			// listener's, the kernel answers about the listener, which is
+			// refused.
+			other := &net.TCPAddr{IP: remote.IP, Port: local.Port}
+			if w, err := queryPeerSocket(local, other); err == nil {
+				t.Errorf("query for a connection that does not exist: %+v, no error", w)
+			} else {
+				t.Logf("query for a connection that does not exist: %v", err)
+			}
+		})
+	}
 }
