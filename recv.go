@@ -226,17 +226,17 @@ func (s *Session) closeAfterSocket(id uint32) error {
 // closeCaughtUp applies the pending closes the socket has caught up with,
 // in the order they were published.
 func (s *Session) closeCaughtUp() {
-	s.settleTCPClose()
-	n := 0
-	for i := range s.closing {
-		c := &s.closing[i]
-		if c.at > s.handled || (c.mode == closeQuiet && !s.quietAfter(c)) {
-			break
+	for n := 1; n > 0 && len(s.closing) > 0; {
+		s.settleTCPClose() // the first close, if its position is not exact
+		n = 0
+		for i := range s.closing {
+			c := &s.closing[i]
+			if c.at > s.handled || (c.mode == closeQuiet && !s.quietAfter(c)) {
+				break
+			}
+			s.peerClosed(c.id)
+			n++
 		}
-		s.peerClosed(c.id)
-		n++
-	}
-	if n > 0 {
 		k := copy(s.closing, s.closing[n:])
 		s.closing = s.closing[:k]
 	}

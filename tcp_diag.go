@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -99,6 +100,13 @@ func diagQuery(family uint8, src, dst [16]byte, sport, dport uint16, srcIP, dstI
 		fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, unix.NETLINK_SOCK_DIAG)
 		if err != nil {
 			return tcpWritten{}, fmt.Errorf("sock_diag: socket: %w", err)
+		}
+		// The kernel answers at once; the bound only keeps a receive loop
+		// from waiting for ever on a socket that went wrong.
+		tv := unix.NsecToTimeval(int64(time.Second))
+		if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
+			unix.Close(fd)
+			return tcpWritten{}, fmt.Errorf("sock_diag: SO_RCVTIMEO: %w", err)
 		}
 		diagSock.fd, diagSock.buf = fd, make([]byte, diagReplySize)
 	}

@@ -142,6 +142,9 @@ func (c *eventConn) tcpTarget(upper uint64) (at uint64, exact bool, err error) {
 	if err != nil {
 		return 0, false, err
 	}
+	if consumed < c.read {
+		return 0, false, fmt.Errorf("TCP_INFO: %d bytes received, fewer than the %d read", consumed, c.read)
+	}
 	// The peer's total less what this side consumed before the running phase.
 	handshake := consumed - c.read
 	if total < handshake+tcpCountSlack {
