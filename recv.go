@@ -189,8 +189,10 @@ func (s *Session) handleElem(e queueElem) error {
 // pendingClose is a close element whose stream may still have fallback data
 // on the socket: the close applies once the receive loop has read up to at.
 type pendingClose struct {
-	id uint32
-	at uint64 // a position in the byte stream received on the socket
+	id     uint32
+	at     uint64 // a position in the byte stream received on the socket
+	mode   uint8  // how at is known (closeExact, closeUpper, closeQuiet)
+	rounds uint8  // quiet waits so far (closeQuiet)
 }
 
 // closeAfterSocket applies a close element in the order the peer meant.
@@ -200,41 +202,41 @@ type pendingClose struct {
 // reference implementations do). The close can therefore be seen on the
 // queue before the receive loop has read those bytes; applied at once, it
 // would end the stream before its data and the data would be lost behind a
-// clean EOF. But every byte written before the close was published is, by
-// then, in this side's socket buffer: the close is applied once the receive
-// loop has consumed everything received so far plus what the kernel holds
-// now. When nothing is pending on the socket, that is at once.
+// clean EOF. Over a Unix socket every byte written before the close was
+// published is, by then, in this side's socket buffer: the close is applied
+// once the receive loop has consumed everything received so far plus what
+// the kernel holds now. When nothing is pending on the socket, that is at
+// once. Over TCP it is the count of what the peer wrote (tcp_order.go).
 //
 // Elements take effect in queue order: while a close waits, draining pauses
 // behind it (drain), and the receive loop reads the frames it waits for.
 func (s *Session) closeAfterSocket(id uint32) error {
-	at, err := s.ec.receivedSoFar()
+	at, mode, err := s.closeTarget() // over TCP, not read + SIOCINQ: tcp_order.go
 	if err != nil {
 		return fmt.Errorf("order the close of stream %d: %w", id, err)
-	}
-	if at <= s.handled && len(s.closing) == 0 {
-		s.peerClosed(id)
-		return nil
 	}
 	if len(s.closing) >= s.conf.MaxStreams { // a peer cannot make this list grow without end
 		return fmt.Errorf("%w: more than %d stream closes waiting for the socket, the limit set by Config.MaxStreams", ErrLimitExceeded, s.conf.MaxStreams)
 	}
-	s.closing = append(s.closing, pendingClose{id: id, at: at})
+	s.closing = append(s.closing, pendingClose{id: id, at: at, mode: mode})
+	s.closeCaughtUp()
 	return nil
 }
 
 // closeCaughtUp applies the pending closes the socket has caught up with,
 // in the order they were published.
 func (s *Session) closeCaughtUp() {
-	n := 0
-	for _, c := range s.closing {
-		if c.at > s.handled {
-			break
+	for n := 1; n > 0 && len(s.closing) > 0; {
+		s.settleTCPClose() // the first close, if its position is not exact
+		n = 0
+		for i := range s.closing {
+			c := &s.closing[i]
+			if c.at > s.handled || (c.mode == closeQuiet && !s.quietAfter(c)) {
+				break
+			}
+			s.peerClosed(c.id)
+			n++
 		}
-		s.peerClosed(c.id)
-		n++
-	}
-	if n > 0 {
 		k := copy(s.closing, s.closing[n:])
 		s.closing = s.closing[:k]
 	}

@@ -33,6 +33,8 @@ type eventConn struct {
 	inqN   int
 	inqErr error
 
+	tcp *tcpOrder // close ordering over TCP (tcp_order.go); receive loop only
+
 	wmu          handoverMutex
 	writeTimeout time.Duration
 	// pollOwed: a Polling frame is owed to the peer, not yet written

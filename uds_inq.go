@@ -28,7 +28,8 @@ func (c *eventConn) inq() (int, error) {
 // receivedSoFar returns the position in the running phase's byte stream up
 // to which the peer's writes have reached this side: what has been read
 // into the receive buffer plus what the kernel holds now. Only the receive
-// loop reads, and it calls this between reads, so the sum is exact.
+// loop reads, and it calls this between reads, so the sum is exact. Over
+// TCP it is not where the peer's writes have reached (tcp_order.go).
 func (c *eventConn) receivedSoFar() (uint64, error) {
 	n, err := c.inq()
 	if err != nil {
