@@ -158,8 +158,8 @@ func (r *streamReader) copyOut(p []byte) {
 func (r *streamReader) advance(n int) {
 	r.unread -= n
 	r.consumed += uint64(n)
-	if n > 0 && r.st.replyOwed.Load() {
-		r.st.replyOwed.Store(false) // a read returned bytes (poolable)
+	if n > 0 && r.st.reuse.Load()&replyOwed != 0 {
+		r.st.reuse.And(^uint32(replyOwed)) // a read returned bytes (poolable)
 	}
 	for n > 0 {
 		avail := len(r.segs[r.done].data) - r.pos

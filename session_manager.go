@@ -340,7 +340,7 @@ func (m *SessionManager) PutBack(st *Stream) {
 // PutBack defines it.
 func poolable(st *Stream) bool {
 	return !st.writeClosed.Load() && !st.fallback.Load() && st.s.sendable() == nil &&
-		!st.readFailed.Load() && !st.replyOwed.Load() &&
+		st.reuse.Load() == 0 &&
 		st.BufferReader().Len() == 0 && st.BufferWriter().Len() == 0
 }
 

@@ -44,8 +44,7 @@ type Stream struct {
 	// For SessionManager.PutBack (poolable): replyOwed is set as a message
 	// is sent and cleared as a read returns bytes; readFailed is set by a
 	// read that failed (a deadline, a close), and never cleared.
-	replyOwed  atomic.Bool
-	readFailed atomic.Bool
+	reuse atomic.Uint32
 
 	wmu    handoverMutex // serialises writers, Flush and Close
 	writer streamWriter
@@ -66,6 +65,12 @@ type Stream struct {
 }
 
 var _ net.Conn = (*Stream)(nil)
+
+// The bits of Stream.reuse.
+const (
+	replyOwed  = 1 << iota // sent since a read last returned bytes
+	readFailed             // a read has failed
+)
 
 // The bits of Stream.life.
 const (
@@ -141,7 +146,7 @@ func (st *Stream) waitReadable(n int) error {
 	err := st.awaitReadable(n)
 	st.uncountWaiting()
 	if err != nil {
-		st.readFailed.Store(true)
+		st.reuse.Or(readFailed)
 		st.notify()
 	}
 	return err

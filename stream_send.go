@@ -22,7 +22,7 @@ func (st *Stream) Write(p []byte) (int, error) {
 	if err := st.writeDeadlineErr(); err != nil {
 		return 0, err
 	}
-	st.replyOwed.Store(true)
+	st.reuse.Or(replyOwed)
 	before := st.writer.size // left by BufferWriter calls: sent first
 	st.partSent = 0
 	err := st.s.access(func() error {
@@ -73,7 +73,7 @@ func (st *Stream) flushLocked() error {
 		return w.usable() // nothing to send, but not on a closed stream either
 	}
 	raceReleaseIO()
-	st.replyOwed.Store(true)
+	st.reuse.Or(replyOwed)
 	if err := w.usable(); err != nil {
 		_ = w.discard()
 		return err
