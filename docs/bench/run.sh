@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The shm-versus-Unix-socket comparison that the README's performance
-# section cites (issue 10), in one run:
+# The shm-versus-Unix-socket comparison behind the README's figures and
+# docs/bench/HISTORY.md, in one run:
 #
 #   1. BenchmarkPingPong (bench_test.go): in-process ping-pong with exactly
 #      1, 8 and 64 streams (shm) or connections (uds), 64 B … 4 MB, -count 5;
