@@ -171,6 +171,11 @@ func (s *Session) handleData(id, offset uint32, scratch *[]segment) error {
 	c.bytesIn.Add(uint64(n))
 	st, err := s.streamFor(id)
 	if err != nil {
+		// Refused (a limit ends the session): the slices go back, or
+		// they are lost to the other sessions on a shared region.
+		if ferr := s.freeSegments(slices); ferr != nil {
+			return ferr
+		}
 		return err
 	}
 	if st != nil && n >= handTurnBytes && s.localPeerSession.Load() != nil {
