@@ -287,7 +287,7 @@ func TestReadsThatFillTheSessionTogether(t *testing.T) {
 	conf.MaxFallbackBuffered = 3 << 20
 	conf.FallbackStallTimeout = 5 * time.Second
 	sess, accepted := bpPair(t, conf)
-	part1, part2 := minFallbackFrame-16, 900<<10
+	part1, part2 := 1<<20-16, 900<<10
 	var clients, servers []*Stream
 	for range 3 {
 		st, err := sess.OpenStream()

@@ -596,7 +596,7 @@ func (st *Stream) queueFullGiveUp() error {
 func (st *Stream) sendFallback() error {
 	s, w := st.s, &st.writer
 	st.fallback.Store(true)
-	limit := maxFallbackFrameSent - 16 // whatever the peer's MaxFallbackFrameSize
+	limit := fallbackFrameData // whatever the peer's MaxFallbackFrameSize
 	var deadline time.Time             // bounds the socket writes too
 	if d := st.wDeadline.Load(); d != nil {
 		deadline = *d
