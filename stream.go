@@ -597,7 +597,7 @@ func (st *Stream) sendFallback() error {
 	s, w := st.s, &st.writer
 	st.fallback.Store(true)
 	limit := fallbackFrameData // whatever the peer's MaxFallbackFrameSize
-	var deadline time.Time             // bounds the socket writes too
+	var deadline time.Time     // bounds the socket writes too
 	if d := st.wDeadline.Load(); d != nil {
 		deadline = *d
 	}
