@@ -55,8 +55,8 @@ type Stream struct {
 
 	wmu    handoverMutex // serialises writers, Flush and Close
 	writer streamWriter
-	// partSent is how much of the message being written went out in
-	// fallback frames before sendFallback failed (0 after a success).
+	// partSent is how much of the message being written the peer may
+	// read although the send failed: fallback frames, or all on the queue.
 	partSent int
 	// The writer's, for waiting for room (send.go, space_queue.go).
 	spaceCh    chan struct{}
@@ -440,13 +440,14 @@ func (st *Stream) peerClose() {
 }
 
 // Write writes p as one message and flushes it. On error n counts the
-// bytes of p the peer will read: none, except for a message going over the
-// socket in fallback frames (a message larger than the buffer region can
-// give), which Close, the write deadline or a failed socket write can cut
-// short after some of its frames went out. A message that reached the IO
-// queue counts as written even if the peer closed its connection just
-// then (as with bytes in a socket buffer, it may or may not have read it);
-// the writes after it fail with an error wrapping ErrPeerClosed.
+// bytes of p the peer may read: a message going over the socket in
+// fallback frames (one larger than the buffer region can give) can be cut
+// short by Close, the write deadline or a failed socket write after some
+// of its frames went out. A message that reached the IO queue counts as
+// written even if the wake-up after it failed: with the peer's connection
+// closed just then, Write returns len(p) and nil (as with bytes in a
+// socket buffer, it may or may not have read it; the writes after it fail
+// with an error wrapping ErrPeerClosed), otherwise len(p) and the error.
 func (st *Stream) Write(p []byte) (int, error) {
 	st.lockWriter()
 	defer st.unlockWriter()
@@ -472,8 +473,7 @@ func (st *Stream) Write(p []byte) (int, error) {
 		return err
 	})
 	if err != nil {
-		// Only a message sent as fallback frames goes out in parts: the
-		// peer reads those that were written whole.
+		// What went out: frames written whole, or the message on the queue.
 		return min(max(st.partSent-before, 0), len(p)), err
 	}
 	return len(p), nil
@@ -567,11 +567,11 @@ func (st *Stream) sendShm() error {
 	c.messagesOut.Add(1)
 	c.bytesOut.Add(uint64(w.size))
 	st.sent()
+	st.partSent = w.size // on the queue: the peer may read it, whatever err says (Write)
 	w.reset()
 	if errors.Is(err, ErrPeerClosed) {
-		// The message is on the queue; only the wake-up after it found
-		// the peer's socket closed. A peer that polls its queue may well
-		// have read it before it closed, so the message counts as sent,
+		// Only the wake-up found the peer's socket closed: a peer that
+		// polls its queue may have read it first, so it counts as sent,
 		// as bytes in a socket buffer do; the next write fails (sendable).
 		return nil
 	}
