@@ -404,8 +404,10 @@ func newProcsCache() *procsCache {
 }
 
 func (c *procsCache) read(now time.Time) {
-	c.n.Store(int32(runtime.GOMAXPROCS(0)))
+	n := runtime.GOMAXPROCS(0)
+	c.n.Store(int32(n))
 	c.at.Store(now.UnixNano())
+	spinning.resize(usableCPUs(n)) // the governor follows (cpubudget.go)
 }
 
 // alone reports whether the process runs its goroutines on one processor;
@@ -497,8 +499,8 @@ const (
 
 // spinGovernor rations spinning for the whole process.
 type spinGovernor struct {
-	slots    int32        // how many goroutines may spin at once for sessions with another process
-	local    int32        // the same, counting sessions whose peer is this process
+	slots    atomic.Int32 // how many goroutines may spin at once for sessions with another process
+	local    atomic.Int32 // the same, counting sessions whose peer is this process
 	active   atomic.Int32 // how many do
 	offUntil atomic.Int64 // no spinning before this time (UnixNano); 0 once it has passed
 	cooldown atomic.Int64 // the length of the last cool-down, in ns
@@ -510,13 +512,11 @@ type spinGovernor struct {
 	ender *time.Timer
 }
 
-var spinning = newSpinGovernor(runtime.NumCPU())
+var spinning = newSpinGovernor(usableCPUs(runtime.GOMAXPROCS(0)))
 
 func newSpinGovernor(cpus int) *spinGovernor {
-	g := &spinGovernor{slots: int32(cpus / 2)}
-	if cpus > 1 {
-		g.local = int32(cpus)
-	}
+	g := &spinGovernor{}
+	g.resize(cpus)
 	g.cooldown.Store(int64(minSpinCooldown))
 	g.ender = time.AfterFunc(time.Hour, g.endCooldown)
 	g.ender.Stop()
@@ -542,7 +542,7 @@ func (g *spinGovernor) endCooldown() {
 func (g *spinGovernor) enter(local bool) bool {
 	slots := g.slotsFor(local)
 	if slots <= 0 {
-		return false
+		return g.starve()
 	}
 	if g.active.Load() >= slots || g.offUntil.Load() != 0 {
 		return false
@@ -564,9 +564,9 @@ func (g *spinGovernor) exit() { g.active.Add(-1) }
 // for the runtime's monitor thread or for the end of the spin.)
 func (g *spinGovernor) slotsFor(local bool) int32 {
 	if local {
-		return g.local
+		return g.local.Load()
 	}
-	return g.slots
+	return g.slots.Load()
 }
 
 // free reports whether enter would find a slot now.
