@@ -88,6 +88,11 @@ func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 	if !data {
 		s.handled += size
 		s.closeCaughtUp()
+	} else if len(payload) >= 4 {
+		// Closes that wait for bytes inside this frame wait for nothing
+		// of their own streams: applied now, they do not wait for a
+		// frame of another stream, which can be 32 MiB long.
+		s.closeDue(s.handled+size, binary.BigEndian.Uint32(payload))
 	}
 	if err := s.handleFrame(h, payload); err != nil {
 		return err
@@ -245,10 +250,15 @@ func (s *Session) closeAfterSocket(id uint32) error {
 
 // closeCaughtUp applies the pending closes the socket has caught up with,
 // in the order they were published.
-func (s *Session) closeCaughtUp() {
+func (s *Session) closeCaughtUp() { s.closeDue(s.handled, 0) }
+
+// closeDue applies, in the order they were published, the pending closes
+// that wait for no more than the first at bytes of the socket, up to the
+// first one for stream busy (0: none), whose data frame is being handled.
+func (s *Session) closeDue(at uint64, busy uint32) {
 	n := 0
 	for _, c := range s.closing {
-		if c.at > s.handled {
+		if c.at > at || c.id == busy {
 			break
 		}
 		s.peerClosed(c.id)
