@@ -59,6 +59,10 @@ func (m *bufferManager) popList(li int, keep int32) (uint32, int32, error) {
 					return 0, 0, corrupt("list of %d-byte slices: free slice %d links to %d, not a slice", l.sliceCap, h, next)
 				}
 			} else if shmCASUint32(head, h, next) {
+				if w, bit := m.heldBit(li, hdr); w.Load()&bit != 0 {
+					// Received and not freed: a writer of ours would share it.
+					return 0, 0, corrupt("list of %d-byte slices: free slice %d is held by this process", l.sliceCap, h)
+				}
 				m.setFlags(hdr, flagInUse)
 				shmAddInt32(m.i32(l.header+m.counter), 1)
 				return hdr, left, nil
@@ -379,34 +383,6 @@ func seen(slices []segment, off uint32) bool {
 		}
 	}
 	return false
-}
-
-// freeCounts returns the free slices of each list, for tests and
-// statistics: those on the free list and those this process has parked
-// (circulation.go), which are free and handed out on demand.
-func (m *bufferManager) freeCounts() []int32 {
-	free, _ := m.counts()
-	return free
-}
-
-// counts returns the free slices of each list (parked ones included) and,
-// of those, how many this process has parked.
-func (m *bufferManager) counts() (free, parked []int32) {
-	free = make([]int32, len(m.lists))
-	parked = make([]int32, len(m.lists))
-	c := m.circ
-	if c != nil {
-		c.mu.Lock()
-		defer c.mu.Unlock()
-	}
-	for i := range m.lists {
-		free[i] = m.freeCount(i)
-		if c != nil {
-			parked[i] = int32(len(c.parked[i]))
-			free[i] += parked[i]
-		}
-	}
-	return free, parked
 }
 
 // segment is one piece of a received or outgoing message: a slice of the

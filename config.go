@@ -150,9 +150,11 @@ type Config struct {
 	Logger *slog.Logger
 
 	// MaxFallbackFrameSize is the largest FallbackData frame accepted from
-	// the peer, header included (at least 1 MiB). Larger frames end the
-	// session. Frames this implementation sends are at most 1 MiB, so that
-	// every peer takes them whatever its setting.
+	// the peer, header included (at least 32 MiB). Larger frames end the
+	// session. This implementation sends a flushed message as one frame of
+	// up to 32 MiB, as the reference implementations do (32 MiB is the Rust
+	// reference's read buffer), and splits only a larger one, so that every
+	// peer takes its frames whatever its setting.
 	MaxFallbackFrameSize uint32
 
 	// Bounds on what a peer can make this side hold. A peer that reaches
@@ -232,9 +234,12 @@ const (
 	// maxFallbackFrameSent is the largest FallbackData frame we send: the
 	// smallest MaxFallbackFrameSize Verify allows, since a peer's limit is
 	// never learnt, and a peer of this implementation configured at that
-	// minimum must take every frame (the references take frames of up to
-	// 32 MiB). A writev of 1 MiB costs a system call per MiB of a message
-	// that goes over the socket anyway.
+	// minimum must take every frame. It is the Rust reference's read
+	// buffer: that reader panics on a larger frame, and leaks every frame
+	// but the last that one of its reads spans, so a message goes in as
+	// few frames as it can. While a frame is written it holds the socket:
+	// the frames and wake-ups of the session's other streams wait behind it
+	// (fallbackFrameData).
 	maxFallbackFrameSent = minFallbackFrame
 
 	minBufferCap = 1 << 20
@@ -388,9 +393,14 @@ func ReferenceSliceSizes() []SizePercentPair {
 // implementations use by default.
 const ReferenceBufferCap = 32 << 20
 
-// minFallbackFrame is the smallest MaxFallbackFrameSize allowed: the largest
-// slice of the default configuration must fit in one frame.
-const minFallbackFrame = 1 << 20
+// minFallbackFrame is the smallest MaxFallbackFrameSize allowed: the frames
+// peers send (maxFallbackFrameSent) must be taken.
+const minFallbackFrame = 32 << 20
+
+// fallbackFrameData is the most data a FallbackData frame we send carries
+// (the frame less its 16 bytes of header, id and status). A variable only
+// so that a benchmark can compare the frame sizes in one run.
+var fallbackFrameData = maxFallbackFrameSent - 16
 
 // maxMemfdPrefix bounds ShareMemoryPathPrefix in memfd mode too (file mode
 // has the tighter maxPathBudget): the region names a client sends, with

@@ -97,8 +97,10 @@ var (
 	// listener is still running.
 	ErrHotRestartRunning = errors.New("shmipc: a hot restart is already running")
 
-	// ErrHotRestartHandshaking is returned by HotRestart while a session of
-	// the listener is still handshaking; try again shortly.
+	// ErrHotRestartHandshaking was returned by HotRestart while a session
+	// of the listener was still handshaking. HotRestart no longer waits
+	// for handshakes (a session that finishes one during the restart is
+	// told then), so nothing returns it; it stays for code that checks it.
 	ErrHotRestartHandshaking = errors.New("shmipc: a session is still handshaking")
 
 	// ErrHotRestartTimeout is returned (wrapped) by WaitHotRestart when not

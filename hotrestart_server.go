@@ -33,6 +33,7 @@ package shmipc
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -63,6 +64,11 @@ type srvHotRestart struct {
 	waiting map[*Session]*func(uint64) // sessions that have not acknowledged, and their hook
 	hooked  map[*Session]*func(uint64)
 	acked   int
+	over    bool // finish ran: no session joins any more
+	// handshaking are the connections that were in their handshake when
+	// the restart began: their sessions join it (join). Written before
+	// the restart is published, under the listener's mu.
+	handshaking map[net.Conn]struct{}
 
 	done chan struct{}
 	err  error // written before done is closed
@@ -84,24 +90,21 @@ func (hr *srvHotRestart) finished() bool {
 // acknowledgements (at most 2 s from now).
 //
 // It fails with ErrHotRestartRunning while a previous restart is still
-// running, with ErrHotRestartHandshaking while a connection is still in its
-// handshake, and with ErrListenerClosed after Close.
+// running, and with ErrListenerClosed after Close. Connections still in
+// their handshake do not hold it up: their sessions are told as they
+// start, and waited for.
 //
 // Call it once the new server answers on the socket path (ListenTakeover).
 // From then on Close does not remove the listener's Unix socket file.
 //
 // A session that ends during the restart is no longer waited for: it cannot
 // acknowledge, and its client, if it re-dials, reaches the new server.
-// Sessions accepted after HotRestart was called are not part of the restart.
+// Connections accepted after HotRestart was called are not part of it.
 func (l *Listener) HotRestart(epoch uint64) error {
 	l.mu.Lock()
 	if l.isClosed() {
 		l.mu.Unlock()
 		return ErrListenerClosed
-	}
-	if n := len(l.pending); n > 0 {
-		l.mu.Unlock()
-		return fmt.Errorf("%w (%d connections)", ErrHotRestartHandshaking, n)
 	}
 	if prev := l.restart.Load(); prev != nil && !prev.finished() {
 		l.mu.Unlock()
@@ -113,6 +116,8 @@ func (l *Listener) HotRestart(epoch uint64) error {
 		waiting: make(map[*Session]*func(uint64), len(l.sessions)),
 		hooked:  make(map[*Session]*func(uint64), len(l.sessions)),
 		done:    make(chan struct{}),
+
+		handshaking: maps.Clone(l.pending),
 	}
 	sessions := make([]*Session, 0, len(l.sessions))
 	for s := range l.sessions {
@@ -135,29 +140,50 @@ func (l *Listener) HotRestart(epoch uint64) error {
 	}
 
 	// Hooks first, so that no acknowledgement can be missed.
-	hr.mu.Lock()
 	for _, s := range sessions {
-		if s.IsClosed() {
-			continue
-		}
-		s := s
-		f := func(e uint64) { hr.ack(s, e) }
-		s.onHotRestartAck.Store(&f)
-		hr.waiting[s] = &f
-		hr.hooked[s] = &f
+		hr.hook(s)
 	}
-	hr.mu.Unlock()
 	for _, s := range sessions {
-		if s.IsClosed() {
-			continue
-		}
-		frame := wire.AppendHotRestart(nil, s.version, wire.TypeHotRestart, epoch)
-		if err := s.ec.write(frame); err != nil {
-			_ = s.sendFailed("send HotRestart", err)
-		}
+		hr.tell(s)
 	}
 	go hr.monitor(l)
 	return nil
+}
+
+// hook makes the restart wait for s's acknowledgement, unless s has ended
+// or the restart is over.
+func (hr *srvHotRestart) hook(s *Session) bool {
+	hr.mu.Lock()
+	defer hr.mu.Unlock()
+	if s.IsClosed() || hr.over {
+		return false
+	}
+	f := func(e uint64) { hr.ack(s, e) }
+	s.onHotRestartAck.Store(&f)
+	hr.waiting[s] = &f
+	hr.hooked[s] = &f
+	return true
+}
+
+// tell sends s the restart's HotRestart frame.
+func (hr *srvHotRestart) tell(s *Session) {
+	if s.IsClosed() {
+		return
+	}
+	frame := wire.AppendHotRestart(nil, s.version, wire.TypeHotRestart, hr.epoch)
+	if err := s.ec.write(frame); err != nil {
+		_ = s.sendFailed("send HotRestart", err)
+	}
+}
+
+// join makes a session whose handshake was running when the restart began
+// part of it (Listener.adopt): its client would otherwise stay on this
+// server. (Sessions the clients dial after that, such as the ones they
+// dial for the restart, are not part of it.)
+func (hr *srvHotRestart) join(s *Session) {
+	if hr.hook(s) {
+		hr.tell(s)
+	}
 }
 
 // ack counts a HotRestartAck frame received on s.
@@ -209,6 +235,7 @@ func (hr *srvHotRestart) monitor(l *Listener) {
 // finish ends the restart: the hooks are removed and waiters released.
 func (hr *srvHotRestart) finish(err error) {
 	hr.mu.Lock()
+	hr.over = true
 	for s, f := range hr.hooked {
 		s.onHotRestartAck.CompareAndSwap(f, nil)
 	}
@@ -335,4 +362,14 @@ func (p *pathListener) Close() error {
 		os.Remove(p.path)
 	}
 	return p.UnixListener.Close()
+}
+
+// inHandshake reports whether conn was in its handshake when the restart hr
+// (nil: none) began; the listener's mu is held.
+func (hr *srvHotRestart) inHandshake(conn net.Conn) bool {
+	if hr == nil {
+		return false
+	}
+	_, ok := hr.handshaking[conn]
+	return ok
 }

@@ -119,28 +119,6 @@ func TestHotRestartServerFrames(t *testing.T) {
 	}
 }
 
-// TestHotRestartRefusedWhileHandshaking: a connection in its handshake
-// blocks HotRestart.
-func TestHotRestartRefusedWhileHandshaking(t *testing.T) {
-	env := startTestServer(t, 0)
-	c, err := net.Dial("unix", env.addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	waitUntil(t, "pending handshake", 5*time.Second, func() bool {
-		env.ln.mu.Lock()
-		defer env.ln.mu.Unlock()
-		return len(env.ln.pending) == 1
-	})
-	if err := env.ln.HotRestart(1); !errors.Is(err, ErrHotRestartHandshaking) {
-		t.Errorf("HotRestart during a handshake: %v, want ErrHotRestartHandshaking", err)
-	}
-	if err := env.ln.WaitHotRestart(context.Background()); !errors.Is(err, ErrNoHotRestart) {
-		t.Errorf("WaitHotRestart without a restart: %v, want ErrNoHotRestart", err)
-	}
-}
-
 // TestHotRestartPlainClientIgnores: a session from Dial stays up after a
 // HotRestart frame and sends nothing back.
 func TestHotRestartPlainClientIgnores(t *testing.T) {

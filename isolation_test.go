@@ -403,7 +403,8 @@ func TestIsolationFallbackFlood(t *testing.T) {
 	srv := isoStartServer(t, conf, func(st *Stream) {}) // accepted, never read
 	srv.dialGood(t)
 	p, _, victim := srv.connect(t, MemMapTypeMemFd)
-	frame := rawFallbackFrame(p.version, conf.MaxFallbackFrameSize, 2, 0, strings.Repeat("f", int(conf.MaxFallbackFrameSize)-16))
+	const frameData = 1 << 20
+	frame := rawFallbackFrame(p.version, 0, 2, 0, strings.Repeat("f", frameData))
 	runtime.GC()
 	heapBefore, rssBefore := heapInUse(), rssBytes(t)
 	flooded := make(chan int)
@@ -445,7 +446,7 @@ func TestIsolationFallbackFlood(t *testing.T) {
 	// buffer, and garbage not yet collected: well under the 255 MiB sent.
 	// (RSS is logged, not checked: under -race it includes the race
 	// detector's shadow of every allocation.)
-	limit := int64(2*(conf.MaxFallbackBufferedPerStream+int(conf.MaxFallbackFrameSize)) + 4<<20)
+	limit := int64(2*(conf.MaxFallbackBufferedPerStream+frameData) + 4<<20)
 	t.Logf("flooded %d MiB before the cut-off; peak heap growth %.1f MiB (test limit %.1f MiB), peak RSS growth %.1f MiB",
 		n, float64(peak)/(1<<20), float64(limit)/(1<<20), float64(peakRSS)/(1<<20))
 	if peak > limit {

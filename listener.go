@@ -248,7 +248,12 @@ func (l *Listener) adopt(s *Session, conn net.Conn) {
 	l.mu.Lock()
 	delete(l.pending, conn)
 	l.sessions[s] = struct{}{}
+	hr := l.restart.Load() // under mu: HotRestart took its sessions or set hr
+	joins := hr.inHandshake(conn)
 	l.mu.Unlock()
+	if joins {
+		hr.join(s) // a hot restart began during the handshake
+	}
 }
 
 func (l *Listener) forget(s *Session) {

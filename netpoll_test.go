@@ -36,7 +36,7 @@ func npConfig(t *testing.T, tweak func(*Config)) *Config {
 func npSmallSlices(c *Config) {
 	c.ShareMemoryBufferCap = 4 << 20
 	c.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 60}, {Size: 64 << 10, Percent: 40}}
-	c.MaxFallbackFrameSize = 4 << 20
+	c.MaxFallbackFrameSize = minFallbackFrame
 }
 
 // npSessions connects a client to a Listener over a Unix socket in

@@ -77,6 +77,11 @@ func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 	if !data {
 		s.handled += size
 		s.closeCaughtUp()
+	} else if len(payload) >= 4 {
+		// Closes that wait for bytes inside this frame wait for nothing
+		// of their own streams: applied now, they do not wait for a
+		// frame of another stream, which can be 32 MiB long.
+		s.closeDue(s.handled+size, binary.BigEndian.Uint32(payload))
 	}
 	if err := s.handleFrame(h, payload); err != nil {
 		return err
@@ -160,6 +165,11 @@ func (s *Session) handleData(id, offset uint32, scratch *[]segment) error {
 	c.bytesIn.Add(uint64(n))
 	st, err := s.streamFor(id)
 	if err != nil {
+		// Refused (a limit ends the session): the slices go back, or
+		// they are lost to the other sessions on a shared region.
+		if ferr := s.freeSegments(slices); ferr != nil {
+			return ferr
+		}
 		return err
 	}
 	if st == nil || !st.deliver(slices, nil) {
@@ -225,13 +235,19 @@ func (s *Session) closeAfterSocket(id uint32) error {
 
 // closeCaughtUp applies the pending closes the socket has caught up with,
 // in the order they were published.
-func (s *Session) closeCaughtUp() {
+func (s *Session) closeCaughtUp() { s.closeDue(s.handled, 0) }
+
+// closeDue applies, in the order they were published, the pending closes
+// that wait for no more than the first at bytes of the socket, up to the
+// first one for stream busy (0: none), whose data frame is being handled,
+// and up to one that waits for the socket to be quiet first.
+func (s *Session) closeDue(at uint64, busy uint32) {
 	for n := 1; n > 0 && len(s.closing) > 0; {
 		s.settleTCPClose() // the first close, if its position is not exact
 		n = 0
 		for i := range s.closing {
 			c := &s.closing[i]
-			if c.at > s.handled || (c.mode == closeQuiet && !s.quietAfter(c)) {
+			if c.at > at || c.id == busy || (c.mode == closeQuiet && !s.quietAfter(c)) {
 				break
 			}
 			s.peerClosed(c.id)

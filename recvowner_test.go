@@ -121,7 +121,13 @@ func TestFallbackStallLeavesOtherStreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	stuckSrv := bpAccepted(t, accepted) // never read
-	go stuck.Write(make([]byte, 4<<20)) // more than the region: fallback data
+	go func() { // more than the region: fallback data, one frame a message
+		for range 2 {
+			if _, err := stuck.Write(make([]byte, 4<<20)); err != nil {
+				return
+			}
+		}
+	}()
 	waitUntil(t, "the stalled frame", peerTimeout, func() bool { return stuckSrv.heldFallback.Load() > 0 })
 
 	other, err := sess.OpenStream()
@@ -184,7 +190,13 @@ func TestOnDataKeepsFallbackBound(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer st.Close()
-	go st.Write(make([]byte, 24<<20))
+	go func() { // a frame a message: the second passes the bound
+		for range 3 {
+			if _, err := st.Write(make([]byte, 8<<20)); err != nil {
+				return
+			}
+		}
+	}()
 	srv := bpAccepted(t, accepted)
 	done := OnData(srv, func(*Stream) error { return nil }) // reads nothing
 	limit := int64(conf.MaxFallbackBufferedPerStream) + int64(conf.MaxFallbackFrameSize)

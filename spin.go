@@ -22,8 +22,39 @@ type spinWatch struct {
 // start begins a spin.
 func (w *spinWatch) start() {
 	w.begin = time.Now()
-	w.alone = runtime.GOMAXPROCS(0) == 1
+	w.alone = procs.get(w.begin) == 1
 	w.last, w.lastYield, w.lastSocket = w.begin, w.begin, w.begin
+}
+
+// procs caches GOMAXPROCS for spinners: runtime.GOMAXPROCS takes the
+// scheduler's lock. It can change while the process runs (the runtime
+// follows the CPU limit of the process's cgroup; go test -cpu sets it for
+// each benchmark), so spinners read it again when they start a spin more
+// than procsRefresh after the last read, and the governor follows it
+// (cpubudget.go).
+var procs procsCache
+
+type procsCache struct {
+	n  atomic.Int32
+	at atomic.Int64 // when n was read (UnixNano)
+}
+
+const procsRefresh = 5 * time.Millisecond
+
+// get returns GOMAXPROCS as of at most procsRefresh before now.
+func (c *procsCache) get(now time.Time) int {
+	if now.UnixNano()-c.at.Load() > int64(procsRefresh) || c.n.Load() == 0 {
+		c.read(now)
+	}
+	return int(c.n.Load())
+}
+
+// read reads GOMAXPROCS at now and sizes the governor for it.
+func (c *procsCache) read(now time.Time) {
+	n := runtime.GOMAXPROCS(0)
+	c.n.Store(int32(n))
+	c.at.Store(now.UnixNano())
+	spinning.resize(usableCPUs(n))
 }
 
 // check looks at the clock between rounds of looks. It returns spinGaveUp
@@ -90,7 +121,7 @@ const (
 
 // spinGovernor rations spinning for the whole process.
 type spinGovernor struct {
-	slots    int32        // how many goroutines may spin at once
+	slots    atomic.Int32 // how many goroutines may spin at once (resize)
 	active   atomic.Int32 // how many do
 	offUntil atomic.Int64 // no spinning before this time (UnixNano); 0 once it has passed
 	cooldown atomic.Int64 // the length of the last cool-down, in ns
@@ -102,10 +133,11 @@ type spinGovernor struct {
 	ender *time.Timer
 }
 
-var spinning = newSpinGovernor(runtime.NumCPU())
+var spinning = newSpinGovernor(usableCPUs(runtime.GOMAXPROCS(0)))
 
 func newSpinGovernor(cpus int) *spinGovernor {
-	g := &spinGovernor{slots: int32(cpus / 2)}
+	g := &spinGovernor{}
+	g.resize(cpus)
 	g.cooldown.Store(int64(minSpinCooldown))
 	g.ender = time.AfterFunc(time.Hour, g.endCooldown)
 	g.ender.Stop()
@@ -128,9 +160,9 @@ func (g *spinGovernor) endCooldown() {
 
 // enter takes a spinning slot if one is free and no cool-down is running.
 func (g *spinGovernor) enter() bool {
-	slots := g.slots
+	slots := g.slots.Load()
 	if slots <= 0 {
-		return false
+		return g.starve()
 	}
 	if g.active.Load() >= slots || g.offUntil.Load() != 0 {
 		return false
@@ -146,7 +178,7 @@ func (g *spinGovernor) exit() { g.active.Add(-1) }
 
 // free reports whether enter would find a slot now.
 func (g *spinGovernor) free() bool {
-	return g.active.Load() < g.slots && g.offUntil.Load() == 0
+	return g.active.Load() < g.slots.Load() && g.offUntil.Load() == 0
 }
 
 // pressure switches spinning off for a cool-down: a spinner was

@@ -265,3 +265,31 @@ func (c *Config) logger() *slog.Logger {
 	}
 	return discardLogger
 }
+
+// freeCounts returns the free slices of each list, for tests and
+// statistics: those on the free list and those this process has parked
+// (circulation.go), which are free and handed out on demand.
+func (m *bufferManager) freeCounts() []int32 {
+	free, _ := m.counts()
+	return free
+}
+
+// counts returns the free slices of each list (parked ones included) and,
+// of those, how many this process has parked.
+func (m *bufferManager) counts() (free, parked []int32) {
+	free = make([]int32, len(m.lists))
+	parked = make([]int32, len(m.lists))
+	c := m.circ
+	if c != nil {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+	}
+	for i := range m.lists {
+		free[i] = m.freeCount(i)
+		if c != nil {
+			parked[i] = int32(len(c.parked[i]))
+			free[i] += parked[i]
+		}
+	}
+	return free, parked
+}

@@ -48,8 +48,8 @@ type Stream struct {
 
 	wmu    handoverMutex // serialises writers, Flush and Close
 	writer streamWriter
-	// partSent is how much of the message being written went out in
-	// fallback frames before sendFallback failed (0 after a success).
+	// partSent is how much of the message being written the peer may
+	// read although the send failed: fallback frames, or all on the queue.
 	partSent int
 	// The writer's, for waiting for room (send.go, space_queue.go).
 	spaceCh    chan struct{}

@@ -9,13 +9,14 @@ import (
 // queue, or sent over the socket as fallback data.
 
 // Write writes p as one message and flushes it. On error n counts the
-// bytes of p the peer will read: none, except for a message going over the
-// socket in fallback frames (a message larger than the buffer region can
-// give), which Close, the write deadline or a failed socket write can cut
-// short after some of its frames went out. A message that reached the IO
-// queue counts as written even if the peer closed its connection just
-// then (as with bytes in a socket buffer, it may or may not have read it);
-// the writes after it fail with an error wrapping ErrPeerClosed.
+// bytes of p the peer may read: a message going over the socket in
+// fallback frames (one larger than the buffer region can give) can be cut
+// short by Close, the write deadline or a failed socket write after some
+// of its frames went out. A message that reached the IO queue counts as
+// written even if the wake-up after it failed: with the peer's connection
+// closed just then, Write returns len(p) and nil (as with bytes in a
+// socket buffer, it may or may not have read it; the writes after it fail
+// with an error wrapping ErrPeerClosed), otherwise len(p) and the error.
 func (st *Stream) Write(p []byte) (int, error) {
 	st.lockWriter()
 	defer st.unlockWriter()
@@ -36,8 +37,7 @@ func (st *Stream) Write(p []byte) (int, error) {
 		return err
 	})
 	if err != nil {
-		// Only a message sent as fallback frames goes out in parts: the
-		// peer reads those that were written whole.
+		// What went out: frames written whole, or the message on the queue.
 		return min(max(st.partSent-before, 0), len(p)), err
 	}
 	return len(p), nil
@@ -121,6 +121,7 @@ func (st *Stream) sendShm() error {
 	}
 	c.messagesOut.Add(1)
 	c.bytesOut.Add(uint64(w.size))
+	st.partSent = w.size // on the queue: the peer may read it, whatever err says (Write)
 	w.reset()
 	if errors.Is(err, ErrPeerClosed) {
 		// The message is on the queue; only the wake-up after it found
@@ -150,7 +151,7 @@ func (st *Stream) queueFullGiveUp() error {
 func (st *Stream) sendFallback() error {
 	s, w := st.s, &st.writer
 	st.fallback.Store(true)
-	limit := maxFallbackFrameSent - 16 // whatever the peer's MaxFallbackFrameSize
+	limit := fallbackFrameData // whatever the peer's MaxFallbackFrameSize
 	// The deadline bounds each frame's socket write, as it is then.
 	deadline := func() time.Time {
 		if d := st.wDeadline.Load(); d != nil {

@@ -658,12 +658,12 @@ func TestStreamHalfClose(t *testing.T) {
 }
 
 // tinyRegion makes a 1 MiB buffer region of 4 KiB slices, so large messages
-// cannot be placed in shared memory, and caps fallback frames at 1 MiB so
-// large messages are split into several frames.
+// cannot be placed in shared memory, and takes fallback frames up to the
+// smallest bound allowed.
 func tinyRegion(c *Config) {
 	c.ShareMemoryBufferCap = 1 << 20
 	c.BufferSliceSizes = []SizePercentPair{{Size: 4096, Percent: 100}}
-	c.MaxFallbackFrameSize = 1 << 20
+	c.MaxFallbackFrameSize = minFallbackFrame
 }
 
 // TestStreamFallback forces fallback data with a tiny region and checks that

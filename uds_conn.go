@@ -146,16 +146,8 @@ func (c *eventConn) writeLocked(b []byte) error {
 // tryWrite makes one non-blocking write(2) of b and returns how much of it
 // went out (0 when the socket is full, or has no file descriptor).
 func (c *eventConn) tryWrite(b []byte) int {
-	if c.raw == nil {
-		return 0
-	}
-	c.wb = b
-	err := c.raw.Write(c.wfn)
-	c.wb = nil
-	if err != nil || c.wErr != nil || c.wn < 0 {
-		return 0
-	}
-	return c.wn
+	n, _ := c.tryWriteErr(b)
+	return n
 }
 
 // writeOnce is tryWrite's callback: it never waits for the socket.
@@ -173,57 +165,6 @@ func (c *eventConn) writeOnce(fd uintptr) bool {
 		}
 		return true
 	}
-}
-
-// writePolling sends a Polling frame, or leaves it to the writer of the
-// frame being written, if any: a wake-up never waits behind another frame,
-// which can take as long as ConnectionWriteTimeout (fallback data the peer
-// is slow to read). The frame goes out right after that one, which is as
-// early as it could go anyway, and one frame answers any number of
-// wake-ups owed meanwhile, as it follows every element they announce.
-func (c *eventConn) writePolling(version uint8) error {
-	c.pollVersion.Store(uint32(version))
-	c.pollOwed.Store(true)
-	return c.flushPolling()
-}
-
-// flushPolling writes the owed Polling frame unless another goroutine holds
-// wmu; that one writes it when it lets go (handoverMutex).
-func (c *eventConn) flushPolling() error {
-	for c.pollOwed.Load() {
-		if !c.wmu.tryLockOrLeave() {
-			return nil
-		}
-		err := c.payPolling()
-		c.wmu.Unlock()
-		if err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// unlockW releases wmu and writes a Polling frame owed meanwhile. Its error
-// is not the caller's: it goes to onAsyncErr.
-func (c *eventConn) unlockW() {
-	c.wmu.Unlock()
-	if c.pollOwed.Load() {
-		if err := c.flushPolling(); err != nil && c.onAsyncErr != nil {
-			go c.onAsyncErr(err) // not under the caller's locks
-		}
-	}
-}
-
-// payPolling writes an owed Polling frame before the frame the caller,
-// which holds wmu, is about to write: a frame written later must not
-// overtake the wake-up for elements published before it (a StreamClose or
-// FallbackData frame of the stream that published them).
-func (c *eventConn) payPolling() error {
-	if !c.pollOwed.Load() || !c.pollOwed.Swap(false) {
-		return nil
-	}
-	c.wbuf = wire.AppendEvent(c.wbuf[:0], uint8(c.pollVersion.Load()), wire.TypePolling)
-	return c.writeLocked(c.wbuf)
 }
 
 // writeEvent sends a frame without payload.
