@@ -121,7 +121,7 @@ func TestFallbackStallLeavesOtherStreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	stuckSrv := bpAccepted(t, accepted) // never read
-	go func() { // more than the region: fallback data, one frame a message
+	go func() {                         // more than the region: fallback data, one frame a message
 		for range 2 {
 			if _, err := stuck.Write(make([]byte, 4<<20)); err != nil {
 				return
