@@ -100,6 +100,9 @@ func TestShrunkRegionFaultsAreErrors(t *testing.T) {
 // memory-fault error, which the stream's waiting reader gets, and gives its
 // spinning slot back, so that other sessions still spin.
 func TestSpinningLoopFault(t *testing.T) {
+	if procs.read(time.Now()); spinning.slots.Load() == 0 {
+		t.Skip("the process may use one CPU: nothing spins (spinGovernor)")
+	}
 	conf := DefaultConfig()
 	conf.MemMapType = MemMapTypeDevShmFile
 	conf.ShareMemoryPathPrefix = shmPrefix(t, "spinfault")
