@@ -83,9 +83,11 @@ func (c *hpCtx) publish(id, off, status uint32) {
 	c.wake()
 }
 
-// waitPolling waits until a consumer of the victim has set the working flag.
+// waitPolling waits a little for the victim's receive loop to set the
+// working flag (it does while it consumes); if it does not, the case runs
+// with the Polling frames a correct producer then sends.
 func (c *hpCtx) waitPolling() {
-	deadline := time.Now().Add(2 * time.Second)
+	deadline := time.Now().Add(300 * time.Millisecond)
 	for c.p.send.flag() == 0 {
 		if time.Now().After(deadline) {
 			c.t.Log("reader mode: no consumer polls the victim's queue")
@@ -309,7 +311,7 @@ func hpClientCase(t *testing.T, mode MemMapType, reader bool) *hpCtx {
 // hpAgainstServer runs cases against a real server, woken by Polling frames
 // in both modes and by a reader polling its queue.
 func hpAgainstServer(t *testing.T, cases []hpCase) {
-	for _, reader := range []bool{false, true} {
+	for _, reader := range shortOr([]bool{false, true}, []bool{false}) {
 		spin := defaultConsumerSpinTime
 		if reader {
 			spin = readerSpin
