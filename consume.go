@@ -215,13 +215,16 @@ func (s *Session) drainAtEnd() error {
 	return err
 }
 
-// drainBefore drains everything, closes included, without pausing behind a
-// pending close: a FallbackData or StreamClose frame must not overtake what
-// the peer published before sending it on the same stream, and the pending
-// close belongs to another stream (a stream's own close is published after
-// its last data is sent).
+// drainBefore drains what the queue holds, closes included, without
+// pausing behind a pending close: a FallbackData or StreamClose frame must
+// not overtake what the peer published before sending it on the same
+// stream, and the pending close belongs to another stream (a stream's own
+// close is published after its last data is sent). What the peer published
+// before sending the frame is on the queue once the frame has been read, so
+// the drain takes what the queue holds when it begins and no more: a peer
+// that goes on publishing cannot keep the socket from being read.
 func (s *Session) drainBefore() error {
-	_, _, err := s.drain(false, noDrainLimit)
+	_, _, err := s.drain(false, int(min(s.recvQ.depth(), int64(s.recvQ.cap))))
 	return err
 }
 

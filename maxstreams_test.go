@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -147,4 +148,58 @@ func TestMaxStreamsHostileClientBounded(t *testing.T) {
 			t.Errorf("server session ended with %v, want ErrLimitExceeded", err)
 		}
 	})
+}
+
+// TestMaxStreamsPendingCloseCounts: a close published on the queue that
+// waits for the socket (closeAfterSocket) means the client no longer holds
+// that stream. Here the client closed stream 3 before it opened 5 (over
+// the socket) and 7 (through the queue), so it never held more than two:
+// twice MaxStreams 1, which the server accepts. The drain that precedes
+// stream 5's frame finds 3's close (which then waits for the socket bytes
+// received so far, 5's close frame among them) and 7's message.
+func TestMaxStreamsPendingCloseCounts(t *testing.T) {
+	conf := peerConfig(t, MemMapTypeMemFd, 0)
+	conf.MaxStreams = 1
+	ln, err := Listen("unix", filepath.Join(t.TempDir(), "ms.sock"), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	got := make(chan string, 3)
+	go serveStreams(ln, func(st *Stream) {
+		st.SetReadDeadline(time.Now().Add(peerTimeout))
+		b, _ := io.ReadAll(st)
+		got <- string(b)
+		st.Close()
+	})
+	env := &testServer{conf: conf, ln: ln, addr: ln.Addr().String()}
+	p, victim := connectRawClient(t, env, MemMapTypeMemFd)
+
+	// No wake-up: the server finds these in the drain before frame 5.
+	p.send.put(3, p.msg("three"), statusOpened)
+	p.send.put(3, 0, statusClosed)
+	p.send.put(7, p.msg("seven"), statusOpened)
+	frames := rawFallbackFrame(p.version, 0, 5, statusOpened, "five")
+	frames = append(frames, rawFrame(12, rawMagic, p.version, 2, 0, 0, 0, 5)...)
+	p.write(frames)
+	// 7 ends with a close through the queue and a wake-up.
+	p.publish(7, 0, statusClosed)
+
+	want := map[string]bool{"three": true, "five": true, "seven": true}
+	for range 3 {
+		select {
+		case s := <-got:
+			if !want[s] {
+				t.Errorf("a stream read %q", s)
+			}
+			delete(want, s)
+		case <-victim.closed:
+			t.Fatalf("server session ended: %v", victim.Err())
+		case <-time.After(peerTimeout):
+			t.Fatalf("streams still to end: %v (server: %v)", want, victim.Err())
+		}
+	}
+	if err := victim.Err(); err != nil {
+		t.Fatalf("server session ended: %v", err)
+	}
 }

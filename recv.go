@@ -225,8 +225,16 @@ func (s *Session) closeAfterSocket(id uint32) error {
 	if err != nil {
 		return fmt.Errorf("order the close of stream %d: %w", id, err)
 	}
-	if len(s.closing) >= s.conf.MaxStreams { // a peer cannot make this list grow without end
-		return fmt.Errorf("%w: more than %d stream closes waiting for the socket, the limit set by Config.MaxStreams", ErrLimitExceeded, s.conf.MaxStreams)
+	// A peer cannot make this list grow without end. A drain takes at most
+	// a queue's worth of elements (drainBefore), and the closes of one
+	// drain wait for at most the bytes on their way then.
+	if limit := 2*s.conf.MaxStreams + int(s.recvQ.cap); len(s.closing) >= limit {
+		return fmt.Errorf("%w: more than %d stream closes waiting for the socket (twice Config.MaxStreams and the queue's capacity)", ErrLimitExceeded, limit)
+	}
+	if st := s.lookup(id); st != nil {
+		// The peer holds the stream no more: it stops counting against
+		// Config.MaxStreams now (streamFor), though its end waits.
+		s.peerClosedStream(st)
 	}
 	s.closing = append(s.closing, pendingClose{id: id, at: at, mode: mode})
 	s.closeCaughtUp()
