@@ -140,10 +140,14 @@ func (s *Session) awaitReader() bool {
 	if s.cons.budget <= 0 {
 		return false
 	}
+	// A token left by a reader whose wait the loop has since served
+	// (it began waiting while the loop spun) says nothing of now.
 	select {
 	case <-s.readerWaits:
-		return true
 	default:
+	}
+	if s.waiting.Load() > 0 {
+		return true
 	}
 	d := time.Duration(s.cons.budget)
 	if s.cons.timer == nil {

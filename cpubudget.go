@@ -13,14 +13,16 @@ import (
 	"time"
 )
 
-// The CPUs spinning is rationed to (spinGovernor): what the process may
-// really use, not the CPUs of the machine. A process runs goroutines on at
-// most GOMAXPROCS processors, and a cgroup CPU quota (cgroup v2 cpu.max,
-// v1 cpu.cfs_quota_us over cpu.cfs_period_us) bounds the CPU time it gets:
-// in a container limited to 2 CPUs of a 64-core host, "half the CPUs" is 1
-// spinner, not 32. Since Go 1.25 the runtime sets GOMAXPROCS from the quota
-// itself, unless GOMAXPROCS was set by hand (the environment variable, or a
-// call), which is why the quota is read here too.
+// The CPUs spinning is rationed to (spinGovernor): the CPUs the process
+// shares with its peers, not those of the host, and no more processors than
+// it runs goroutines on. A cgroup CPU quota (cgroup v2 cpu.max, v1
+// cpu.cfs_quota_us over cpu.cfs_period_us) bounds the CPU time the process
+// gets: in a container limited to 2 CPUs of a 64-core host, "half the
+// CPUs" is 1 spinner, not 32. Half of them, since the peer process needs
+// the other half; and at most GOMAXPROCS, since a spinner holds a
+// processor (with one, it lets the goroutines it waits for run between
+// looks: spinWatch.alone). So a process with GOMAXPROCS 1 on a 2-CPU host
+// spins on one, while on a 1-CPU host nothing spins.
 //
 // Both can change while the process runs. GOMAXPROCS is read again by
 // spinners every procsRefresh (procsCache.read), and by a process that
@@ -40,10 +42,11 @@ var cpuQuota struct {
 	starved atomic.Uint32 // slots refused for want of any (spinGovernor.starve)
 }
 
-// usableCPUs is the number of CPUs the process may use with GOMAXPROCS
-// procs: procs, or fewer under a CPU quota. It reads the quota again, in
+// spinSlots is how many goroutines of the process may spin at once when it
+// runs goroutines on procs processors: half the CPUs it may use (the host's,
+// or fewer under a CPU quota), at most procs. It reads the quota again, in
 // the background, when the last read is older than quotaRefresh.
-func usableCPUs(procs int) int {
+func spinSlots(procs int) int {
 	now := time.Now().UnixNano()
 	if at := cpuQuota.readAt.Load(); (at == 0 || now-at > int64(quotaRefresh)) && cpuQuota.reading.CompareAndSwap(false, true) {
 		cpuQuota.readAt.Store(now)
@@ -53,10 +56,11 @@ func usableCPUs(procs int) int {
 			go refreshQuota()
 		}
 	}
-	if q := int(cpuQuota.limit.Load()); q > 0 && q < procs {
-		return q
+	cpus := runtime.NumCPU()
+	if q := int(cpuQuota.limit.Load()); q > 0 && q < cpus {
+		cpus = q
 	}
-	return procs
+	return min(procs, cpus/2)
 }
 
 func refreshQuota() {
@@ -65,12 +69,11 @@ func refreshQuota() {
 	cpuQuota.limit.Store(int32(math.Ceil(min(q, math.MaxInt32))))
 }
 
-// resize sets the governor's slots for cpus usable CPUs: half of them,
-// none with a single CPU. It writes only what changes: the word is read on
-// every spin.
-func (g *spinGovernor) resize(cpus int) {
-	if slots := int32(cpus / 2); g.slots.Load() != slots {
-		g.slots.Store(slots)
+// resize sets the governor's slots (spinSlots). It writes only what
+// changes: the word is read on every spin.
+func (g *spinGovernor) resize(slots int) {
+	if n := int32(slots); g.slots.Load() != n {
+		g.slots.Store(n)
 	}
 }
 
@@ -79,7 +82,7 @@ func (g *spinGovernor) resize(cpus int) {
 // It reports false.
 func (g *spinGovernor) starve() bool {
 	if cpuQuota.starved.Add(1)%starvedLooks == 0 && g == spinning {
-		g.resize(usableCPUs(runtime.GOMAXPROCS(0)))
+		g.resize(spinSlots(runtime.GOMAXPROCS(0)))
 	}
 	return false
 }

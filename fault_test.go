@@ -95,8 +95,8 @@ func TestShrunkRegionFaultsAreErrors(t *testing.T) {
 	}
 }
 
-// TestSpinningLoopFault: a receive loop spinning on its queue after a reply
-// when the peer shrinks the queue region ends the session with a
+// TestSpinningLoopFault: a receive loop spinning on its queue for a waiting
+// reader when the peer shrinks the queue region ends the session with a
 // memory-fault error, which the stream's waiting reader gets, and gives its
 // spinning slot back, so that other sessions still spin.
 func TestSpinningLoopFault(t *testing.T) {
@@ -131,28 +131,20 @@ func TestSpinningLoopFault(t *testing.T) {
 	st.SetDeadline(time.Now().Add(4 * peerTimeout))
 
 	active := spinning.active.Load()
-	spins := false
-	for attempt := 0; attempt < 20 && !spins; attempt++ {
-		if _, err := st.Write([]byte("ping")); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := io.ReadFull(st, make([]byte, 4)); err != nil {
-			t.Fatal(err)
-		}
-		deadline := time.Now().Add(time.Second)
-		for time.Now().Before(deadline) && !spins {
-			spins = spinning.active.Load() == active+1
-			time.Sleep(time.Millisecond)
-		}
+	if _, err := st.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
 	}
-	if !spins {
-		t.Fatal("the receive loop never spun after a reply")
+	if _, err := io.ReadFull(st, make([]byte, 4)); err != nil {
+		t.Fatal(err)
 	}
+	// After the reply the loop waits for a reader to wait (awaitReader);
+	// this one waits for a reply that never comes, and the loop spins.
 	read := make(chan error, 1)
 	go func() {
 		_, err := io.ReadFull(st, make([]byte, 4))
 		read <- err
 	}()
+	waitUntil(t, "the receive loop spins for the waiting reader", peerTimeout, func() bool { return spinning.active.Load() == active+1 })
 	if err := os.Truncate(queues[0], 0); err != nil {
 		t.Fatal(err)
 	}

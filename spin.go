@@ -54,7 +54,7 @@ func (c *procsCache) read(now time.Time) {
 	n := runtime.GOMAXPROCS(0)
 	c.n.Store(int32(n))
 	c.at.Store(now.UnixNano())
-	spinning.resize(usableCPUs(n))
+	spinning.resize(spinSlots(n))
 }
 
 // check looks at the clock between rounds of looks. It returns spinGaveUp
@@ -133,11 +133,11 @@ type spinGovernor struct {
 	ender *time.Timer
 }
 
-var spinning = newSpinGovernor(usableCPUs(runtime.GOMAXPROCS(0)))
+var spinning = newSpinGovernor(spinSlots(runtime.GOMAXPROCS(0)))
 
-func newSpinGovernor(cpus int) *spinGovernor {
+func newSpinGovernor(slots int) *spinGovernor {
 	g := &spinGovernor{}
-	g.resize(cpus)
+	g.resize(slots)
 	g.cooldown.Store(int64(minSpinCooldown))
 	g.ender = time.AfterFunc(time.Hour, g.endCooldown)
 	g.ender.Stop()
