@@ -431,9 +431,12 @@ func (s *Session) teardown() {
 func (s *Session) finishTeardown() {
 	s.releaseRegions()
 	unregister(s)
-	if log := s.conf.logger(); s.localClose {
+	switch log := s.conf.logger(); {
+	case s.localClose:
 		log.Debug("shmipc: session closed", "role", s.role(), "remote", s.RemoteAddr())
-	} else {
+	case errors.Is(s.err, ErrPeerClosed): // how a peer leaves: routine for a server
+		log.Info("shmipc: session ended by the peer", "role", s.role(), "remote", s.RemoteAddr(), "err", s.err)
+	default:
 		log.Warn("shmipc: session ended", "role", s.role(), "remote", s.RemoteAddr(), "err", s.err)
 	}
 	if s.onTeardown != nil {

@@ -47,7 +47,7 @@ type Listener struct {
 	restartDone    atomic.Bool
 	restartsOK     atomic.Uint64
 	restartsFailed atomic.Uint64
-	restarts       restartCount
+	restarts       *restartCount // a pointer: Listener stays comparable, as shmipc-go's is
 }
 
 // NewListener listens as config says; Run then serves callback. On a Unix
@@ -99,7 +99,7 @@ func listen(cb ListenCallback, conf *Config, network, path string) (*Listener, e
 		cb = noCallback{}
 	}
 	l := &Listener{ln: ln, cb: cb, monitor: conf.Monitor}
-	l.restarts.total = func() (uint64, uint64) { return l.restartsOK.Load(), l.restartsFailed.Load() }
+	l.restarts = &restartCount{total: func() (uint64, uint64) { return l.restartsOK.Load(), l.restartsFailed.Load() }}
 	return l, nil
 }
 
@@ -109,7 +109,7 @@ func (l *Listener) accept() (*Stream, error) {
 	if err != nil {
 		return nil, err
 	}
-	return newStream(st, wrapSession(st.Session(), false, l.monitor, &l.restarts)), nil
+	return newStream(st, wrapSession(st.Session(), false, l.monitor, l.restarts)), nil
 }
 
 // Run serves the listener's callback until Close: it calls OnNewStream

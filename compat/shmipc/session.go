@@ -20,6 +20,7 @@ type Session struct {
 	id      uint64
 	monitor Monitor
 	hr      *restartCount // nil: no hot restarts to report
+	size    uint64        // the buffer region's size, reported after the end too
 	closed  chan struct{}
 
 	mu       sync.Mutex
@@ -137,7 +138,7 @@ func (s *Session) GetMetrics() (PerformanceMetrics, StabilityMetrics, ShareMemor
 		q.EventConnErrorCount = 1
 	}
 	m := ShareMemoryMetrics{
-		CapacityOfShareMemoryInBytes: st.Buffer.Size,
+		CapacityOfShareMemoryInBytes: max(st.Buffer.Size, s.size),
 		AllInUsedShareMemoryInBytes:  st.Buffer.InUse,
 	}
 	return p, q, m
@@ -175,7 +176,7 @@ func wrapSession(rs *shm.Session, client bool, mon Monitor, hr *restartCount) *S
 	if v, ok := sessions.m.Load(rs); ok {
 		return v.(*Session)
 	}
-	s := &Session{s: rs, client: client, monitor: mon, hr: hr, closed: make(chan struct{})}
+	s := &Session{s: rs, client: client, monitor: mon, hr: hr, size: rs.Stats().Buffer.Size, closed: make(chan struct{})}
 	if rs.IsClosed() {
 		close(s.closed)
 		return s
