@@ -241,25 +241,9 @@ func TestDrainBeforeIgnoresPendingClose(t *testing.T) {
 // reader began its wait while the loop was spinning; it spins again once a
 // reader waits.
 func TestLoopRestsWhileReaderBusy(t *testing.T) {
-	if procs.read(time.Now()); spinning.slots.Load() == 0 {
-		t.Skip("nothing spins on a single CPU (spinGovernor)")
-	}
 	conf := DefaultConfig()
 	conf.ShareMemoryPathPrefix = shmPrefix(t, "rest")
-	conf.ConsumerSpinTime = 10 * time.Second
-	srvConf := *conf
-	srvConf.ConsumerSpinTime = 0 // the slot is the client's
-	ln, err := Listen("unix", sockPath(t), &srvConf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go serveStreams(ln, echoStream)
-	s, err := Dial("unix", ln.Addr().String(), conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := spinningClient(t, conf)
 	st, err := s.OpenStream()
 	if err != nil {
 		t.Fatal(err)
@@ -292,6 +276,31 @@ func TestLoopRestsWhileReaderBusy(t *testing.T) {
 	if err := <-read; err != nil {
 		t.Fatal(err)
 	}
+}
+
+// spinningClient dials an echo server with conf, whose receive loop spins
+// for 10 s (ConsumerSpinTime) and leaves the process's spinning slots to
+// the client; it skips the test where nothing spins.
+func spinningClient(t *testing.T, conf *Config) *Session {
+	t.Helper()
+	if procs.read(time.Now()); spinning.slots.Load() == 0 {
+		t.Skip("nothing spins on a single CPU (spinGovernor)")
+	}
+	conf.ConsumerSpinTime = 10 * time.Second
+	srvConf := *conf
+	srvConf.ConsumerSpinTime = 0
+	ln, err := Listen("unix", sockPath(t), &srvConf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go serveStreams(ln, echoStream)
+	s, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s
 }
 
 // receiveHold stops chosen sessions' receive loops at their next drain or

@@ -100,26 +100,10 @@ func TestShrunkRegionFaultsAreErrors(t *testing.T) {
 // memory-fault error, which the stream's waiting reader gets, and gives its
 // spinning slot back, so that other sessions still spin.
 func TestSpinningLoopFault(t *testing.T) {
-	if procs.read(time.Now()); spinning.slots.Load() == 0 {
-		t.Skip("the process may use one CPU: nothing spins (spinGovernor)")
-	}
 	conf := DefaultConfig()
 	conf.MemMapType = MemMapTypeDevShmFile
 	conf.ShareMemoryPathPrefix = shmPrefix(t, "spinfault")
-	conf.ConsumerSpinTime = 10 * time.Second // the loop spins until the fault
-	srvConf := *conf
-	srvConf.ConsumerSpinTime = 0 // the server's receive loop leaves the spinning slot free
-	ln, err := Listen("unix", sockPath(t), &srvConf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go serveStreams(ln, echoStream)
-	s, err := Dial("unix", ln.Addr().String(), conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := spinningClient(t, conf) // the loop spins until the fault
 	queues, _ := filepath.Glob(conf.ShareMemoryPathPrefix + "_*_queue_0")
 	if len(queues) != 1 {
 		t.Fatalf("queue files %v, want the session's one", queues)
