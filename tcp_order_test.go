@@ -170,8 +170,9 @@ func toConfig(t *testing.T) *Config {
 	return conf
 }
 
-// toRunServer: this side serves; the raw peer is a client over TCP.
-func toRunServer(t *testing.T) []error {
+// toRunServer: this side serves n streams; the raw peer is a client over
+// TCP.
+func toRunServer(t *testing.T, n int) []error {
 	victimConn, peerConn := toPair(t, true)
 	conf := toConfig(t)
 	r := createRawRegions(t, conf, MemMapTypeDevShmFile, rawLayout{})
@@ -190,7 +191,7 @@ func toRunServer(t *testing.T) []error {
 	p := &tcpRawPeer{conn: peerConn, bm: bm, send: rawQueue{mem: r.queue.mem[:len(r.queue.mem)/2], cap: conf.QueueCap}}
 	peerErr := make(chan error, 1)
 	go func() {
-		for id := uint32(1); id <= toStreams; id++ {
+		for id := uint32(1); id <= uint32(n); id++ {
 			if err := p.sendStream(id); err != nil {
 				peerErr <- err
 				return
@@ -201,7 +202,7 @@ func toRunServer(t *testing.T) []error {
 	var mu sync.Mutex
 	var errs []error
 	var wg sync.WaitGroup
-	for range toStreams {
+	for range n {
 		st, err := s.AcceptStream()
 		if err != nil {
 			t.Fatalf("AcceptStream: %v", err)
@@ -305,19 +306,19 @@ func toRunClient(t *testing.T) []error {
 	return bad
 }
 
-func toReport(t *testing.T, errs []error) {
+func toReport(t *testing.T, errs []error, n int) {
 	t.Helper()
 	if len(errs) > 0 {
-		t.Errorf("%d of %d streams short or failed; first: %v", len(errs), toStreams, errs[0])
+		t.Errorf("%d of %d streams short or failed; first: %v", len(errs), n, errs[0])
 	}
 }
 
 // TestTCPCloseAfterFallbackServer: every stream's bytes arrive before its
 // io.EOF when this side serves over TCP loopback.
-func TestTCPCloseAfterFallbackServer(t *testing.T) { toReport(t, toRunServer(t)) }
+func TestTCPCloseAfterFallbackServer(t *testing.T) { toReport(t, toRunServer(t, toStreams), toStreams) }
 
 // TestTCPCloseAfterFallbackClient is the same with this side as client.
-func TestTCPCloseAfterFallbackClient(t *testing.T) { toReport(t, toRunClient(t)) }
+func TestTCPCloseAfterFallbackClient(t *testing.T) { toReport(t, toRunClient(t), toStreams) }
 
 // TestTCPCloseQuietRule: without sock_diag the quiet rule keeps the order
 // too, and the session says so on its logger.
@@ -328,7 +329,10 @@ func TestTCPCloseQuietRule(t *testing.T) {
 	prev := toLogger
 	toLogger = slog.New(slog.NewTextHandler(&logBuf, nil))
 	t.Cleanup(func() { toLogger = prev })
-	toReport(t, toRunServer(t))
+	// Each close waits for the socket to be quiet for tcpQuiet (20 ms),
+	// one after the other: with -short, 20 streams instead of 100.
+	n := shortOr(toStreams, 20)
+	toReport(t, toRunServer(t, n), n)
 	if got := logBuf.String(); !strings.Contains(got, "cannot see the peer's TCP socket") {
 		t.Errorf("no warning logged; log:\n%s", got)
 	}
