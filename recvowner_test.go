@@ -109,7 +109,11 @@ func TestFallbackStallLeavesOtherStreams(t *testing.T) {
 	conf := smallRegion()
 	conf.MaxFallbackFrameSize = minFallbackFrame
 	conf.MaxFallbackBufferedPerStream = 1 << 20
-	conf.FallbackStallTimeout = 1500 * time.Millisecond
+	// The stall is waited out. It must outlast a round trip's read
+	// deadline below (500 ms), so that a receive loop held up by the stall
+	// would fail the first round trip rather than pass it late: 800 ms
+	// with -short.
+	conf.FallbackStallTimeout = shortOr(1500*time.Millisecond, 800*time.Millisecond)
 	conf.ConsumerSpinTime = 0 // every message comes with a wake-up on the socket
 	sess, accepted := bpPair(t, conf)
 	stuck, err := sess.OpenStream()
@@ -302,18 +306,27 @@ func TestReadDeadlineWaitsAsWithout(t *testing.T) {
 func TestListenerMaxSessions(t *testing.T) {
 	conf := DefaultConfig()
 	conf.MaxSessions = 2
+	// The idle connection below must keep its place (its handshake
+	// pending) for the whole test, and a third connection the listener
+	// wrongly served would then wait out this timeout before its end:
+	// longer than the read deadline that expects the end at once.
+	conf.InitializeTimeout = 2 * peerTimeout
 	ln := startEchoListener(t, conf)
-	a := dialEchoSession(t, conf)
+	a, err := Dial("unix", ln.Addr().String(), conf) // the listener's first session
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
 	// A connection that never starts its handshake holds the second place.
 	idle, err := net.Dial("unix", ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer idle.Close()
-	waitUntil(t, "the idle connection to be counted", peerTimeout, func() bool {
+	waitUntil(t, "the session and the idle connection to be counted", peerTimeout, func() bool {
 		ln.mu.Lock()
 		defer ln.mu.Unlock()
-		return len(ln.pending) == 1
+		return len(ln.sessions) == 1 && len(ln.pending) == 1
 	})
 	over, err := net.Dial("unix", ln.Addr().String())
 	if err != nil {
@@ -327,5 +340,10 @@ func TestListenerMaxSessions(t *testing.T) {
 	mustEcho(t, a)
 	a.Close()
 	waitUntil(t, "the ended session to leave the listener", peerTimeout, func() bool { return len(ln.liveSessions()) == 0 })
-	mustEcho(t, dialEchoSession(t, conf))
+	b, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	mustEcho(t, b)
 }
