@@ -85,6 +85,18 @@ func ccBlockedWrite(t *testing.T, st *Stream) <-chan mzResult {
 	return mzBlocked(func() (int, error) { return st.Write(bytes.Repeat([]byte{7}, 4096)) })
 }
 
+// ccMoveTimes are the times of the tests whose deadline is moved later
+// while a call is blocked: the first deadline, when it is moved (once the
+// call has had time to block), and when the call is given what it waits
+// for, well past the first deadline, so that a deadline not moved would
+// have ended the call by then (twice the first deadline with -short).
+func ccMoveTimes() (first, move, serve time.Duration) {
+	if testing.Short() {
+		return 100 * time.Millisecond, 30 * time.Millisecond, 200 * time.Millisecond
+	}
+	return 200 * time.Millisecond, 50 * time.Millisecond, 500 * time.Millisecond
+}
+
 // ccFill writes to st, whose peer reads nothing, until a write finds no
 // room for 100 ms, and clears the write deadline.
 func ccFill(t *testing.T, st *Stream) {
@@ -108,7 +120,7 @@ func ccFill(t *testing.T, st *Stream) {
 
 // TestWriteDeadlineExtendedWhileBlocked: a Write blocked for room with a
 // 200 ms deadline, the deadline moved to 3 s after 50 ms, room made after
-// 500 ms: the Write succeeds. Clearing the deadline does the same, and
+// 500 ms (100, 30 and 200 ms with -short): the Write succeeds. Clearing the deadline does the same, and
 // moving it earlier ends the wait then.
 func TestWriteDeadlineExtendedWhileBlocked(t *testing.T) {
 	mzModes(t, func(t *testing.T) {
@@ -125,15 +137,16 @@ func TestWriteDeadlineExtendedWhileBlocked(t *testing.T) {
 				})
 				ccFill(t, cli)
 				msg := []byte("after the wait")
-				cli.SetWriteDeadline(time.Now().Add(200 * time.Millisecond))
+				first, move, serve := ccMoveTimes()
+				cli.SetWriteDeadline(time.Now().Add(first))
 				ch := mzBlocked(func() (int, error) { return cli.Write(msg) })
-				time.Sleep(50 * time.Millisecond)
+				time.Sleep(move)
 				if c.later == 0 {
 					cli.SetWriteDeadline(time.Time{})
 				} else {
 					cli.SetWriteDeadline(time.Now().Add(c.later))
 				}
-				time.Sleep(450 * time.Millisecond)
+				time.Sleep(serve - move)
 				select {
 				case r := <-ch:
 					t.Fatalf("the Write ended before there was room: (%d, %v) after %v; its deadline was moved to %v", r.n, r.err, r.took, c.later)
@@ -181,16 +194,17 @@ func TestWriteDeadlineExtendedWhileBlocked(t *testing.T) {
 
 // TestReadDeadlineMovedWhileBlocked: the read side of the same contract. A
 // Read blocked with a 200 ms deadline that is moved to 3 s after 50 ms gets
-// the data written after 500 ms; one whose deadline is moved from an hour
+// the data written after 500 ms (100, 30 and 200 ms with -short); one whose deadline is moved from an hour
 // to 50 ms from now fails then.
 func TestReadDeadlineMovedWhileBlocked(t *testing.T) {
 	mzModes(t, func(t *testing.T) {
 		_, cli, srv := mzPair(t, nil)
-		srv.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+		first, move, serve := ccMoveTimes()
+		srv.SetReadDeadline(time.Now().Add(first))
 		ch := mzBlocked(func() (int, error) { return io.ReadFull(srv, make([]byte, 5)) })
-		time.Sleep(50 * time.Millisecond)
+		time.Sleep(move)
 		srv.SetReadDeadline(time.Now().Add(3 * time.Second))
-		time.Sleep(450 * time.Millisecond)
+		time.Sleep(serve - move)
 		if _, err := cli.Write([]byte("hello")); err != nil {
 			t.Fatal(err)
 		}
