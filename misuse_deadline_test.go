@@ -115,22 +115,27 @@ func TestMisuseDeadlineChangedWhileBlocked(t *testing.T) {
 				srv.SetReadDeadline(time.Now()) // try to unblock
 				<-ch
 			}
-			// soon -> later: must not time out at the old deadline.
-			srv.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+			// soon -> later: must not time out at the old deadline. It is
+			// watched for three times the old deadline (100 ms, 50 ms with
+			// -short): a read that kept it would have ended by then.
+			old := shortOr(100*time.Millisecond, 50*time.Millisecond)
+			srv.SetReadDeadline(time.Now().Add(old))
 			ch = mzBlocked(f)
 			time.Sleep(20 * time.Millisecond)
 			srv.SetReadDeadline(time.Now().Add(time.Hour))
 			select {
 			case r := <-ch:
 				t.Errorf("%s: returned %v after %v although the deadline was extended", name, r.err, r.took)
-			case <-time.After(300 * time.Millisecond):
+			case <-time.After(3 * old):
 			}
-			// cleared: still blocked; then data ends it.
+			// cleared: still blocked (watched for 150 ms, 75 ms with
+			// -short: a read that took clearing for a deadline passed
+			// would end at once); then data ends it.
 			srv.SetReadDeadline(time.Time{})
 			select {
 			case r := <-ch:
 				t.Errorf("%s: returned %v after the deadline was cleared", name, r.err)
-			case <-time.After(150 * time.Millisecond):
+			case <-time.After(shortOr(150*time.Millisecond, 75*time.Millisecond)):
 			}
 			if _, err := cli.Write([]byte("0123456789\n")); err != nil {
 				t.Fatal(err)
@@ -154,7 +159,9 @@ func TestMisuseDeadlineChangedWhileBlocked(t *testing.T) {
 func TestMisuseDeadlineWhilePolling(t *testing.T) {
 	mzModes(t, func(t *testing.T) {
 		_, cli, srv := mzPair(t, nil)
-		for i := range 20 {
+		// Each round waits out a 20 ms deadline; with -short, 8 rounds
+		// (each of the four delays before the deadline is set, twice).
+		for i := range shortOr(20, 8) {
 			if _, err := cli.Write([]byte("ping")); err != nil {
 				t.Fatal(err)
 			}
