@@ -399,7 +399,9 @@ func rssBytes(t *testing.T) int64 {
 func TestIsolationFallbackFlood(t *testing.T) {
 	conf := peerConfig(t, MemMapTypeMemFd, 0)
 	conf.MaxFallbackBufferedPerStream = 8 << 20
-	conf.FallbackStallTimeout = time.Second
+	// The stall is waited out; it must last past the check of the other
+	// sessions 200 ms into the flood: 500 ms with -short.
+	conf.FallbackStallTimeout = shortOr(time.Second, 500*time.Millisecond)
 	srv := isoStartServer(t, conf, func(st *Stream) {}) // accepted, never read
 	srv.dialGood(t)
 	p, _, victim := srv.connect(t, MemMapTypeMemFd)
