@@ -34,11 +34,21 @@ const (
 
 	// The strict server's timeouts, which the deadline tests run into.
 	// They leave room for a loaded machine running -race binaries, where a
-	// goroutine may wait a few hundred milliseconds to run.
+	// goroutine may wait a few hundred milliseconds to run. (The test of
+	// ReadHeaderTimeout checks that the server waits at least that long; a
+	// loaded machine only makes it wait longer. With -short the parent has
+	// the child use 200 ms: httpReadHeaderTimeout.)
 	httpStrictReadHeader = 500 * time.Millisecond
 	httpStrictWrite      = time.Second
 	httpStrictIdle       = time.Second
 )
+
+// httpReadHeaderTimeout is the strict server's ReadHeaderTimeout for this
+// run: httpStrictReadHeader, or 200 ms with -short. The parent passes it
+// to the child as READ_HEADER.
+func httpReadHeaderTimeout() time.Duration {
+	return shortOr(httpStrictReadHeader, 200*time.Millisecond)
+}
 
 // httpPayload returns n deterministic bytes.
 func httpPayload(n int, seed byte) []byte {
@@ -120,6 +130,13 @@ func TestHTTPChild(t *testing.T) {
 	servers := []*http.Server{
 		{Handler: mux, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 30 * time.Second},
 		{Handler: mux, ReadHeaderTimeout: httpStrictReadHeader, WriteTimeout: httpStrictWrite, IdleTimeout: httpStrictIdle},
+	}
+	if a := proctest.Arg("READ_HEADER"); a != "" {
+		d, err := time.ParseDuration(a)
+		if err != nil {
+			t.Fatal(err)
+		}
+		servers[1].ReadHeaderTimeout = d
 	}
 	errs := make(chan error, len(servers))
 	for i, arg := range []string{"SOCK", "STRICT_SOCK"} {
@@ -229,7 +246,7 @@ func TestHTTP(t *testing.T) {
 	child, _ := startChild(t, proctest.Config{
 		TestName: httpChildTest,
 		Role:     httpRole,
-		Args:     map[string]string{"SOCK": sock, "STRICT_SOCK": strict},
+		Args:     map[string]string{"SOCK": sock, "STRICT_SOCK": strict, "READ_HEADER": httpReadHeaderTimeout().String()},
 	})
 	c := newHTTPClient(t, sock)
 
@@ -305,20 +322,21 @@ func TestHTTP(t *testing.T) {
 	})
 
 	t.Run("ClientTimeout", func(t *testing.T) {
-		hc := &http.Client{Transport: c.tr, Timeout: 200 * time.Millisecond}
+		timeout := shortOr(200*time.Millisecond, 100*time.Millisecond)
+		hc := &http.Client{Transport: c.tr, Timeout: timeout}
 		start := time.Now()
 		resp, err := hc.Get("http://shmipc/sleep?d=10s")
 		elapsed := time.Since(start)
 		if err == nil {
 			resp.Body.Close()
-			t.Fatal("GET /sleep?d=10s with a 200ms timeout succeeded")
+			t.Fatalf("GET /sleep?d=10s with a %v timeout succeeded", timeout)
 		}
 		var ne net.Error
 		if !errors.As(err, &ne) || !ne.Timeout() {
 			t.Errorf("error %v (%T) is not a timeout", err, err)
 		}
-		if elapsed < 200*time.Millisecond || elapsed > 10*time.Second { // the upper bound catches a hang
-			t.Errorf("the request failed after %v with a 200ms timeout", elapsed)
+		if elapsed < timeout || elapsed > 10*time.Second { // the upper bound catches a hang
+			t.Errorf("the request failed after %v with a %v timeout", elapsed, timeout)
 		}
 		// The Transport closed the stream; the server sees the close and
 		// cancels the handler's context.
@@ -356,9 +374,10 @@ func TestHTTP(t *testing.T) {
 		if err != nil {
 			t.Fatalf("the server did not close the stream: %v after %v", err, elapsed)
 		}
-		t.Logf("the server closed an incomplete request after %v (ReadHeaderTimeout %v); sent %q", elapsed, httpStrictReadHeader, rest)
-		if elapsed < httpStrictReadHeader-50*time.Millisecond {
-			t.Errorf("closed after %v, before ReadHeaderTimeout %v", elapsed, httpStrictReadHeader)
+		readHeader := httpReadHeaderTimeout()
+		t.Logf("the server closed an incomplete request after %v (ReadHeaderTimeout %v); sent %q", elapsed, readHeader, rest)
+		if elapsed < readHeader-50*time.Millisecond {
+			t.Errorf("closed after %v, before ReadHeaderTimeout %v", elapsed, readHeader)
 		}
 	})
 	t.Run("ServerIdleTimeout", func(t *testing.T) {
