@@ -88,7 +88,9 @@ func ucBlockingWrite(t *testing.T, st *Stream, bound time.Duration, write func()
 // write could block for good.)
 func TestFallbackWriteTimeoutRightAfterHandshake(t *testing.T) {
 	conf := clConfig(MemMapTypeMemFd, shmPrefix(t, "uc"))
-	conf.ConnectionWriteTimeout = time.Second
+	// Waited out; 400 ms with -short. The child is stopped within a few
+	// milliseconds of the handshake, well inside the first half of it.
+	conf.ConnectionWriteTimeout = shortOr(time.Second, 400*time.Millisecond)
 	sess, st, _ := ucStoppedPeer(t, conf)
 
 	took, err := ucBlockingWrite(t, st, 10*time.Second, func() error {
@@ -199,7 +201,7 @@ func TestEventWriteDeadlineOnlyWhileBlocked(t *testing.T) {
 	peer := os.NewFile(uintptr(fds[1]), "peer") // never read
 	defer peer.Close()
 
-	const timeout = 300 * time.Millisecond
+	timeout := shortOr(300*time.Millisecond, 100*time.Millisecond) // waited out
 	c := newEventConn(mine, timeout)
 	frame := make([]byte, 4096)
 	start := time.Now()
