@@ -117,8 +117,10 @@ func TestHostileFreeCountOverflow(t *testing.T) {
 		}
 	}()
 	defer func() { stop.Store(true); <-done }()
+	// Watched for 4 s, 600 ms with -short: more than one round of the
+	// server's (8 circulation periods, 400 ms).
 	var parked int32
-	for end := time.Now().Add(shortOr(4*time.Second, time.Second)); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
+	for end := time.Now().Add(shortOr(4*time.Second, 600*time.Millisecond)); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
 		parked = max(parked, circ.lists[li].parked.Load())
 	}
 	if parked > int32(l.count) {
