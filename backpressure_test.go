@@ -96,14 +96,16 @@ func TestBackPressureRegionFull(t *testing.T) {
 	var sent bytes.Buffer
 	st.SetWriteDeadline(time.Now().Add(10 * time.Second))
 	// The region holds 254 slices of 4 KiB and one is never handed out.
+	// The last write waits out its deadline: 100 ms with -short.
+	deadline := shortOr(300*time.Millisecond, 100*time.Millisecond)
 	var werr error
 	for i := 0; i < 300 && werr == nil; i++ {
 		start := time.Now()
-		st.SetWriteDeadline(start.Add(300 * time.Millisecond))
+		st.SetWriteDeadline(start.Add(deadline))
 		msg[0] = byte(i)
 		if _, werr = st.Write(msg); werr == nil {
 			sent.Write(msg)
-		} else if time.Since(start) < 300*time.Millisecond {
+		} else if time.Since(start) < deadline {
 			t.Fatalf("write %d failed after %v without waiting for its deadline: %v", i, time.Since(start), werr)
 		}
 	}
@@ -142,7 +144,7 @@ func TestBackPressureRegionFull(t *testing.T) {
 // the write waits, then fails with a timeout that wraps ErrQueueFull.
 func TestBackPressureQueueFull(t *testing.T) {
 	conf := smallRegion()
-	conf.WriteSpaceTimeout = 300 * time.Millisecond
+	conf.WriteSpaceTimeout = shortOr(300*time.Millisecond, 100*time.Millisecond) // waited out
 	conf.ConsumerSpinTime = 0
 	sess, accepted := bpPair(t, conf)
 	st, err := sess.OpenStream()
@@ -219,7 +221,9 @@ func TestReadBeyondFallbackBounds(t *testing.T) {
 			conf.MaxFallbackFrameSize = minFallbackFrame
 			conf.MaxFallbackBufferedPerStream = 1 << 20
 			conf.MaxFallbackBuffered = 2 << 20
-			conf.FallbackStallTimeout = 300 * time.Millisecond
+			// Waited out: nothing reads, so a shorter stall (100 ms with
+			// -short) changes only when the stream fails.
+			conf.FallbackStallTimeout = shortOr(300*time.Millisecond, 100*time.Millisecond)
 			sess, accepted := bpPair(t, conf)
 			st, err := sess.OpenStream()
 			if err != nil {
