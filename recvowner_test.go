@@ -187,7 +187,9 @@ func TestOnDataKeepsFallbackBound(t *testing.T) {
 	conf.MaxFallbackFrameSize = minFallbackFrame
 	conf.MaxFallbackBufferedPerStream = 2 << 20
 	conf.MaxFallbackBuffered = 4 << 20
-	conf.FallbackStallTimeout = 300 * time.Millisecond
+	// Waited out: the callback never consumes, so a shorter stall (100 ms
+	// with -short) changes only when the stream fails.
+	conf.FallbackStallTimeout = shortOr(300*time.Millisecond, 100*time.Millisecond)
 	sess, accepted := bpPair(t, conf)
 	st, err := sess.OpenStream()
 	if err != nil {
@@ -240,7 +242,9 @@ func TestPartialFrameHoldsNothing(t *testing.T) {
 	var victims []*Session
 	for range sessions {
 		p, victim := acceptRawVictimWith(t, MemMapTypeDevShmFile, 0, func(c *Config) {
-			c.PartialFrameTimeout = 500 * time.Millisecond
+			// Waited out; with -short 300 ms, still past the look at the
+			// heap 100 ms after the last frame head.
+			c.PartialFrameTimeout = shortOr(500*time.Millisecond, 300*time.Millisecond)
 			c.MaxFallbackFrameSize = DefaultConfig().MaxFallbackFrameSize // 64 MiB
 		})
 		defer victim.Close()
