@@ -4,7 +4,13 @@ package shmipc
 // multi-process churn, time-boxed loops) run shorter, or on one mapping
 // mode, so that the whole suite stays under a minute on two cores.
 
-import "testing"
+import (
+	"fmt"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+)
 
 // shortOr returns full, or short with -short.
 func shortOr[T any](full, short T) T {
@@ -17,4 +23,40 @@ func shortOr[T any](full, short T) T {
 // testModes is bothModes, or memfd alone (the default mode) with -short.
 func testModes() []MemMapType {
 	return shortOr(bothModes, []MemMapType{MemMapTypeMemFd})
+}
+
+// waitBlocked waits until n goroutines started by the calling goroutine
+// are parked in fn (a function as stacks name it, e.g.
+// "(*Stream).awaitReadable"), and fails the test if they are not within
+// peerTimeout. A test that must act on calls already blocked waits for
+// that, instead of sleeping and hoping they are.
+func waitBlocked(t testing.TB, fn string, n int) {
+	t.Helper()
+	creator := fmt.Sprintf(" in goroutine %d\n", goroutineID())
+	buf := make([]byte, 1<<20)
+	deadline := time.Now().Add(peerTimeout)
+	for {
+		size := runtime.Stack(buf, true)
+		if size == len(buf) {
+			buf = make([]byte, 2*len(buf))
+			continue
+		}
+		count := 0
+		for _, g := range strings.Split(string(buf[:size]), "\n\n") {
+			header, _, _ := strings.Cut(g, "\n")
+			if strings.Contains(header, "[running") || strings.Contains(header, "[runnable") {
+				continue
+			}
+			if strings.Contains(g, fn) && strings.Contains(g+"\n", creator) {
+				count++
+			}
+		}
+		if count >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d goroutines blocked in %s after %v", count, n, fn, peerTimeout)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }

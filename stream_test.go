@@ -1219,7 +1219,7 @@ func TestStreamWakesEveryBlockedReader(t *testing.T) {
 					}
 				}()
 			}
-			time.Sleep(100 * time.Millisecond) // let them block
+			waitBlocked(t, "(*Stream).awaitReadable", readers)
 			tc.end(cli, srv, p)
 			for i := range readers {
 				select {
