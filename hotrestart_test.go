@@ -490,7 +490,9 @@ func TestHotRestartCrossProcess(t *testing.T) {
 			}
 		}()
 	}
-	time.Sleep(200 * time.Millisecond)
+	// Traffic runs for 200 ms before the restart and 500 ms after it
+	// (100 and 250 ms with -short: still thousands of requests each).
+	time.Sleep(shortOr(200*time.Millisecond, 100*time.Millisecond))
 
 	v2 := start()
 	before := requests.Load()
@@ -508,7 +510,7 @@ func TestHotRestartCrossProcess(t *testing.T) {
 		t.Fatalf("v1 after the restart: %q, %v", line, err)
 	}
 	settled := requests.Load()
-	time.Sleep(500 * time.Millisecond)
+	time.Sleep(shortOr(500*time.Millisecond, 250*time.Millisecond))
 	stop.Store(true)
 	wg.Wait()
 	after := requests.Load()
