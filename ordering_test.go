@@ -109,7 +109,7 @@ func readToEnd(st *Stream, want []byte) error {
 // -short.
 func orderingRounds() int {
 	if testing.Short() {
-		return 20
+		return 10
 	}
 	return 100
 }
