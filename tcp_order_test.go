@@ -383,8 +383,21 @@ func TestTCPPeerWrittenQuery(t *testing.T) {
 			if _, err := readN(reader, k); err != nil {
 				t.Fatal(err)
 			}
-			writer.SetWriteDeadline(time.Now().Add(200 * time.Millisecond))
-			n, err := writer.Write(make([]byte, 8<<20)) // stops when the buffers are full
+			// The write stops when the buffers are full: once it waits for
+			// room, its deadline is moved to now.
+			type result struct {
+				n   int
+				err error
+			}
+			wrote := make(chan result, 1)
+			go func() {
+				n, err := writer.Write(make([]byte, 8<<20))
+				wrote <- result{n, err}
+			}()
+			waitBlocked(t, "(*pollDesc).waitWrite", 1)
+			writer.SetWriteDeadline(time.Now())
+			r := <-wrote
+			n, err := r.n, r.err
 			if n == 0 || !isTimeout(err) {
 				t.Fatalf("write: %d bytes, %v; want a partial write and a timeout", n, err)
 			}
