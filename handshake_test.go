@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -722,38 +723,38 @@ func TestServerHandshakeBytes(t *testing.T) {
 
 // TestServerHandshakeStalledPeer: a client that stops talking makes Server
 // fail with a timeout after InitializeTimeout.
+//
+// What the client says before it stops is in the socket before Server
+// starts, and the server's replies are read once it has failed: the stall
+// is the same however late the test's goroutine runs, so the timeout can
+// be short (100 ms with -short).
 func TestServerHandshakeStalledPeer(t *testing.T) {
 	cases := []struct {
-		name string
-		talk func(t *testing.T, raw *net.UnixConn, rr *rawRegions)
+		name    string
+		said    func(rr *rawRegions) []byte // by the client before it stops
+		replies int                         // 8-byte replies the server sends meanwhile
 	}{
-		{"silent", func(*testing.T, *net.UnixConn, *rawRegions) {}},
-		{"half a header", func(t *testing.T, raw *net.UnixConn, _ *rawRegions) {
-			hsWrite(t, raw, hsExchangeV3[:4])
-		}},
-		{"v2 path message cut short", func(t *testing.T, raw *net.UnixConn, rr *rawRegions) {
+		{"silent", func(*rawRegions) []byte { return nil }, 0},
+		{"half a header", func(*rawRegions) []byte { return hsExchangeV3[:4] }, 0},
+		{"v2 path message cut short", func(rr *rawRegions) []byte {
 			f := rawPathFrame(2, 0, rr.queuePath, rr.bufPath)
-			hsWrite(t, raw, f[:len(f)-3])
-		}},
-		{"after the version exchange", func(t *testing.T, raw *net.UnixConn, _ *rawRegions) {
-			hsWrite(t, raw, hsExchangeV3)
-			hsReadExactly(t, raw, 8)
-		}},
-		{"no fds after AckReadyRecvFD", func(t *testing.T, raw *net.UnixConn, rr *rawRegions) {
-			hsWrite(t, raw, hsExchangeV3)
-			hsReadExactly(t, raw, 8)
-			hsWrite(t, raw, rawPathFrame(3, 5, rr.queuePath, rr.bufPath))
-			hsReadExactly(t, raw, 8)
-		}},
+			return f[:len(f)-3]
+		}, 0},
+		{"after the version exchange", func(*rawRegions) []byte { return hsExchangeV3 }, 1},
+		{"no fds after AckReadyRecvFD", func(rr *rawRegions) []byte {
+			return append(slices.Clone(hsExchangeV3), rawPathFrame(3, 5, rr.queuePath, rr.bufPath)...)
+		}, 2},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			conf := hsConfig(t, MemMapTypeMemFd)
-			conf.InitializeTimeout = 200 * time.Millisecond
+			conf.InitializeTimeout = shortOr(200*time.Millisecond, 100*time.Millisecond)
 			rr := createRawRegions(t, conf, MemMapTypeMemFd, rawLayout{})
 			raw, sc := unixPair(t)
+			if said := c.said(rr); len(said) > 0 {
+				hsWrite(t, raw, said)
+			}
 			ch := startHandshake(func() (*Session, error) { return Server(sc, conf) })
-			c.talk(t, raw, rr)
 			r := awaitHandshake(t, ch, 3*time.Second)
 			if r.err == nil {
 				t.Fatal("Server succeeded with a stalled client")
@@ -762,7 +763,10 @@ func TestServerHandshakeStalledPeer(t *testing.T) {
 				t.Errorf("error %v: want ErrHandshake and a timeout", r.err)
 			}
 			if r.took >= 3*time.Second {
-				t.Errorf("Server took %v with InitializeTimeout 200ms", r.took)
+				t.Errorf("Server took %v with InitializeTimeout %v", r.took, conf.InitializeTimeout)
+			}
+			for range c.replies {
+				hsReadExactly(t, raw, 8)
 			}
 			hsExpectClosed(t, raw, 2*time.Second)
 		})
@@ -771,22 +775,25 @@ func TestServerHandshakeStalledPeer(t *testing.T) {
 
 // TestClientHandshakeStalledPeer: a server that stops answering makes Client
 // fail with a timeout after InitializeTimeout.
+//
+// What the server says before it stops is in the socket before Client
+// starts: the stall is the same however late the test's goroutine runs, so
+// the timeout can be short (100 ms with -short). The client's messages
+// stay in the socket for the test to read.
 func TestClientHandshakeStalledPeer(t *testing.T) {
 	cases := []struct {
 		name string
-		talk func(t *testing.T, raw *net.UnixConn)
+		said []byte // by the server before it stops
+		read func(t *testing.T, raw *net.UnixConn)
 	}{
-		{"silent", func(t *testing.T, raw *net.UnixConn) {}},
-		{"no AckReadyRecvFD", func(t *testing.T, raw *net.UnixConn) {
+		{"silent", nil, func(t *testing.T, raw *net.UnixConn) {}},
+		{"no AckReadyRecvFD", hsExchangeV3, func(t *testing.T, raw *net.UnixConn) {
 			hsReadExactly(t, raw, 8)
-			hsWrite(t, raw, hsExchangeV3)
 			hsReadPathFrame(t, raw)
 		}},
-		{"no AckShareMemory", func(t *testing.T, raw *net.UnixConn) {
+		{"no AckShareMemory", append(slices.Clone(hsExchangeV3), hsAckReadyV3...), func(t *testing.T, raw *net.UnixConn) {
 			hsReadExactly(t, raw, 8)
-			hsWrite(t, raw, hsExchangeV3)
 			hsReadPathFrame(t, raw)
-			hsWrite(t, raw, hsAckReadyV3)
 			raw.SetReadDeadline(time.Now().Add(5 * time.Second))
 			oob := make([]byte, unix.CmsgSpace(8*4))
 			_, oobn, _, _, err := raw.ReadMsgUnix(make([]byte, 1), oob)
@@ -803,10 +810,13 @@ func TestClientHandshakeStalledPeer(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			conf := hsConfig(t, MemMapTypeMemFd)
-			conf.InitializeTimeout = 200 * time.Millisecond
+			conf.InitializeTimeout = shortOr(200*time.Millisecond, 100*time.Millisecond)
 			cc, raw := unixPair(t)
+			if len(c.said) > 0 {
+				hsWrite(t, raw, c.said)
+			}
 			ch := startHandshake(func() (*Session, error) { return Client(cc, conf) })
-			c.talk(t, raw)
+			c.read(t, raw)
 			r := awaitHandshake(t, ch, 3*time.Second)
 			if r.err == nil {
 				t.Fatal("Client succeeded with a stalled server")
@@ -815,7 +825,7 @@ func TestClientHandshakeStalledPeer(t *testing.T) {
 				t.Errorf("error %v: want ErrHandshake and a timeout", r.err)
 			}
 			if r.took >= 3*time.Second {
-				t.Errorf("Client took %v with InitializeTimeout 200ms", r.took)
+				t.Errorf("Client took %v with InitializeTimeout %v", r.took, conf.InitializeTimeout)
 			}
 			hsExpectClosed(t, raw, 2*time.Second)
 		})
