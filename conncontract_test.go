@@ -27,7 +27,8 @@ func TestStreamOwnCloseMatchesNetErrClosed(t *testing.T) {
 		})
 		blockedRead := mzBlocked(func() (int, error) { return cli.Read(make([]byte, 8)) })
 		writer := ccBlockedWrite(t, cli) // the server reads nothing
-		time.Sleep(50 * time.Millisecond)
+		waitBlocked(t, "(*Stream).awaitReadable", 1)
+		waitBlocked(t, "(*spaceWait).pause", 1)
 		if err := cli.Close(); err != nil {
 			t.Fatal(err)
 		}
@@ -97,19 +98,34 @@ func ccMoveTimes() (first, move, serve time.Duration) {
 	return 200 * time.Millisecond, 50 * time.Millisecond, 500 * time.Millisecond
 }
 
-// ccFill writes to st, whose peer reads nothing, until a write finds no
-// room for 100 ms, and clears the write deadline.
+// ccFill writes to st, whose peer reads nothing, until a write waits for
+// room (it pauses in spaceWait), ends that write by moving its deadline to
+// now, so that its message is not sent, and clears the write deadline.
+// (Each write's deadline is peerTimeout away, should the move not end it.)
 func ccFill(t *testing.T, st *Stream) {
 	t.Helper()
 	msg := bytes.Repeat([]byte{7}, 4096)
+	me := goroutineID()
 	for i := 0; ; i++ {
-		st.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
-		_, err := st.Write(msg)
-		if errors.Is(err, ErrTimeout) {
+		st.SetWriteDeadline(time.Now().Add(peerTimeout))
+		ch := mzBlocked(func() (int, error) { return st.Write(msg) })
+		var r mzResult
+	wait:
+		for {
+			select {
+			case r = <-ch:
+				break wait
+			case <-time.After(time.Millisecond):
+				if blockedIn("(*spaceWait).pause", me) > 0 {
+					st.SetWriteDeadline(time.Now())
+				}
+			}
+		}
+		if errors.Is(r.err, ErrTimeout) {
 			break
 		}
-		if err != nil {
-			t.Fatalf("write %d: %v", i, err)
+		if r.err != nil {
+			t.Fatalf("write %d: %v", i, r.err)
 		}
 		if i > 100000 {
 			t.Fatalf("%d writes went through without a reader", i)
@@ -180,7 +196,7 @@ func TestWriteDeadlineExtendedWhileBlocked(t *testing.T) {
 			})
 			cli.SetWriteDeadline(time.Now().Add(time.Hour))
 			ch := ccBlockedWrite(t, cli)
-			time.Sleep(50 * time.Millisecond)
+			waitBlocked(t, "(*spaceWait).pause", 1)
 			cli.SetWriteDeadline(time.Now().Add(50 * time.Millisecond))
 			select {
 			case r := <-ch:
@@ -214,7 +230,7 @@ func TestReadDeadlineMovedWhileBlocked(t *testing.T) {
 
 		srv.SetReadDeadline(time.Now().Add(time.Hour))
 		ch = mzBlocked(func() (int, error) { return srv.Read(make([]byte, 5)) })
-		time.Sleep(50 * time.Millisecond)
+		waitBlocked(t, "(*Stream).awaitReadable", 1)
 		srv.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
 		select {
 		case r := <-ch:

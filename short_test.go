@@ -32,25 +32,10 @@ func testModes() []MemMapType {
 // that, instead of sleeping and hoping they are.
 func waitBlocked(t testing.TB, fn string, n int) {
 	t.Helper()
-	creator := fmt.Sprintf(" in goroutine %d\n", goroutineID())
-	buf := make([]byte, 1<<20)
+	creator := goroutineID()
 	deadline := time.Now().Add(peerTimeout)
 	for {
-		size := runtime.Stack(buf, true)
-		if size == len(buf) {
-			buf = make([]byte, 2*len(buf))
-			continue
-		}
-		count := 0
-		for _, g := range strings.Split(string(buf[:size]), "\n\n") {
-			header, _, _ := strings.Cut(g, "\n")
-			if strings.Contains(header, "[running") || strings.Contains(header, "[runnable") {
-				continue
-			}
-			if strings.Contains(g, fn) && strings.Contains(g+"\n", creator) {
-				count++
-			}
-		}
+		count := blockedIn(fn, creator)
 		if count >= n {
 			return
 		}
@@ -59,4 +44,27 @@ func waitBlocked(t testing.TB, fn string, n int) {
 		}
 		time.Sleep(time.Millisecond)
 	}
+}
+
+// blockedIn returns how many goroutines started by goroutine creator are
+// parked (neither running nor runnable) with fn on their stacks.
+func blockedIn(fn string, creator uint64) int {
+	by := fmt.Sprintf(" in goroutine %d\n", creator)
+	buf := make([]byte, 1<<20)
+	size := runtime.Stack(buf, true)
+	for size == len(buf) {
+		buf = make([]byte, 2*len(buf))
+		size = runtime.Stack(buf, true)
+	}
+	count := 0
+	for _, g := range strings.Split(string(buf[:size]), "\n\n") {
+		header, _, _ := strings.Cut(g, "\n")
+		if strings.Contains(header, "[running") || strings.Contains(header, "[runnable") {
+			continue
+		}
+		if strings.Contains(g, fn) && strings.Contains(g+"\n", by) {
+			count++
+		}
+	}
+	return count
 }
