@@ -195,19 +195,25 @@ func TestMisuseWriteDeadlineWhileBlocked(t *testing.T) {
 			c.WriteSpaceTimeout = time.Minute
 		})
 		msg := bytes.Repeat([]byte{1}, 4096)
-		// Fill until a write blocks.
+		// Fill until a write blocks: it pauses for room in spaceWait.
 		var ch <-chan mzResult
+		me := goroutineID()
+	fill:
 		for i := 0; ; i++ {
 			ch = mzBlocked(func() (int, error) { return cli.Write(msg) })
-			select {
-			case r := <-ch:
-				if r.err != nil {
-					t.Fatalf("write %d: %v", i, r.err)
+			for {
+				select {
+				case r := <-ch:
+					if r.err != nil {
+						t.Fatalf("write %d: %v", i, r.err)
+					}
+					continue fill
+				case <-time.After(time.Millisecond):
 				}
-				continue
-			case <-time.After(200 * time.Millisecond):
+				if blockedIn("(*spaceWait).pause", me) > 0 {
+					break fill
+				}
 			}
-			break
 		}
 		cli.SetWriteDeadline(time.Now().Add(50 * time.Millisecond))
 		select {
@@ -218,7 +224,7 @@ func TestMisuseWriteDeadlineWhileBlocked(t *testing.T) {
 		}
 		cli.SetWriteDeadline(time.Time{})
 		ch = mzBlocked(func() (int, error) { return cli.Write(msg) })
-		time.Sleep(100 * time.Millisecond)
+		waitBlocked(t, "(*spaceWait).pause", 1)
 		cli.Close()
 		select {
 		case r := <-ch:
