@@ -6,6 +6,7 @@ import (
 	"io"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -128,7 +129,8 @@ func TestMisuseManagerCloseWhileWaiting(t *testing.T) {
 		errs := make(chan error, 2)
 		go func() { _, err := m.GetStreamContext(context.Background()); errs <- err }()
 		go func() { _, err := m.DialContext(context.Background(), "x"); errs <- err }()
-		time.Sleep(100 * time.Millisecond)
+		waitBlocked(t, "(*SessionManager).GetStreamContext", 1)
+		waitBlocked(t, "(*SessionManager).openStreamContext", 1)
 		mzCall(t, "SessionManager.Close", m.Close)
 		for range 2 {
 			select {
@@ -160,6 +162,7 @@ func TestMisuseManagerCloseWithStreamsOut(t *testing.T) {
 		t.Fatal(err)
 	}
 	var wg sync.WaitGroup
+	var rounds atomic.Int64
 	for i := range 12 {
 		wg.Add(1)
 		go func() {
@@ -189,10 +192,17 @@ func TestMisuseManagerCloseWithStreamsOut(t *testing.T) {
 					continue
 				}
 				m.PutBack(st)
+				rounds.Add(1)
 			}
 		}()
 	}
-	time.Sleep(200 * time.Millisecond)
+	// Close once the users are under way: 200 ms of traffic, or with
+	// -short 500 round trips.
+	if testing.Short() {
+		waitUntil(t, "500 round trips", mzTimeout, func() bool { return rounds.Load() >= 500 })
+	} else {
+		time.Sleep(200 * time.Millisecond)
+	}
 	mzCall(t, "Close", m.Close)
 	done := make(chan struct{})
 	go func() { wg.Wait(); close(done) }()
