@@ -197,7 +197,7 @@ func TestPutBackAfterReadTimeout(t *testing.T) {
 func TestPutBackRandomDeadlines(t *testing.T) {
 	requests := 10000
 	if testing.Short() {
-		requests = 2000
+		requests = 1000
 	}
 	const workers = 8
 	m := pbManager(t, 2)
