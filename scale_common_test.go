@@ -110,7 +110,7 @@ func scSettle(within time.Duration, take func() scState, ok func(scState) bool) 
 		if time.Now().After(deadline) {
 			return s, false
 		}
-		time.Sleep(200 * time.Millisecond)
+		time.Sleep(20 * time.Millisecond)
 	}
 }
 

@@ -61,7 +61,7 @@ func TestScaleManySessions(t *testing.T) {
 				if childOK(childBase) || time.Now().After(deadline) {
 					break
 				}
-				time.Sleep(200 * time.Millisecond)
+				time.Sleep(20 * time.Millisecond)
 			}
 			base, _ := scSettle(10*time.Second, func() scState { return scTakeSelf(prefix) }, func(s scState) bool { return s.live == 0 })
 			t.Logf("client baseline: %v", base)
@@ -134,7 +134,7 @@ func TestScaleManySessions(t *testing.T) {
 					t.Errorf("server resources not back after %d sessions closed:\n base  %v\n after %s", n, childBase, line)
 					break
 				}
-				time.Sleep(300 * time.Millisecond)
+				time.Sleep(20 * time.Millisecond)
 			}
 			t.Logf("server after closing: %s", line)
 			if !raceEnabled && childAfter["rss"] > childBase["rss"]+64<<10 { // the race detector keeps its shadow memory
