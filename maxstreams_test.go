@@ -27,7 +27,7 @@ func TestMaxStreamsConcurrentOpenClose(t *testing.T) {
 				io.Copy(io.Discard, st)
 				st.Close()
 			})
-			deadline := time.Now().Add(shortOr(2*time.Second, 250*time.Millisecond))
+			deadline := time.Now().Add(shortOr(2*time.Second, 100*time.Millisecond)) // tens of thousands of rounds with -short too
 			var wg sync.WaitGroup
 			rounds := make([]int, goroutines)
 			for g := range goroutines {
