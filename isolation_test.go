@@ -400,8 +400,9 @@ func TestIsolationFallbackFlood(t *testing.T) {
 	conf := peerConfig(t, MemMapTypeMemFd, 0)
 	conf.MaxFallbackBufferedPerStream = 8 << 20
 	// The stall is waited out; it must last past the check of the other
-	// sessions 200 ms into the flood: 500 ms with -short.
-	conf.FallbackStallTimeout = shortOr(time.Second, 500*time.Millisecond)
+	// sessions, made as soon as the victim is held back: 300 ms with
+	// -short.
+	conf.FallbackStallTimeout = shortOr(time.Second, 300*time.Millisecond)
 	srv := isoStartServer(t, conf, func(st *Stream) {}) // accepted, never read
 	srv.dialGood(t)
 	p, _, victim := srv.connect(t, MemMapTypeMemFd)
@@ -420,8 +421,13 @@ func TestIsolationFallbackFlood(t *testing.T) {
 		}
 		flooded <- n
 	}()
-	// While the victim is held back, the server serves others.
-	time.Sleep(200 * time.Millisecond)
+	// While the victim is held back, the server serves others. It is held
+	// back once its stream holds so much that the next frame passes the
+	// bound.
+	waitUntil(t, "the flooded stream held back", peerTimeout, func() bool {
+		st := victim.lookup(2)
+		return st != nil && st.heldFallback.Load()+frameData > int64(conf.MaxFallbackBufferedPerStream)
+	})
 	srv.checkGood(t)
 	var peak, peakRSS int64
 	var n int
