@@ -421,7 +421,7 @@ func TestHostileFramesForWaitingReaders(t *testing.T) {
 					<-block // and never reads again
 				}()
 			}
-			time.Sleep(100 * time.Millisecond) // the readers wait
+			waitBlocked(t, "(*Stream).awaitReadable", len(streams)) // the readers wait
 			limit := int64(tc.session) + minFallbackFrame
 			if most := hostileFlood(t, p, victim, ids, shortOr(tc.frames, min(tc.frames, 3))); most > limit {
 				t.Errorf("the session held %d bytes of fallback data; MaxFallbackBuffered and a frame are %d", most, limit)
