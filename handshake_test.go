@@ -1056,12 +1056,17 @@ func TestServerRunningPhaseBadFrames(t *testing.T) {
 				}
 				// Valid frames first: they must not end the session. A server
 				// accepts HotRestartAck (PROTOCOL.md §2.2).
+				// A second Polling frame ends them: once the server has
+				// counted two, it has acted on them all.
 				good := append(append([]byte(nil), hsPollingV2...), hsStreamCloseV2...)
 				good = append(good, rawFrame(16, 0x7758, 2, 9)...)
 				good = append(good, 0, 0, 0, 0, 0, 0, 0, 1)
+				good = append(good, hsPollingV2...)
 				if split {
 					hsWrite(t, raw, good)
-					time.Sleep(20 * time.Millisecond)
+					waitUntil(t, "the valid frames acted on", 2*time.Second, func() bool {
+						return r.s.Stats().WakeupsReceived >= 2 || r.s.IsClosed()
+					})
 					if r.s.IsClosed() {
 						t.Fatalf("valid frames closed the session: %v", r.s.Err())
 					}
