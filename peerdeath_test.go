@@ -603,7 +603,7 @@ func TestPeerDeathHandshake(t *testing.T) {
 				return err
 			})
 			pdExpectLine(t, c, "stalled")
-			time.Sleep(50 * time.Millisecond)
+			waitBlocked(t, "(*Session).runHandshake", 1) // Dial waits for the server
 			pdKill(t, c, pdHandshakeFailed, dial)
 			check("after the killed handshake")
 		})
@@ -628,7 +628,7 @@ func TestPeerDeathHandshake(t *testing.T) {
 		}
 		pdExpectLine(t, c, "stalled")
 		read := pdBlockedRead(st)
-		time.Sleep(50 * time.Millisecond)
+		waitBlocked(t, "(*Stream).awaitReadable", 1)
 		pdKill(t, c, pdSessionGone, read)
 		st.Close()
 		sess.Close()
@@ -668,11 +668,11 @@ func TestPeerDeathHandshake(t *testing.T) {
 				}
 				s := <-sessCh
 				acc := pdGo("AcceptStream", func() error { _, err := s.AcceptStream(); return err })
-				time.Sleep(50 * time.Millisecond)
+				waitBlocked(t, "(*streamQueue).pop", 1)
 				pdKill(t, c, pdSessionGone, acc)
 				s.Close()
 			} else {
-				time.Sleep(50 * time.Millisecond)
+				waitBlocked(t, "(*Session).runHandshake", 1) // Server waits for the client
 				pdKill(t, c, pdHandshakeFailed, call)
 			}
 			raw.Close()
@@ -839,7 +839,7 @@ func TestPeerDeathHoldingSlices(t *testing.T) {
 			}
 			t.Logf("child: %s; parent holds %d segments", line, len(before))
 			read := pdGo("ReadBytes", func() error { _, err := st.BufferReader().ReadBytes(1); return err })
-			time.Sleep(50 * time.Millisecond)
+			waitBlocked(t, "(*Stream).awaitReadable", 1)
 			pdKill(t, p.c, pdSessionGone, read)
 			for i, b := range before {
 				if string(b) != string(beforeCopy[i]) {
