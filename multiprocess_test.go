@@ -385,7 +385,7 @@ func mpBlockedRead(t *testing.T, st *Stream) <-chan error {
 		}
 		res <- err
 	}()
-	time.Sleep(100 * time.Millisecond)
+	waitBlocked(t, "(*Stream).awaitReadable", 1)
 	select {
 	case err := <-res:
 		t.Fatalf("Read returned before the peer died: %v", err)
