@@ -330,8 +330,8 @@ func TestTCPCloseQuietRule(t *testing.T) {
 	toLogger = slog.New(slog.NewTextHandler(&logBuf, nil))
 	t.Cleanup(func() { toLogger = prev })
 	// Each close waits for the socket to be quiet for tcpQuiet (20 ms),
-	// one after the other: with -short, 20 streams instead of 100.
-	n := shortOr(toStreams, 20)
+	// one after the other: with -short, 10 streams instead of 100.
+	n := shortOr(toStreams, 10)
 	toReport(t, toRunServer(t, n), n)
 	if got := logBuf.String(); !strings.Contains(got, "cannot see the peer's TCP socket") {
 		t.Errorf("no warning logged; log:\n%s", got)
