@@ -95,7 +95,9 @@ func TestWriteWaitsWhileDataUnread(t *testing.T) {
 	st, other, srv, req := hwRequest(t, 10*time.Second)
 	waitUntil(t, "the request reached the server stream", 10*time.Second, func() bool { return srv.BufferReader().Len() == hwSize })
 
-	const hold = 200 * time.Millisecond
+	// The slice is freed after hold (100 ms with -short): a Reserve that
+	// did not wait for it would return at once, as fallback data.
+	hold := shortOr(200*time.Millisecond, 100*time.Millisecond)
 	start := time.Now()
 	go func() {
 		time.Sleep(hold)
