@@ -726,8 +726,7 @@ func TestServerHandshakeBytes(t *testing.T) {
 //
 // What the client says before it stops is in the socket before Server
 // starts, and the server's replies are read once it has failed: the stall
-// is the same however late the test's goroutine runs, so the timeout can
-// be short (100 ms with -short).
+// is the same however late the test's goroutine runs.
 func TestServerHandshakeStalledPeer(t *testing.T) {
 	cases := []struct {
 		name    string
@@ -745,17 +744,26 @@ func TestServerHandshakeStalledPeer(t *testing.T) {
 			return append(slices.Clone(hsExchangeV3), rawPathFrame(3, 5, rr.queuePath, rr.bufPath)...)
 		}, 2},
 	}
-	for _, c := range cases {
+	// Every case's handshake starts at once, so that their timeouts run
+	// together; each is then checked in a subtest of its own.
+	const timeout = 200 * time.Millisecond
+	handshakes := make([]<-chan handshakeResult, len(cases))
+	raws := make([]*net.UnixConn, len(cases))
+	for i, c := range cases {
+		conf := hsConfig(t, MemMapTypeMemFd)
+		conf.InitializeTimeout = timeout
+		rr := createRawRegions(t, conf, MemMapTypeMemFd, rawLayout{})
+		raw, sc := unixPair(t)
+		if said := c.said(rr); len(said) > 0 {
+			hsWrite(t, raw, said)
+		}
+		raws[i] = raw
+		handshakes[i] = startHandshake(func() (*Session, error) { return Server(sc, conf) })
+	}
+	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			conf := hsConfig(t, MemMapTypeMemFd)
-			conf.InitializeTimeout = shortOr(200*time.Millisecond, 100*time.Millisecond)
-			rr := createRawRegions(t, conf, MemMapTypeMemFd, rawLayout{})
-			raw, sc := unixPair(t)
-			if said := c.said(rr); len(said) > 0 {
-				hsWrite(t, raw, said)
-			}
-			ch := startHandshake(func() (*Session, error) { return Server(sc, conf) })
-			r := awaitHandshake(t, ch, 3*time.Second)
+			raw := raws[i]
+			r := awaitHandshake(t, handshakes[i], 3*time.Second)
 			if r.err == nil {
 				t.Fatal("Server succeeded with a stalled client")
 			}
@@ -763,7 +771,7 @@ func TestServerHandshakeStalledPeer(t *testing.T) {
 				t.Errorf("error %v: want ErrHandshake and a timeout", r.err)
 			}
 			if r.took >= 3*time.Second {
-				t.Errorf("Server took %v with InitializeTimeout %v", r.took, conf.InitializeTimeout)
+				t.Errorf("Server took %v with InitializeTimeout %v", r.took, timeout)
 			}
 			for range c.replies {
 				hsReadExactly(t, raw, 8)
@@ -777,9 +785,8 @@ func TestServerHandshakeStalledPeer(t *testing.T) {
 // fail with a timeout after InitializeTimeout.
 //
 // What the server says before it stops is in the socket before Client
-// starts: the stall is the same however late the test's goroutine runs, so
-// the timeout can be short (100 ms with -short). The client's messages
-// stay in the socket for the test to read.
+// starts: the stall is the same however late the test's goroutine runs.
+// The client's messages stay in the socket for the test to read.
 func TestClientHandshakeStalledPeer(t *testing.T) {
 	cases := []struct {
 		name string
@@ -807,17 +814,26 @@ func TestClientHandshakeStalledPeer(t *testing.T) {
 			}
 		}},
 	}
-	for _, c := range cases {
+	// Every case's handshake starts at once, so that their timeouts run
+	// together; each is then checked in a subtest of its own.
+	const timeout = 200 * time.Millisecond
+	handshakes := make([]<-chan handshakeResult, len(cases))
+	raws := make([]*net.UnixConn, len(cases))
+	for i, c := range cases {
+		conf := hsConfig(t, MemMapTypeMemFd)
+		conf.InitializeTimeout = timeout
+		cc, raw := unixPair(t)
+		if len(c.said) > 0 {
+			hsWrite(t, raw, c.said)
+		}
+		raws[i] = raw
+		handshakes[i] = startHandshake(func() (*Session, error) { return Client(cc, conf) })
+	}
+	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			conf := hsConfig(t, MemMapTypeMemFd)
-			conf.InitializeTimeout = shortOr(200*time.Millisecond, 100*time.Millisecond)
-			cc, raw := unixPair(t)
-			if len(c.said) > 0 {
-				hsWrite(t, raw, c.said)
-			}
-			ch := startHandshake(func() (*Session, error) { return Client(cc, conf) })
+			raw := raws[i]
 			c.read(t, raw)
-			r := awaitHandshake(t, ch, 3*time.Second)
+			r := awaitHandshake(t, handshakes[i], 3*time.Second)
 			if r.err == nil {
 				t.Fatal("Client succeeded with a stalled server")
 			}
@@ -825,7 +841,7 @@ func TestClientHandshakeStalledPeer(t *testing.T) {
 				t.Errorf("error %v: want ErrHandshake and a timeout", r.err)
 			}
 			if r.took >= 3*time.Second {
-				t.Errorf("Client took %v with InitializeTimeout %v", r.took, conf.InitializeTimeout)
+				t.Errorf("Client took %v with InitializeTimeout %v", r.took, timeout)
 			}
 			hsExpectClosed(t, raw, 2*time.Second)
 		})
