@@ -88,9 +88,9 @@ func ucBlockingWrite(t *testing.T, st *Stream, bound time.Duration, write func()
 // write could block for good.)
 func TestFallbackWriteTimeoutRightAfterHandshake(t *testing.T) {
 	conf := clConfig(MemMapTypeMemFd, shmPrefix(t, "uc"))
-	// Waited out; 400 ms with -short. The child is stopped within a few
-	// milliseconds of the handshake, well inside the first half of it.
-	conf.ConnectionWriteTimeout = shortOr(time.Second, 400*time.Millisecond)
+	// Waited out; 200 ms with -short. The child is stopped within a few
+	// milliseconds of the handshake, inside the first half of it.
+	conf.ConnectionWriteTimeout = shortOr(time.Second, 200*time.Millisecond)
 	sess, st, _ := ucStoppedPeer(t, conf)
 
 	took, err := ucBlockingWrite(t, st, 10*time.Second, func() error {
@@ -119,8 +119,14 @@ func TestStreamWriteDeadlineBoundsFallbackWrite(t *testing.T) {
 	if _, err := st.BufferWriter().WriteBytes(make([]byte, ucFallbackSize)); err != nil {
 		t.Fatal(err)
 	}
-	st.SetWriteDeadline(time.Now().Add(300 * time.Millisecond))
-	took, err := ucBlockingWrite(t, st, 10*time.Second, func() error { return st.Flush(false) })
+	// The deadline is set by the writing goroutine right before it
+	// writes, so that it passes while the frame is written however late
+	// that goroutine runs: 150 ms with -short.
+	deadline := shortOr(300*time.Millisecond, 150*time.Millisecond)
+	took, err := ucBlockingWrite(t, st, 10*time.Second, func() error {
+		st.SetWriteDeadline(time.Now().Add(deadline))
+		return st.Flush(false)
+	})
 	t.Logf("the write returned after %v: %v", took, err)
 	var ne net.Error
 	if !errors.As(err, &ne) || !ne.Timeout() || !errors.Is(err, ErrTimeout) || !errors.Is(err, os.ErrDeadlineExceeded) {
