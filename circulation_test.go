@@ -188,8 +188,22 @@ func TestCommittedFollowsInFlight(t *testing.T) {
 		}
 	}
 	// The first look parks what traffic does not need; until then the FIFO
-	// order may touch every slice.
-	time.Sleep(10 * circulationPeriod)
+	// order may touch every slice. Measuring starts ten periods into the
+	// traffic, or with -short two periods after slices are seen parked
+	// (the bound holds from the first look after traffic changes).
+	if testing.Short() {
+		waitUntil(t, "the first look parks slices", time.Minute, func() bool {
+			for _, l := range sess.Stats().Lists {
+				if l.Parked > 0 {
+					return true
+				}
+			}
+			return false
+		})
+		time.Sleep(2 * circulationPeriod)
+	} else {
+		time.Sleep(10 * circulationPeriod)
+	}
 	var peak, shmemPeak uint64
 	var parked int32
 	// At least the measuring time and 100 echoes: a loaded machine gets
