@@ -125,8 +125,11 @@ func smRoundTrip(st *Stream, payload []byte) error {
 func smNewManager(t testing.TB, sock string, sessions int) *SessionManager {
 	t.Helper()
 	conf := smTestConfig()
-	// The sessions share one buffer region: size it for all of them.
+	// The sessions share one buffer region: size it for all of them. Its
+	// prefix is the test's own, so that it is shared with no other test's
+	// sessions (the tests that run in parallel rely on that).
 	conf.ShareMemoryBufferCap *= uint32(max(sessions, 1))
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "sm")
 	m, err := NewSessionManager(SessionManagerConfig{
 		Config:              conf,
 		Network:             "unix",
@@ -406,6 +409,7 @@ func TestSessionManagerIdleTimeout(t *testing.T) {
 }
 
 func TestSessionManagerReconnect(t *testing.T) {
+	waitsInParallel(t)
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	srv := smStartEcho(t, sock)
 	m := smNewManager(t, sock, 2)
@@ -601,6 +605,7 @@ func TestSessionManagerClose(t *testing.T) {
 // refused stream makes the manager move to the new server and let go of
 // the old one.
 func TestSessionManagerServerStopsGracefully(t *testing.T) {
+	waitsInParallel(t)
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	old := smStartEcho(t, sock)
 	t.Cleanup(func() { old.ln.CloseAll() })
@@ -863,6 +868,7 @@ func TestSessionManagerRefusalWakesWaiters(t *testing.T) {
 // retired after a refusal still carries a stream handed out; Close ends it
 // as it ends the current ones.
 func TestSessionManagerCloseEndsRetiredSessions(t *testing.T) {
+	waitsInParallel(t)
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	old := smStartEcho(t, sock)
 	t.Cleanup(func() { old.ln.CloseAll() })
@@ -958,6 +964,7 @@ func TestSessionManagerRefusalDialsAreRateLimited(t *testing.T) {
 // younger than refusedMinAge still moves the slot to the new server, once
 // the wait is over, without another refusal to remind it.
 func TestSessionManagerEarlyRefusalActedOnLater(t *testing.T) {
+	waitsInParallel(t)
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	old := smStartEcho(t, sock)
 	t.Cleanup(func() { old.ln.CloseAll() })
