@@ -87,6 +87,7 @@ func TestHostileReplayFlood(t *testing.T) {
 // computed from that count overflowed, its bound on parking went
 // negative, and it parked the same slice thousands of times.
 func TestHostileFreeCountOverflow(t *testing.T) {
+	waitsInParallel(t)
 	p, victim := acceptRawVictim(t, MemMapTypeMemFd, 0)
 	circ := victim.buf.circ
 	if circ == nil {

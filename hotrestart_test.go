@@ -431,6 +431,7 @@ func hrPeerPid(t *testing.T, s *Session) int {
 // acknowledge; the client must move every session to v2, and no request
 // may fail, before, during or after the switch.
 func TestHotRestartCrossProcess(t *testing.T) {
+	waitsInParallel(t)
 	prefix := shmPrefix(t, "hr")
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	const epoch = 7

@@ -241,6 +241,7 @@ func (c *httpClient) echo(body []byte) error {
 }
 
 func TestHTTP(t *testing.T) {
+	waitsInParallel(t)
 	dir := t.TempDir()
 	sock, strict := filepath.Join(dir, "http.sock"), filepath.Join(dir, "strict.sock")
 	child, _ := startChild(t, proctest.Config{

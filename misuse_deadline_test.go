@@ -96,6 +96,7 @@ func TestMisuseDeadlinePast(t *testing.T) {
 // TestMisuseDeadlineChangedWhileBlocked: a read that is blocked must follow
 // deadline changes: set from none to soon, moved further, cleared.
 func TestMisuseDeadlineChangedWhileBlocked(t *testing.T) {
+	waitsInParallel(t)
 	mzModes(t, func(t *testing.T) {
 		_, cli, srv := mzPair(t, func(c *Config) {})
 		for name, f := range mzReaders(srv) {
@@ -157,6 +158,7 @@ func TestMisuseDeadlineChangedWhileBlocked(t *testing.T) {
 // TestMisuseDeadlineAfterWriteReader: the reader polls for a reply right
 // after it sent (awaiting): a deadline set then must end the poll.
 func TestMisuseDeadlineWhilePolling(t *testing.T) {
+	waitsInParallel(t)
 	mzModes(t, func(t *testing.T) {
 		_, cli, srv := mzPair(t, nil)
 		// Each round waits out a 20 ms deadline; with -short, 8 rounds

@@ -18,6 +18,7 @@ import (
 // returns, it lies where the one fn read did, with the same length. OnData
 // must still see that fn consumed something, and hand it the next request.
 func TestOnDataNextRequestInSameSlice(t *testing.T) {
+	waitsInParallel(t)
 	mzModes(t, func(t *testing.T) {
 		_, cli, srv := mzPair(t, nil)
 		const size = 64

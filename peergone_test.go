@@ -20,6 +20,7 @@ import (
 // and the session ends with ErrPeerClosed within about peerGoneGrace,
 // though the socket never ends.
 func TestWriteToPeerThatStoppedReading(t *testing.T) {
+	waitsInParallel(t)
 	p, sess := acceptRawVictim(t, MemMapTypeMemFd, 0)
 	st, err := sess.OpenStream()
 	if err != nil {
@@ -91,6 +92,7 @@ func TestWriteToPeerThatStoppedReading(t *testing.T) {
 // unaffected, and the session ends with ErrPeerClosed within about
 // peerGoneGrace, though the socket never ends.
 func TestHotRestartToPeerThatStoppedReading(t *testing.T) {
+	waitsInParallel(t)
 	env := startTestServer(t, 0)
 	p, victim := connectRawClient(t, env, MemMapTypeMemFd)
 	c := &hpCtx{t: t, p: p, victim: victim, id: 2}

@@ -20,6 +20,7 @@ import (
 // module, exactly as a user would copy them, and the server and client are
 // run as two processes.
 func TestReadmeSnippets(t *testing.T) {
+	waitsInParallel(t)
 	readme, err := os.ReadFile("README.md")
 	if err != nil {
 		t.Fatal(err)

@@ -106,6 +106,7 @@ func TestOneReceiveOwner(t *testing.T) {
 // messages still go both ways at once; after FallbackStallTimeout the
 // stalled stream, not the session, fails with an error naming the bound.
 func TestFallbackStallLeavesOtherStreams(t *testing.T) {
+	waitsInParallel(t)
 	conf := smallRegion()
 	conf.MaxFallbackFrameSize = minFallbackFrame
 	conf.MaxFallbackBufferedPerStream = 1 << 20

@@ -87,6 +87,7 @@ func ucBlockingWrite(t *testing.T, st *Stream, bound time.Duration, write func()
 // not the copy the writers check, so for the first half of the timeout a
 // write could block for good.)
 func TestFallbackWriteTimeoutRightAfterHandshake(t *testing.T) {
+	waitsInParallel(t)
 	conf := clConfig(MemMapTypeMemFd, shmPrefix(t, "uc"))
 	// Waited out; 200 ms with -short. The child is stopped within a few
 	// milliseconds of the handshake, inside the first half of it.
@@ -111,6 +112,7 @@ func TestFallbackWriteTimeoutRightAfterHandshake(t *testing.T) {
 // ConnectionWriteTimeout is much longer. The write fails with a timeout
 // error; as the deadline cut a frame short, the session ends.
 func TestStreamWriteDeadlineBoundsFallbackWrite(t *testing.T) {
+	waitsInParallel(t)
 	conf := clConfig(MemMapTypeMemFd, shmPrefix(t, "uc"))
 	conf.ConnectionWriteTimeout = time.Minute
 	sess, st, _ := ucStoppedPeer(t, conf)
