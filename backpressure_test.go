@@ -402,6 +402,10 @@ func TestHostileFramesForWaitingReaders(t *testing.T) {
 			if testing.Short() && tc.name != "ReadBytes of a header" && tc.name != "Until" {
 				t.Skip("-short: a reader of each kind")
 			}
+			// The cases run beside each other: each has a raw server and
+			// a victim of its own (own region files), and they use no
+			// process-global state.
+			t.Parallel()
 			p, victim := hostileVictim(t, tc.perStream, tc.session)
 			defer victim.Close()
 			block := make(chan struct{})
