@@ -775,7 +775,9 @@ func TestPeerDeathMidWrite(t *testing.T) {
 				}))
 			}
 			pdExpectLine(t, p.c, "streaming")
-			time.Sleep(time.Duration(20+rand.IntN(80)) * time.Millisecond)
+			// Killed at a random moment of the streaming: 20-100 ms in,
+			// 10-40 ms with -short.
+			time.Sleep(shortOr(time.Duration(20+rand.IntN(80)), time.Duration(10+rand.IntN(30))) * time.Millisecond)
 			pdKill(t, p.c, pdSessionGone, calls...)
 			var msgs []string
 			verified.Range(func(k, v any) bool { msgs = append(msgs, fmt.Sprintf("stream %v: %v", k, v)); return true })
