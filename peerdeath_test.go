@@ -951,9 +951,8 @@ func TestPeerDeathKillLoop(t *testing.T) {
 	start := time.Now()
 	var lats, afterClose []time.Duration
 	survived := 0
-	// With -short, an eighth of the kills: each side in each mode still
-	// killed several times over.
-	kills := shortOr(*pdKills, max(*pdKills/8, 4))
+	// With -short, 8 kills: each side in each mode still killed twice.
+	kills := shortOr(*pdKills, min(*pdKills, 8))
 	for i := range kills {
 		side := "server"
 		if i%2 == 1 {
