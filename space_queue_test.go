@@ -376,10 +376,10 @@ func TestMapperWritesIntoParkedRegion(t *testing.T) {
 		t.Fatal(err)
 	}
 	large := sess.buf.class(4<<20, false)
-	// Messages for 20 circulation periods (10 with -short), and at least
+	// Messages for 20 circulation periods (6 with -short), and at least
 	// until a slice has been parked.
 	start, parked, n := time.Now(), int32(0), 0
-	for ; time.Since(start) < shortOr[time.Duration](20, 10)*circulationPeriod || parked == 0; n++ {
+	for ; time.Since(start) < shortOr[time.Duration](20, 6)*circulationPeriod || parked == 0; n++ {
 		if time.Since(start) > 20*time.Second {
 			t.Fatalf("no 4 MiB slice was parked in 20 s: the test does not test what it should")
 		}
