@@ -132,6 +132,7 @@ func circListFor(t *testing.T, m *bufferManager, size int) int {
 // committed. Once traffic stops, committed memory must return to its idle
 // level and every slice must be free again, none parked.
 func TestCommittedFollowsInFlight(t *testing.T) {
+	waitsInParallel(t)
 	sock := filepath.Join(t.TempDir(), "circ.sock")
 	srv := proctest.Start(t, proctest.Config{TestName: "TestCirculationChild", Role: "echo", Args: map[string]string{"SOCK": sock}})
 	if _, err := srv.WaitReady(30 * time.Second); err != nil {

@@ -385,6 +385,7 @@ func TestClientHandshakeBytesMemfd(t *testing.T) {
 // version-2 ShareMemoryByFilePath frame naming files it created, and does not
 // wait for any reply (PROTOCOL.md §1.4).
 func TestClientHandshakeBytesFileMode(t *testing.T) {
+	waitsInParallel(t)
 	conf := hsConfig(t, MemMapTypeDevShmFile)
 	cc, raw := unixPair(t)
 	// The raw server neither reads nor writes until Client has returned.
@@ -598,6 +599,7 @@ func TestServerRejectsBadPaths(t *testing.T) {
 // TestServerHandshakeBytes plays the client by hand and checks every byte
 // the server answers (PROTOCOL.md §1.4, §1.5).
 func TestServerHandshakeBytes(t *testing.T) {
+	waitsInParallel(t)
 	t.Run("v3 memfd", func(t *testing.T) {
 		conf := hsConfig(t, MemMapTypeMemFd)
 		rr := createRawRegions(t, conf, MemMapTypeMemFd, rawLayout{})

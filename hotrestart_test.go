@@ -122,6 +122,7 @@ func TestHotRestartServerFrames(t *testing.T) {
 // TestHotRestartPlainClientIgnores: a session from Dial stays up after a
 // HotRestart frame and sends nothing back.
 func TestHotRestartPlainClientIgnores(t *testing.T) {
+	waitsInParallel(t)
 	p, sess := acceptRawVictim(t, MemMapTypeMemFd, 0)
 	p.write(hrFrame(8, hrEpoch))
 	// No answer for 300 ms, 100 ms with -short: an answer would follow the

@@ -71,15 +71,15 @@ func blockedIn(fn string, creator uint64) int {
 
 // waitsInParallel lets t run in parallel with the other tests that call it,
 // after the package's other tests. It is for tests that spend most of
-// their time waiting (a timer of the library, such as peerGoneGrace or
-// refusedMinAge, a waited-out timeout, or a child process), and that were
-// checked to use no process-global state: they set no package variable
-// and install no hook (consumeHook, tcpDiagOff, fallbackFrameData,
-// giveBackPeriod...), measure nothing process-wide (goroutines, fds,
-// mappings, heap, RSS, Shmem, AggregateStats), and share no buffer region
-// with another test's sessions (theirs have a private prefix, or a server
-// in another process). Their assertions hold on a loaded machine: they
-// bound times from below, or generously from above.
+// their time waiting (a timer of the library, such as peerGoneGrace,
+// refusedMinAge or the quiet give-back, a waited-out timeout, or a child
+// process), and that were checked to use no process-global state: they set
+// no package variable and install no hook (consumeHook, tcpDiagOff,
+// fallbackFrameData, giveBackPeriod...), assert nothing process-wide
+// (goroutines, fds, mappings, heap, RSS, Shmem, AggregateStats), and share
+// no buffer region with another test's sessions (theirs have a private
+// prefix, or a server in another process). Their assertions hold on a
+// loaded machine: they bound times from below, or generously from above.
 func waitsInParallel(t *testing.T) {
 	t.Parallel()
 }
