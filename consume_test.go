@@ -248,7 +248,7 @@ func TestLoopRestsWhileReaderBusy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st.SetDeadline(time.Now().Add(peerTimeout))
+	st.SetDeadline(time.Now().Add(5 * peerTimeout))
 	idle := spinning.active.Load()
 	for range 50 {
 		if _, err := st.Write([]byte("ping")); err != nil {
@@ -264,12 +264,7 @@ func TestLoopRestsWhileReaderBusy(t *testing.T) {
 	if n := spinning.active.Load(); n != idle {
 		t.Fatalf("%d spinners while the only reader is busy, want %d", n, idle)
 	}
-	read := make(chan error, 1)
-	go func() {
-		_, err := io.ReadFull(st, make([]byte, 4))
-		read <- err
-	}()
-	waitUntil(t, "the receive loop spins for the waiting reader", peerTimeout, func() bool { return spinning.active.Load() == idle+1 })
+	read := readerSpunFor(t, st, idle)
 	if _, err := st.Write([]byte("pong")); err != nil {
 		t.Fatal(err)
 	}
@@ -301,6 +296,38 @@ func spinningClient(t *testing.T, conf *Config) *Session {
 	}
 	t.Cleanup(func() { s.Close() })
 	return s
+}
+
+// readerSpunFor starts a reader of 4 bytes on st, a stream of a
+// spinningClient's session to its echo server, and returns the reader's
+// result once the session's receive loop spins for it (one spinner more
+// than idle). On a loaded machine spinning may be off for a cool-down
+// (spinGovernor.pressure, at most maxSpinCooldown): then the reader is
+// served with an echo and the attempt repeats.
+func readerSpunFor(t *testing.T, st *Stream, idle int32) <-chan error {
+	t.Helper()
+	deadline := time.Now().Add(4 * peerTimeout)
+	for {
+		read := make(chan error, 1)
+		go func() {
+			_, err := io.ReadFull(st, make([]byte, 4))
+			read <- err
+		}()
+		for until := time.Now().Add(maxSpinCooldown + 50*time.Millisecond); time.Now().Before(until); time.Sleep(time.Millisecond) {
+			if spinning.active.Load() == idle+1 {
+				return read
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the receive loop never spun for its waiting reader within %v", 4*peerTimeout)
+		}
+		if _, err := st.Write([]byte("ping")); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-read; err != nil {
+			t.Fatal(err)
+		}
+	}
 }
 
 // receiveHold stops chosen sessions' receive loops at their next drain or

@@ -123,12 +123,7 @@ func TestSpinningLoopFault(t *testing.T) {
 	}
 	// After the reply the loop waits for a reader to wait (awaitReader);
 	// this one waits for a reply that never comes, and the loop spins.
-	read := make(chan error, 1)
-	go func() {
-		_, err := io.ReadFull(st, make([]byte, 4))
-		read <- err
-	}()
-	waitUntil(t, "the receive loop spins for the waiting reader", peerTimeout, func() bool { return spinning.active.Load() == active+1 })
+	read := readerSpunFor(t, st, active)
 	if err := os.Truncate(queues[0], 0); err != nil {
 		t.Fatal(err)
 	}
