@@ -7,39 +7,27 @@ import (
 	"time"
 )
 
-// Consuming the receive queue. One goroutine per session, its receive loop
-// (recv.go), reads the socket and takes elements off the receive queue; it
-// walks each message's chain in the peer-writable region and hands every
-// stream its data, in queue order. Readers wait on their own stream only
-// (Stream.awaitReadable): nothing else ever touches the socket's read side
-// or the queue's consumer side, so neither needs a lock or a token, and
-// teardown, which runs on the same goroutine once it stops reading, cannot
-// race a delivery.
+// Consuming the receive queue. The receive loop (recv.go) is the only
+// goroutine that reads the socket or takes elements off the receive queue,
+// so neither needs a lock, and teardown, which runs on the same goroutine,
+// cannot race a delivery. Readers wait on their own stream only
+// (Stream.awaitReadable).
 //
 // The working flag tells the peer whether to send a wake-up after it
-// publishes (PROTOCOL.md §5.5, in docs/protocol.md). The loop sets it while
-// it consumes and clears it before it sleeps on the socket, then looks at
-// the queue once more. Because the peer publishes and then looks at the
-// flag, and the loop clears the flag and then looks at the queue (both
-// sequentially consistent), an element is either seen by that last look or
-// announced by a wake-up.
+// publishes (PROTOCOL.md §5.5, in docs/protocol.md). The loop clears it
+// before it sleeps on the socket, then looks at the queue once more: the
+// peer publishes and then looks at the flag, the loop clears the flag and
+// then looks at the queue (both sequentially consistent), so an element is
+// either seen by that last look or announced by a wake-up.
 //
 // After a drain that found work the loop keeps looking at the queue for a
-// while (spin), since the next message of a request-reply exchange usually
-// follows within microseconds: then the peer sends no wake-up at all, and
-// the message costs no system call on either side. Spinning only pays
-// while a core is free for it and the peer is answering, so it is
-// rationed:
-//   - a wake-up that finds nothing is answered without spinning, so that
-//     spurious wake-ups cost microseconds;
-//   - each session adapts how long it spins to how often spinning found
-//     something (consumer below);
-//   - the whole process spins on at most half the CPUs it may use at once
-//     (none on a single CPU), leaving the other half to the peer process;
-//   - a spinner that notices it was descheduled for long (the CPU is
-//     oversubscribed) stops, and spinning is switched off process-wide for
-//     a cool-down that doubles while the pressure lasts
-//     (spinGovernor.pressure).
+// while (spin): the next message of a request-reply exchange usually
+// follows within microseconds, and then costs no system call on either
+// side. Spinning is rationed: a wake-up that finds nothing is answered
+// without spinning, each session adapts its spin to how often spinning
+// found something (consumer), the process spins on at most half the CPUs
+// it may use (cpubudget.go), and a spinner that was descheduled for long
+// switches spinning off process-wide for a while (spinGovernor.pressure).
 
 // consumer is the receive loop's state for consuming; only the loop uses it.
 type consumer struct {
@@ -129,13 +117,10 @@ func (s *Session) consume() error {
 }
 
 // awaitReader parks the loop, its working flag still set, until a reader
-// of the session begins to wait for data, or for up to the spin budget.
-// While every reader is busy with what it was handed, spinning would only
-// take a core from them and from the peer: in a request-reply exchange the
-// loop and the reader it serves then take turns on one thread, the reader
-// waking the loop as it begins to wait for its reply, instead of each
-// holding a core of a machine the peer process needs too. It reports
-// whether a reader waits.
+// of the session begins to wait for data, or for up to the spin budget, and
+// reports whether a reader waits. While every reader is busy with what it
+// was handed, spinning would only take a core from them and from the peer:
+// parked, the loop and the reader it serves take turns on one thread.
 func (s *Session) awaitReader() bool {
 	if s.cons.budget <= 0 {
 		return false
@@ -204,29 +189,18 @@ func (s *Session) drain(pause bool, limit int) (n int, paused bool, err error) {
 }
 
 // consumeHook, when set (by tests), is called by every drain and every
-// frame read with the session: the receive side's single owner is the only
-// caller.
+// frame read.
 var consumeHook atomic.Pointer[func(*Session)]
 
-// drainAtEnd dispatches what the peer published on the queue before it
-// closed its end of the connection, closes included: a stream it wrote to
-// and closed before it ended the session ends with all its data and
-// io.EOF, not with the session's error. It takes at most what the queue
-// held when it began, so that a peer that goes on publishing after its end
-// cannot keep the receive loop from ending.
-func (s *Session) drainAtEnd() error {
-	_, _, err := s.drain(false, int(min(s.recvQ.depth(), int64(s.recvQ.cap))))
-	return err
-}
-
-// drainBefore drains what the queue holds, closes included, without
-// pausing behind a pending close: a FallbackData or StreamClose frame must
-// not overtake what the peer published before sending it on the same
-// stream, and the pending close belongs to another stream (a stream's own
-// close is published after its last data is sent). What the peer published
-// before sending the frame is on the queue once the frame has been read, so
-// the drain takes what the queue holds when it begins and no more: a peer
-// that goes on publishing cannot keep the socket from being read.
+// drainBefore dispatches what the queue holds when it begins, closes
+// included, without pausing behind a pending close. A FallbackData or
+// StreamClose frame must not overtake what the peer published before
+// sending it (a pending close is another stream's: a stream's own close is
+// published after its last data), and what a peer published before it
+// closed its end is delivered before the session ends, so that a stream it
+// wrote to and closed ends with all its data and io.EOF. Taking no more than
+// the queue held keeps a peer that goes on publishing from holding up the
+// socket or the end of the loop.
 func (s *Session) drainBefore() error {
 	_, _, err := s.drain(false, int(min(s.recvQ.depth(), int64(s.recvQ.cap))))
 	return err

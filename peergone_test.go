@@ -146,7 +146,7 @@ func TestHotRestartToPeerThatStoppedReading(t *testing.T) {
 // them, whether we read the end as EOF or as ECONNRESET (the peer left
 // frames of ours unread). The reader gets every byte, then io.EOF, and the
 // session ends with ErrPeerClosed. No reader of ours polls here (ConsumerSpinTime 0), so only
-// the drain at the end of the socket (drainAtEnd) can deliver them.
+// the drain at the end of the socket (drainBefore) can deliver them.
 func TestPeerPublishesThenCloses(t *testing.T) {
 	for _, tc := range []struct {
 		streams int

@@ -14,7 +14,7 @@ package shmipc
 // A Unix stream socket closed by a dying process gives its peer io.EOF,
 // or ECONNRESET when the dead end still held bytes it had not read. The
 // receive loop must deliver what the peer published before its end either
-// way (drainAtEnd). Every other session of a child takes the ECONNRESET
+// way (drainBefore). Every other session of a child takes the ECONNRESET
 // path by construction: on a "sink" stream the parent sends the child
 // fallback data its reader never reads. The child's
 // MaxFallbackBufferedPerStream is small, so its receive loop stops reading

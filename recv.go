@@ -10,13 +10,6 @@ import (
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// Receiving: the receive loop, the one goroutine of a session that reads
-// its socket and consumes its receive queue (consume.go), reads event
-// frames and applies them; queue elements become stream data or stream
-// closes. Closes are applied in the order the peer sent them relative to
-// socket frames (closeAfterSocket), and fallback data held in process
-// memory is bounded per stream (fallback_recv.go).
-
 // recvLoop reads event frames until the connection fails, then tears the
 // session down.
 func (s *Session) recvLoop() {
@@ -43,10 +36,9 @@ func (s *Session) recvLoop() {
 	if !s.IsClosed() {
 		switch {
 		case errors.Is(err, io.EOF), errors.Is(err, syscall.ECONNRESET):
-			// What the peer published before its end is applied first
-			// (drainAtEnd): it may have been published with no wake-up
-			// to come, while this loop was consuming.
-			if derr := s.access(s.drainAtEnd); derr != nil {
+			// What the peer published before its end may have no
+			// wake-up to come: it is applied first.
+			if derr := s.access(s.drainBefore); derr != nil {
 				err = derr
 				break
 			}
@@ -62,14 +54,12 @@ func (s *Session) recvLoop() {
 	_ = s.access(func() error { s.teardown(); return nil })
 }
 
-// handleFrameInOrder handles a frame, keeps count of how far into the
-// socket's byte stream the session has acted, applies the closes that were
-// waiting for that (closeAfterSocket), and goes back to consuming if the
-// loop left off to read this frame with the working flag set.
-//
-// A frame that carries data counts as acted on only once its data has been
-// delivered, so that a close published after it was sent is applied after
-// it, even if the drain that precedes the data finds the close.
+// handleFrameInOrder handles a frame, counts how far into the socket's byte
+// stream the session has acted, applies the closes that waited for that
+// (closeAfterSocket), and goes back to consuming if the loop left off to
+// read this frame with the working flag set. A data frame counts as acted
+// on only once its data is delivered, so that a close published after it
+// was sent is applied after it, even if the preceding drain finds the close.
 func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 	resume := s.cons.consuming && h.Type() != wire.TypePolling // a Polling frame consumes anyway
 	size := uint64(wire.HeaderSize + len(payload))
@@ -78,9 +68,9 @@ func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 		s.handled += size
 		s.closeCaughtUp()
 	} else if len(payload) >= 4 {
-		// Closes that wait for bytes inside this frame wait for nothing
-		// of their own streams: applied now, they do not wait for a
-		// frame of another stream, which can be 32 MiB long.
+		// Closes whose target lies inside this frame wait for no data of
+		// their own streams: they need not wait for this frame, of up to
+		// 32 MiB, to be delivered.
 		s.closeDue(s.handled+size, binary.BigEndian.Uint32(payload))
 	}
 	if err := s.handleFrame(h, payload); err != nil {
@@ -97,12 +87,9 @@ func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 }
 
 // handleFrame acts on one running-phase frame (PROTOCOL.md §2.2).
-//
-// StreamClose and FallbackData frames are ordered after everything the peer
-// published on the queue before sending them, even when that element's
-// wake-up has not arrived (another of the peer's producers won the working
-// flag and has not written its Polling frame yet): the queue is drained
-// first.
+// StreamClose and FallbackData frames follow everything the peer published
+// before sending them, whose wake-up may not have arrived yet: the queue is
+// drained first.
 func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 	switch h.Type() {
 	case wire.TypePolling:
@@ -148,8 +135,8 @@ func (s *Session) role() string {
 }
 
 // handleData hands the message whose first slice is at offset to stream
-// id, opening the stream if it is new (server). scratch is the caller's, to
-// read the chain into; the consumer's (Session.scratch) for queue elements.
+// id, opening the stream if it is new (server). The chain is read into
+// scratch.
 func (s *Session) handleData(id, offset uint32, scratch *[]segment) error {
 	slices, err := s.buf.readChain((*scratch)[:0], offset)
 	if err != nil {
@@ -165,8 +152,8 @@ func (s *Session) handleData(id, offset uint32, scratch *[]segment) error {
 	c.bytesIn.Add(uint64(n))
 	st, err := s.streamFor(id)
 	if err != nil {
-		// Refused (a limit ends the session): the slices go back, or
-		// they are lost to the other sessions on a shared region.
+		// A limit ends the session: the slices go back, or they are
+		// lost to the other sessions on a shared region.
 		if ferr := s.freeSegments(slices); ferr != nil {
 			return ferr
 		}
@@ -206,34 +193,27 @@ type pendingClose struct {
 }
 
 // closeAfterSocket applies a close element in the order the peer meant.
-//
-// A peer sends a stream's last bytes as FallbackData on the socket, waits
-// until the write has completed, then publishes the close element (both
-// reference implementations do). The close can therefore be seen on the
-// queue before the receive loop has read those bytes; applied at once, it
-// would end the stream before its data and the data would be lost behind a
-// clean EOF. Over a Unix socket every byte written before the close was
-// published is, by then, in this side's socket buffer: the close is applied
-// once the receive loop has consumed everything received so far plus what
-// the kernel holds now. When nothing is pending on the socket, that is at
-// once. Over TCP it is the count of what the peer wrote (tcp_order.go).
-//
-// Elements take effect in queue order: while a close waits, draining pauses
-// behind it (drain), and the receive loop reads the frames it waits for.
+// A peer sends a stream's last bytes as FallbackData, waits until the write
+// has completed, then publishes the close, which can therefore be seen
+// before those bytes are read; applied at once, it would lose them behind a
+// clean EOF. Over a Unix socket they are by then in this side's socket
+// buffer, so the close applies once the loop has acted on what was read so
+// far plus what the kernel holds now; over TCP, see tcp_order.go. While a
+// close waits, draining pauses behind it (drain): elements take effect in
+// queue order.
 func (s *Session) closeAfterSocket(id uint32) error {
-	at, mode, err := s.closeTarget() // over TCP, not read + SIOCINQ: tcp_order.go
+	at, mode, err := s.closeTarget()
 	if err != nil {
 		return fmt.Errorf("order the close of stream %d: %w", id, err)
 	}
-	// A peer cannot make this list grow without end. A drain takes at most
-	// a queue's worth of elements (drainBefore), and the closes of one
-	// drain wait for at most the bytes on their way then.
+	// A peer cannot make this list grow without end: a drain takes at most
+	// a queue's worth of elements (drainBefore), and their closes wait for
+	// at most the bytes on their way then.
 	if limit := 2*s.conf.MaxStreams + int(s.recvQ.cap); len(s.closing) >= limit {
 		return fmt.Errorf("%w: more than %d stream closes waiting for the socket (twice Config.MaxStreams and the queue's capacity)", ErrLimitExceeded, limit)
 	}
 	if st := s.lookup(id); st != nil {
-		// The peer holds the stream no more: it stops counting against
-		// Config.MaxStreams now (streamFor), though its end waits.
+		// It stops counting against Config.MaxStreams now (streamFor).
 		s.peerClosedStream(st)
 	}
 	s.closing = append(s.closing, pendingClose{id: id, at: at, mode: mode})
@@ -266,9 +246,7 @@ func (s *Session) closeDue(at uint64, busy uint32) {
 	}
 }
 
-// peerClosed ends a stream the peer closed. A close for a stream that is not
-// open (one that never carried data, or one already closed) has nothing to
-// end.
+// peerClosed ends a stream the peer closed, if it is open.
 func (s *Session) peerClosed(id uint32) {
 	if st := s.lookup(id); st != nil {
 		st.peerClose()

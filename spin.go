@@ -28,10 +28,9 @@ func (w *spinWatch) start() {
 
 // procs caches GOMAXPROCS for spinners: runtime.GOMAXPROCS takes the
 // scheduler's lock. It can change while the process runs (the runtime
-// follows the CPU limit of the process's cgroup; go test -cpu sets it for
-// each benchmark), so spinners read it again when they start a spin more
-// than procsRefresh after the last read, and the governor follows it
-// (cpubudget.go).
+// follows the cgroup's CPU limit), so a spin that starts more than
+// procsRefresh after the last read reads it again, and resizes the
+// governor.
 var procs procsCache
 
 type procsCache struct {
@@ -68,15 +67,11 @@ func (w *spinWatch) check(s *Session) int {
 		now = time.Now()
 		w.last = now
 	} else if now = time.Now(); now.Sub(w.begin) >= yieldOSAfter {
-		// A long wait: give the CPU to any thread waiting for it, which may
-		// be the very peer this spinner waits for; with nobody waiting it
-		// returns at once.
-		osYield()
+		osYield() // to any thread waiting for the CPU, perhaps the peer
 		now = time.Now()
 	}
 	if now.Sub(w.last) > preemptedGap {
-		// Descheduled between two rounds: the CPU has more work than cores,
-		// and spinning only takes a core from someone.
+		// Descheduled: spinning only takes a core from someone.
 		spinning.pressure(w.last, now)
 		return spinGaveUp
 	}
@@ -101,11 +96,8 @@ func (w *spinWatch) check(s *Session) int {
 
 // yieldOSAfter is how long a receive loop spins before it yields the OS
 // thread between rounds. Spinning longer usually means the peer is waiting
-// for the very core the spinner holds; with nobody waiting, a yield returns
-// at once, but costs a system call. A receive loop spins while many streams
-// are busy, where each yield is a system call taken from the harvest: with
-// every spinner yielding at once, 64 streams × 4 KiB made a quarter fewer
-// round trips per second, and with 2 µs 4 % fewer.
+// for the very core the spinner holds; yielding sooner costs a system call
+// per round while many streams keep the loop busy.
 const yieldOSAfter = 5 * time.Microsecond
 
 // preemptedGap is a pause between two rounds of a spinner that only being
@@ -126,10 +118,8 @@ type spinGovernor struct {
 	offUntil atomic.Int64 // no spinning before this time (UnixNano); 0 once it has passed
 	cooldown atomic.Int64 // the length of the last cool-down, in ns
 	lastEnd  atomic.Int64 // when the last cool-down ended or ends (UnixNano)
-	// ender clears offUntil when the cool-down is over, so that enter and
-	// free, called on every wait, never read the clock: under load a
-	// cool-down is running much of the time, and two clock reads per
-	// round trip cost several percent of the CPU.
+	// ender clears offUntil when the cool-down is over, so that enter,
+	// called on every wait, never reads the clock.
 	ender *time.Timer
 }
 
@@ -176,19 +166,12 @@ func (g *spinGovernor) enter() bool {
 
 func (g *spinGovernor) exit() { g.active.Add(-1) }
 
-// free reports whether enter would find a slot now.
-func (g *spinGovernor) free() bool {
-	return g.active.Load() < g.slots.Load() && g.offUntil.Load() == 0
-}
-
 // pressure switches spinning off for a cool-down: a spinner was
-// descheduled from since until now. If it lost its core soon after the last
-// cool-down ended (within four times that cool-down's length), the
-// pressure has lasted and the cool-down doubles; after a calm spell it
-// starts over from the shortest. So a spinner that lost its core once, to a
-// thread that had a slice to run, pauses spinning for a moment, while a CPU
-// that stays oversubscribed (the first spin after each cool-down loses its
-// core) turns spinning off for longer and longer.
+// descheduled from since until now. If that came within four cool-downs'
+// length of the last one's end, the pressure has lasted and the cool-down
+// doubles; otherwise it starts over from the shortest. So one lost slice
+// pauses spinning for a moment, while a CPU that stays oversubscribed turns
+// it off for longer and longer.
 func (g *spinGovernor) pressure(since, now time.Time) {
 	d := int64(minSpinCooldown)
 	if last, end := g.cooldown.Load(), g.lastEnd.Load(); end != 0 && since.UnixNano()-end < 4*last {
