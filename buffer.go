@@ -41,15 +41,10 @@ const (
 
 	// maxSplitPieces bounds how finely alloc splits the bytes a writer
 	// asks for when the lists that hold them in one slice are empty: into
-	// slices of at least 1/maxSplitPieces of them, or of the largest
-	// slices when they are larger still. Without the bound a 4 MiB message
-	// went into hundreds of 8 KiB slices once the large lists ran short:
-	// it took the slices that small messages live on, its writer held a
-	// part of it while it waited for the rest (and went over the socket
-	// after heldSpaceWait), and its reader copied it out piece by piece.
-	// With it, 64 streams echoing 1 or 4 MiB between two processes stay in
-	// shared memory, fair, at 2–4 times the round trips per second they
-	// had; a writer that finds no slice big enough waits for one.
+	// slices of at least 1/maxSplitPieces of them (or of the largest
+	// slice). Unbounded, a large message takes the slices small messages
+	// live on, and its writer holds part of it while it waits for the rest;
+	// a writer that finds no slice big enough waits for one instead.
 	maxSplitPieces = 8
 
 	// popAttempts bounds the retries of one pop (PROTOCOL.md §4.8).
@@ -105,17 +100,12 @@ type bufferManager struct {
 	// held has a bit per slice of the region, set while the slice is in
 	// this process's hands as part of a message it received: from readChain
 	// until it is pushed back on its free list or a writer of this process
-	// takes it for a message of its own (a kept slice, reuse.go). A slice
-	// the peer publishes while its bit is set was published twice, or
-	// twice in one message: a correct peer publishes only slices it
-	// allocated, and it cannot allocate one this process has not freed.
-	// Without the check a peer could publish one slice again and again, and
-	// every copy was delivered to a stream, which held it until read: heap
-	// without bound, and each copy freed once more when read.
-	//
-	// Slices are spread over the cache lines of held (heldBit), so that
-	// neighbouring slices, which the streams on different processors
-	// often hold at once, do not make both processors write one line.
+	// takes it (a kept slice, reuse.go). A correct peer cannot publish a
+	// slice whose bit is set, as it cannot allocate one this process has
+	// not freed; a peer that did could otherwise have one slice delivered
+	// (and later freed) any number of times. Neighbouring slices are spread
+	// over different cache lines (heldBit), as different processors often
+	// hold them at once.
 	held      []atomic.Uint64
 	heldShift uint // log2 of the number of cache lines of held
 
@@ -156,15 +146,6 @@ func initBufferRegion(mem []byte, plans []listPlan) {
 		cur = area + p.count*stride
 	}
 	binary.LittleEndian.PutUint32(mem[4:], cur-managerHeaderSize)
-}
-
-// bufferRegionSize is the space a region of plans occupies.
-func bufferRegionSize(plans []listPlan) uint64 {
-	n := uint64(managerHeaderSize)
-	for _, p := range plans {
-		n += listHeaderSize + uint64(p.count)*(uint64(p.sliceCap)+sliceHeaderSize)
-	}
-	return n
 }
 
 // newBufferManager reads and checks the layout of a mapped buffer region
@@ -290,9 +271,4 @@ func (m *bufferManager) flags(off uint32) byte {
 // setFlags sets the flags byte of the slice header at off.
 func (m *bufferManager) setFlags(off uint32, f byte) {
 	shmStoreUint32(m.u32(off+sliceFlagsOff), uint32(f))
-}
-
-// maxSliceCap is the data capacity of the largest slice.
-func (m *bufferManager) maxSliceCap() uint32 {
-	return m.lists[m.bySize[len(m.bySize)-1]].sliceCap
 }

@@ -16,15 +16,10 @@ func corrupt(format string, args ...any) error {
 	return fmt.Errorf("%w: buffer region: %s", ErrProtocol, fmt.Sprintf(format, args...))
 }
 
-// pop takes one free slice from list li (PROTOCOL.md §4.8). It returns the
+// popLeaving takes one free slice from list li (PROTOCOL.md §4.8), unless
+// that would leave the list with fewer than keep free slices. It returns the
 // absolute offset of the slice header, or 0 when the list has no slice to
 // spare. An error means the list is corrupt.
-func (m *bufferManager) pop(li int) (uint32, error) {
-	return m.popLeaving(li, 0)
-}
-
-// popLeaving is pop that gives up when it would leave the list with fewer
-// than keep free slices.
 func (m *bufferManager) popLeaving(li int, keep int32) (uint32, error) {
 	off, left, err := m.popList(li, keep)
 	if off != 0 && m.circ != nil {
@@ -33,9 +28,8 @@ func (m *bufferManager) popLeaving(li int, keep int32) (uint32, error) {
 	return off, err
 }
 
-// popList is pop without the circulation bookkeeping, giving up when it
-// would leave the list with fewer than keep free slices (0: take any but
-// the last). It also returns the free count the list was left with.
+// popList is popLeaving without the circulation bookkeeping (keep 0: take
+// any but the last). It also returns the free count the list was left with.
 func (m *bufferManager) popList(li int, keep int32) (uint32, int32, error) {
 	l := &m.lists[li]
 	free, head := m.i32(l.header+listFreeOff), m.u32(l.header+listHeadOff)
@@ -171,25 +165,17 @@ func (m *bufferManager) heldBit(li int, off uint32) (*atomic.Uint64, uint64) {
 // It returns li = -1 when no list can give a slice.
 //
 // With leave, the writer holds no slice of the region, and it leaves the
-// reserve (maxReserve slices) of the lists it takes as a last resort: the
-// largest list, and the smaller ones of a split. It takes no slice that
-// would leave such a list with fewer free slices than its reserve besides
-// the last one, which is never handed out; parked slices count as being on
-// the list. The reserve goes to writers that hold slices: part of the
-// message they are building, or a message they received and have not
-// released, such as a request an echo answers before releasing it. When
-// every writer may take every slice, new requests fill the region and the
-// writers that would answer them, holding a request each, wait for room
-// that only their answers would free; with the reserve there is always
-// room for an answer, so exchanges go on turning instead of stalling until
-// those writers fall back to the socket. The lists between the first that
-// fits and the largest are taken in full: an answer that finds one empty
-// goes on to a larger one, as a request does.
+// reserve of the lists it takes as a last resort (the largest list, and
+// the smaller ones of a split), besides the last slice, which is never
+// handed out; parked slices count as being on the list. The reserve goes
+// to writers that hold slices, such as an echo holding the request it
+// answers: if every writer could take every slice, new requests could fill
+// the region while the writers that would answer them wait for room only
+// their answers would free.
 //
-// Only the region's creator leaves a reserve. It alone sees the slices it
+// Only the region's creator leaves a reserve: it alone sees the slices it
 // parked (circulation.go), and keeps a busy list short of free slices on
-// purpose; a mapper that counted only the free list could find such a list
-// never above the reserve, and wait for ever.
+// purpose, so a mapper counting only the free list could wait for ever.
 func (m *bufferManager) alloc(n int, split, leave bool) (li int, off uint32, err error) {
 	leave = leave && m.circ != nil
 	start := m.firstFit(n)
@@ -217,13 +203,8 @@ func (m *bufferManager) alloc(n int, split, leave bool) (li int, off uint32, err
 
 // roomFor reports whether the lists below position start in bySize whose
 // slices hold at least floor bytes have room for n bytes beyond their
-// reserves. A writer that holds nothing begins a message that takes
-// several slices only then: once it holds the first, it takes the rest
-// from the reserves, which are kept for writers whose slices an exchange
-// needs to finish. Between two processes, requests of 4 MiB split over
-// 1 MiB slices took the reserves in about one run of three, and the echo
-// server, holding a request each, found no room for its replies and sent
-// them over the socket.
+// reserves. A writer that holds nothing begins a split message only then:
+// once it holds the first slice, it takes the rest from the reserves.
 func (m *bufferManager) roomFor(n, start, floor int) bool {
 	room := 0
 	for k := start - 1; k >= 0 && room < n; k-- {
@@ -259,15 +240,13 @@ func (m *bufferManager) class(n int, split bool) int {
 
 // take pops a slice of list li for this process's own use: from the free
 // list, or when that has none to spare, one of the list's parked slices
-// (circulation.go). With leave (which alloc sets only for the region's
-// creator, the one that parks), it leaves the list's reserve, parked slices
+// (circulation.go). With leave it leaves the list's reserve, parked slices
 // included.
 func (m *bufferManager) take(li int, leave bool) (uint32, error) {
 	l := &m.lists[li]
 	var keep, parked int32
 	if leave {
-		// The reserve, beyond the last slice, which is never handed out;
-		// parked slices are free too.
+		// The reserve and the last slice, less the parked slices.
 		parked = m.circ.lists[li].parked.Load()
 		keep = l.reserve + 1 - parked
 	}
@@ -304,13 +283,11 @@ func (m *bufferManager) linkSlice(off uint32, size int, next uint32) {
 // appends its slices to dst, marking them held (bufferManager.held). Every
 // header is read once and checked: the offset must be a slice of a list,
 // cap must match that list, start+size must fit in cap, and no slice may
-// be held already: by another message this process received and has not
-// freed (the peer published it again), or by this one (a cycle, or two
-// links to one slice). Empty slices are freed once the whole chain has been
-// checked and are not returned. On error nothing is freed (a corrupt chain
-// may name slices that are free, or another message's: freeing them would
-// hand them out twice; the session ends), the slices marked by this call
-// are unmarked, and dst is returned unchanged.
+// be held already (published twice, or a cycle). Empty slices are freed
+// once the whole chain has been checked and are not returned. On error
+// nothing is freed (a corrupt chain may name free slices, or another
+// message's), the slices marked by this call are unmarked, and dst is
+// returned unchanged.
 func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error) {
 	first := len(dst)
 	var empty [4]segment
@@ -374,8 +351,7 @@ func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error)
 	return dst, nil
 }
 
-// seen reports whether a slice at off is among slices: only to word the
-// error when a slice is found held.
+// seen reports whether a slice at off is among slices, to word an error.
 func seen(slices []segment, off uint32) bool {
 	for i := range slices {
 		if slices[i].off == off {

@@ -11,12 +11,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// memfdNamePrefix is put before the region path to name a memfd, as the
-// other implementations do; the name only shows in /proc/<pid>/fd.
-const memfdNamePrefix = "shmipc"
-
-// maxMemfdName is Linux's limit on a memfd name.
-const maxMemfdName = 249
+const (
+	// memfdNamePrefix is put before the region path to name a memfd, as the
+	// other implementations do; the name only shows in /proc/<pid>/fd.
+	memfdNamePrefix = "shmipc"
+	maxMemfdName    = 249 // Linux's limit on a memfd name
+)
 
 // region is one mapped shared-memory region: a buffer region or a queue
 // region. It is reference counted; the last release unmaps it and, for a
@@ -92,14 +92,16 @@ func (r *region) committed() uint64 {
 	return committedBytes(r.mem)
 }
 
-// createRegion creates a zero-filled, sparse shared region of size bytes: a
-// memfd, or a new file at path. No page is committed until it is written. It returns the region (one reference) and the open fd,
-// which the caller closes once it has been passed to the peer.
-func createRegion(mode MemMapType, path string, size int) (*region, int, error) {
-	return createRegionPerm(mode, path, size, 0o600)
-}
-
-// createRegionPerm is createRegion with the permissions of a region file.
+// createRegionPerm creates a zero-filled shared region of size bytes: a
+// memfd, or a new file at path with permissions perm. It returns the region
+// (one reference) and the open fd, which the caller closes once it has been
+// passed to the peer.
+//
+// The region is sparse, so memory follows traffic rather than the number of
+// sessions: a page is committed when first written. A page that cannot be
+// committed then (a full tmpfs) faults inside Session.access and becomes the
+// session's error; slices handed to the application are committed before
+// they are handed out (commitPages).
 func createRegionPerm(mode MemMapType, path string, size int, perm uint32) (*region, int, error) {
 	var fd int
 	var err error
@@ -133,11 +135,6 @@ func createRegionPerm(mode MemMapType, path string, size int, perm uint32) (*reg
 	if err := unix.Ftruncate(fd, int64(size)); err != nil {
 		return fail(fmt.Errorf("size %s to %d bytes: %w", path, size, err))
 	}
-	// The region is sparse: a page is committed when it is first written,
-	// so memory follows traffic rather than the number of sessions. A page
-	// that cannot be committed then (a full tmpfs) faults inside
-	// Session.access and becomes the session's error; slices handed to the
-	// application are committed before they are handed out (commitPages).
 	if mode == MemMapTypeMemFd {
 		seals := unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
 		if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, seals); err != nil {
@@ -183,16 +180,11 @@ func openRegionFile(path, allowedDir string, owner uint32) (int, error) {
 }
 
 // checkRegionFile checks the file open at fd, opened as path: it must be a
-// regular file owned by owner, and path must still name it.
-//
-// The owner is read from the open descriptor, so it is the owner of what
-// will be mapped, whatever happens to the name. The second check, an lstat
-// of path after the open, defends the name: the open follows no final
-// symbolic link, but a path can be renamed or replaced between the open and
-// now, and the server records the path with the mapping (for its cache, its
-// errors and the removal of the file at the end). Requiring the name to
-// still lead to the same (device, inode) means a file swapped in under the
-// name is refused instead of being taken for the one that was opened.
+// regular file owned by owner, and path must still name it. The owner is
+// read from the descriptor, so it is the owner of what will be mapped. The
+// name is checked too because the server records it with the mapping (for
+// its cache, its errors and the removal of the file): a file renamed or
+// swapped in under it since the open is refused.
 func checkRegionFile(fd int, path string, owner uint32) error {
 	st, err := statRegular(fd)
 	if err != nil {
@@ -219,8 +211,7 @@ func statRegular(fd int) (unix.Stat_t, error) {
 	return st, nil
 }
 
-// fdInfo returns the size and identity of a region file descriptor, which must
-// be a regular file (memfds are).
+// fdInfo returns the size and identity of a regular file descriptor.
 func fdInfo(fd int) (size int64, dev, ino uint64, err error) {
 	st, err := statRegular(fd)
 	if err != nil {
@@ -296,10 +287,8 @@ var pid = os.Getpid()
 // pageSize is the size of a memory page.
 var pageSize = os.Getpagesize()
 
-// committedBytes returns how many bytes of mem are in memory now: pages of
-// the region's file present in the page cache (mincore), whoever touched
-// them. Pages reserved with fallocate and never touched are not counted. It
-// is for statistics; it allocates.
+// committedBytes returns how many bytes of mem are in the page cache now
+// (mincore), whoever touched them; for statistics, it allocates.
 func committedBytes(mem []byte) uint64 {
 	var n uint64
 	for _, v := range residentPages(mem) {

@@ -4,20 +4,15 @@ package shmipc
 
 // Atomic operations on words of shared memory, for race-detector builds.
 //
-// With the race detector on, sync/atomic's functions do not run the atomic
-// instruction in the caller's goroutine: for an address outside the Go heap
-// they touch it once, then switch to the system stack and have the race
-// runtime's C code perform the operation. A peer that truncates the region
-// between the two makes that C code fault on the system stack, where the
-// fault cannot become a panic for access (shmaccess.go) to recover: the
-// process crashed in a test that truncates the region under traffic
-// ("unexpected return pc for runtime.sigpanic"). The race detector does not
-// track memory outside the heap anyway (happens-before through shared
-// memory is modelled by raceReleaseIO and raceAcquireIO), so these are
-// plain instructions on the goroutine's stack, as sync/atomic's are without
-// the race detector. For memory of the Go heap, which tests use as a
-// region, each operation also tells the race detector what sync/atomic's
-// would (runtime.RaceAcquire and RaceReleaseMerge ignore other addresses).
+// With the race detector on, sync/atomic performs the operation in the race
+// runtime's C code on the system stack, where a fault (a peer that truncated
+// the region) cannot become a panic for access (shmaccess.go) to recover:
+// the process crashes. The race detector does not track memory outside the
+// heap anyway (raceReleaseIO and raceAcquireIO model the happens-before), so
+// these are plain instructions on the goroutine's stack. For Go heap memory,
+// which tests use as a region, each operation also tells the race detector
+// what sync/atomic's would (RaceAcquire and RaceReleaseMerge ignore other
+// addresses).
 
 import (
 	"runtime"

@@ -1,0 +1,29 @@
+package shmipc
+
+// Helpers of the shared-memory layer that only tests use.
+
+// createRegion is createRegionPerm with permissions 0o600.
+func createRegion(mode MemMapType, path string, size int) (*region, int, error) {
+	return createRegionPerm(mode, path, size, 0o600)
+}
+
+// bufferRegionSize is the space a region of plans occupies.
+func bufferRegionSize(plans []listPlan) uint64 {
+	n := uint64(managerHeaderSize)
+	for _, p := range plans {
+		n += listHeaderSize + uint64(p.count)*(uint64(p.sliceCap)+sliceHeaderSize)
+	}
+	return n
+}
+
+// maxSliceCap is the data capacity of the largest slice.
+func (m *bufferManager) maxSliceCap() uint32 {
+	return m.lists[m.bySize[len(m.bySize)-1]].sliceCap
+}
+
+// pop takes one free slice from list li (PROTOCOL.md §4.8). It returns the
+// absolute offset of the slice header, or 0 when the list has no slice to
+// spare. An error means the list is corrupt.
+func (m *bufferManager) pop(li int) (uint32, error) {
+	return m.popLeaving(li, 0)
+}
