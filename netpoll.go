@@ -7,29 +7,24 @@ import (
 	"github.com/cloudwego/netpoll"
 )
 
-// This file adapts a Stream to the nocopy interfaces of CloudWeGo netpoll,
-// so that RPC frameworks whose codecs are written against netpoll.Reader and
-// netpoll.Writer (Kitex, Hertz and others) can use a stream as transport.
+// A Stream through the nocopy interfaces of CloudWeGo netpoll, for RPC
+// frameworks whose codecs use netpoll.Reader and netpoll.Writer (Kitex,
+// Hertz). Which calls are zero-copy:
 //
-// Which calls are zero-copy:
-//
-//	Reader.Next, Peek, Until  zero-copy when the bytes lie in one slice of
-//	                          shared memory (or one fallback frame); otherwise
-//	                          a copy into the stream's read arena, which is
-//	                          reused after Release and so allocates nothing
-//	                          in steady state.
-//	Reader.Skip, Len          no data is touched.
-//	Reader.ReadString,        always copy (that is their contract).
+//	Reader.Next, Peek, Until  when the bytes lie in one slice (or fallback
+//	                          frame); else a copy into the read arena,
+//	                          reused after Release.
+//	Reader.Skip, Len          touch no data.
+//	Reader.ReadString,        always copy (their contract).
 //	ReadBinary, ReadByte
-//	Reader.Slice              copies the bytes into a new netpoll.LinkBuffer.
-//	Writer.Malloc, WriteByte  zero-copy: the bytes are in shared memory (or,
-//	                          when shared memory cannot give them, as for
-//	                          BufferWriter.Reserve, in private memory, and
-//	                          the message goes as fallback data).
-//	Writer.WriteString,       copy their argument into shared memory; the
-//	WriteBinary, Append       caller may reuse it at once.
+//	Reader.Slice              copies into a new netpoll.LinkBuffer.
+//	Writer.Malloc, WriteByte  shared memory (private memory, sent as
+//	                          fallback data, when shared memory cannot
+//	                          give it, as for BufferWriter.Reserve).
+//	Writer.WriteString,       copy their argument; the caller may reuse it
+//	WriteBinary, Append       at once.
 //	Writer.WriteDirect        copies p now and the bytes after the insertion
-//	                          point again at Flush (see its doc comment).
+//	                          point again at Flush.
 
 var (
 	_ netpoll.Reader = (*netpollReader)(nil)
@@ -40,11 +35,10 @@ var (
 //
 // It shares the stream's receive buffer with BufferReader and Read: Release
 // is BufferReader.ReleasePreviousRead, and slices returned by Next, Peek and
-// Until stay valid until Release, ReleasePreviousRead, Read or Close. Do not
-// write into them: they may be shared memory. For the same reason the peer
-// may still write into them after they were returned (see BufferReader):
-// with a peer that is not trusted, validate a copy (ReadBinary, ReadString
-// or Stream.Read copy).
+// Until stay valid until Release, ReleasePreviousRead, Read or Close. They
+// may be shared memory: do not write into them, and since the peer still
+// can (see BufferReader), validate a copy (ReadBinary, ReadString, Read)
+// when the peer is not trusted.
 //
 // Reads block until enough bytes have arrived, the read deadline passes
 // (the error satisfies net.Error with Timeout() true and matches
@@ -59,8 +53,7 @@ func (st *Stream) NetpollReader() netpoll.Reader { return (*netpollReader)(st) }
 type netpollReader Stream
 
 // Next returns the next n bytes and consumes them, blocking until they have
-// arrived. They are shared memory when they lie in one slice and a copy in
-// the read arena otherwise; either way they are valid until Release.
+// arrived. They are valid until Release.
 func (b *netpollReader) Next(n int) ([]byte, error) { return (*Stream)(b).next(n, true) }
 
 // Peek is Next without consuming the bytes.

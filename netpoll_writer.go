@@ -12,10 +12,10 @@ import (
 // NetpollWriter returns a netpoll.Writer that builds the stream's next
 // message in shared memory; Flush sends it.
 //
-// It shares the message being built with BufferWriter and Write. WriteDirect
-// leaves work for Flush that this Writer keeps: finish a message in which
-// WriteDirect was used with this Writer's Flush, not Stream.Flush or
-// another Writer. Simplest is to keep one Writer per stream.
+// It shares the message being built with BufferWriter and Write. A message
+// in which WriteDirect was used must be finished with this Writer's Flush,
+// which does what WriteDirect left, not Stream.Flush or another Writer:
+// keep one Writer per stream.
 //
 // Like BufferWriter, the Writer is not safe for concurrent use, nor
 // together with Write on the same stream.
@@ -24,9 +24,8 @@ func (st *Stream) NetpollWriter() netpoll.Writer { return &netpollWriter{st: st}
 // netpollWriter is the netpoll.Writer of a stream.
 type netpollWriter struct {
 	st *Stream
-	// moves are copies WriteDirect left for Flush, in message order: the
-	// bytes the caller may still write through slices from Malloc, which
-	// must follow the inserted bytes in the message.
+	// moves are copies WriteDirect left for Flush, in message order: bytes
+	// the caller may still write through slices from Malloc.
 	moves []netpollMove
 	srcs  [][]byte // scratch for WriteDirect
 }
@@ -91,11 +90,11 @@ func (w *netpollWriter) WriteByte(c byte) error { return (*bufferWriter)(w.st).W
 // the message holds buf[:nA], then p, then buf[nA:], and the caller may go
 // on filling all of buf until Flush.
 //
-// Shared memory cannot take an inserted slice of private memory, so p is
-// copied into the message at once. The last remainCap bytes are moved
-// behind it at Flush, so that what the caller writes into them until then
-// is sent: they cost a second copy, and until Flush the message holds
-// shared memory for them twice. Flush with this Writer.
+// p is copied into the message at once (shared memory cannot take a slice
+// of private memory), and the last remainCap bytes are moved behind it at
+// Flush, so that what the caller writes into them until then is sent: they
+// cost a second copy and, until Flush, twice their shared memory. Flush
+// with this Writer.
 func (w *netpollWriter) WriteDirect(p []byte, remainCap int) (err error) {
 	st := w.st
 	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
@@ -255,8 +254,7 @@ func (w *netpollWriter) appendWriter(o *netpollWriter) (err error) {
 	if a == b {
 		return fmt.Errorf("%w: Append of a stream's writer to itself", ErrNotSupported)
 	}
-	// A fault in the other session's region is blamed on this one's: it
-	// cannot tell which region faulted.
+	// A fault in the other session's region is blamed on this one's.
 	defer a.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
 	// Lock both streams' writers in a fixed order.
 	first, second := a, b
@@ -297,11 +295,7 @@ func (w *netpollWriter) Flush() (err error) {
 			return err
 		}
 	}
-	if err := st.writer.dropEmpty(); err != nil {
-		w.discardLocked()
-		return err
-	}
-	return st.flushLocked()
+	return st.flushLocked() // sendShm drops the empty segments WriteDirect leaves
 }
 
 // MallocLen is the number of bytes in the message so far.

@@ -52,17 +52,13 @@ type BufferReader interface {
 // segs[:done] have been read completely but not released; segs[done:] hold
 // unread data, of which the first pos bytes of segs[done] have been read.
 type streamReader struct {
-	st     *Stream
-	segs   []segment
-	done   int
-	pos    int
-	unread int
-	// consumed counts the bytes read from the stream so far, including
-	// those the peer's writer copied straight into a Read's buffer.
-	consumed uint64
-	// inPlace: a read handed out slices of the segments in place (contiguous)
-	// since the last release.
-	inPlace bool
+	st       *Stream
+	segs     []segment
+	done     int
+	pos      int
+	unread   int
+	consumed uint64 // bytes read from the stream so far
+	inPlace  bool   // a read handed out slices in place (contiguous) since the last release
 	// arena holds copies of reads that span segments. Its bytes stay valid
 	// until the next release, so it is only reset then; a read that does not
 	// fit gets a new, larger arena and leaves the old one to its users.
@@ -88,10 +84,9 @@ func (r *streamReader) append(segs []segment) {
 }
 
 // holdsShared reports whether the application may hold slices of the
-// buffer region that it was handed in place (ReadBytes, Peek, the netpoll
-// reader) and has not released. Data read by copying (Read) and data not
-// read yet do not count: whoever reads the stream will copy and free them,
-// as gRPC's reader goroutine does while another goroutine writes.
+// buffer region handed to it in place (ReadBytes, Peek, the netpoll reader)
+// and not released. Data read by copying (Read) or not read yet does not
+// count: the stream's reader will copy and free it.
 func (r *streamReader) holdsShared() bool {
 	if !r.inPlace {
 		return false
@@ -111,9 +106,8 @@ func (r *streamReader) appendHeap(data []byte) {
 	r.st.s.fallbackHeld.Add(int64(len(data)))
 }
 
-// freeHeap accounts for released private segments among segs, and lets a
-// receive loop waiting for room for fallback data (waitFallbackRoom) look
-// again.
+// freeHeap accounts for released private segments among segs, and wakes a
+// receive loop waiting for room for fallback data (waitFallbackRoom).
 func (r *streamReader) freeHeap(segs []segment) {
 	n := 0
 	for _, seg := range segs {
@@ -173,19 +167,17 @@ func (r *streamReader) advance(n int) {
 	}
 }
 
-// release frees the segments read completely. It returns the first error from
-// the buffer region, which means the peer corrupted it. It runs inside an
-// access, as do releaseAll, copyOut and copyNext.
+// release frees the segments read completely; an error means the peer
+// corrupted the buffer region. It runs inside an access, as do releaseAll,
+// copyOut and copyNext.
 func (r *streamReader) release() error {
 	r.arena = r.arena[:0]
 	r.inPlace = false // slices handed out earlier are invalid from here
 	if r.done == 0 {
 		return nil
 	}
-	// Forgotten when deferred, so also when a fault in a free unwinds from
-	// here: a later release must not free the same segments again (into
-	// a list of the region that faulted, where two writers would get the
-	// same slice).
+	// Forgotten even when a fault unwinds from a free: freeing them again
+	// could hand one slice to two writers.
 	defer r.forgetDone()
 	r.freeHeap(r.segs[:r.done])
 	return r.st.freeReceived(r.segs[:r.done])
@@ -199,8 +191,8 @@ func (r *streamReader) forgetDone() {
 	r.done = 0
 }
 
-// releaseAll frees every segment, read or not. They are forgotten even
-// when a fault cuts the frees short, as in release.
+// releaseAll frees every segment, read or not, forgetting them as release
+// does.
 func (r *streamReader) releaseAll() error {
 	r.arena = r.arena[:0]
 	defer r.forgetAll()

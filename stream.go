@@ -37,27 +37,19 @@ type Stream struct {
 	peerClosed bool  // the peer closed its side
 	failErr    error // why this side ended the stream (fail), nil if it did not
 	waiting    bool  // a reader waits for data and counts in its session's waiting
-	// peerGone: the stream is in its session's table and counted in the
-	// session's peerGone (the peer closed it). Guarded by the session's mu.
-	peerGone bool
+	peerGone   bool  // in the session's table and counted in its peerGone; guarded by the session's mu
 
-	// For SessionManager.PutBack (poolable): replyOwed is set as a message
-	// is sent and cleared as a read returns bytes; readFailed is set by a
-	// read that failed (a deadline, a close), and never cleared.
-	reuse atomic.Uint32
+	reuse atomic.Uint32 // replyOwed and readFailed, for SessionManager.PutBack (poolable)
 
-	wmu    handoverMutex // serialises writers, Flush and Close
-	writer streamWriter
-	// partSent is how much of the message being written the peer may
-	// read although the send failed: fallback frames, or all on the queue.
-	partSent int
-	// The writer's, for waiting for room (send.go, space_queue.go).
-	spaceCh    chan struct{}
+	wmu        handoverMutex // serialises writers, Flush and Close
+	writer     streamWriter
+	partSent   int           // of a failed send, what the peer may read: whole fallback frames, or all if queued
+	spaceCh    chan struct{} // the writer's, for waiting for room (send.go, space_queue.go)
 	spaceTimer *time.Timer
 	wDeadline  atomic.Pointer[time.Time]
 
 	writeClosed  atomic.Bool   // writes fail: closed here or by the peer
-	closeOwed    atomic.Uint32 // Close left its writer's part to the goroutine holding wmu (finishClose): closeSilent or closeTell
+	closeOwed    atomic.Uint32 // closeSilent or closeTell: Close left its writer's part to wmu's holder (finishClose)
 	fallback     atomic.Bool   // once set, every message goes as FallbackData
 	life         atomic.Uint32 // lifeEnded, lifeDropped
 	heldFallback atomic.Int64  // received fallback bytes not yet released
@@ -69,7 +61,7 @@ var _ net.Conn = (*Stream)(nil)
 // The bits of Stream.reuse.
 const (
 	replyOwed  = 1 << iota // sent since a read last returned bytes
-	readFailed             // a read has failed
+	readFailed             // a read has failed (a deadline, a close); never cleared
 )
 
 // The bits of Stream.life.
@@ -135,13 +127,10 @@ func (st *Stream) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// waitReadable blocks until n bytes are unread. It is called and returns
-// with st.mu held, which it does not hold while it waits.
-//
-// Several goroutines may wait on one stream, and a wake-up goes to one of
-// them: one that returns with an error (the stream or session closed, the
-// data ended, the deadline passed) passes it on, as the same cause ends
-// the others' waits.
+// waitReadable blocks until n bytes are unread; st.mu is held, except
+// while it waits. A wake-up goes to one of the goroutines waiting on the
+// stream, so one that returns an error passes the wake-up on: the same
+// cause ends the others' waits.
 func (st *Stream) waitReadable(n int) error {
 	err := st.awaitReadable(n)
 	st.uncountWaiting()
@@ -171,9 +160,8 @@ func (st *Stream) closedErr() error {
 }
 
 // awaitReadable is waitReadable without passing an error on. The reader
-// waits on its stream alone: the session's receive loop delivers its data
-// and signals readNotify (deliver), as it does for a close, the end of the
-// session, and a change of deadline.
+// waits on readNotify alone, which data (deliver), closes, the session's
+// end and deadline changes signal.
 func (st *Stream) awaitReadable(n int) error {
 	r := &st.reader
 	if n <= 0 {
@@ -210,9 +198,9 @@ func (st *Stream) awaitReadable(n int) error {
 	return nil
 }
 
-// countWaiting counts the stream's reader, about to wait, in its session's
-// waiting readers, and tells a receive loop that waits for one
-// (Session.awaitReader). st.mu is held.
+// countWaiting counts the reader, about to wait, in its session's waiting
+// readers, and wakes a receive loop waiting for one (Session.awaitReader).
+// st.mu is held.
 func (st *Stream) countWaiting() {
 	if !st.waiting {
 		st.waiting = true
@@ -233,8 +221,8 @@ func (st *Stream) uncountWaiting() {
 	}
 }
 
-// holdsReceived reports whether the stream's reader holds received slices
-// of the buffer region that it read in place and has not released.
+// holdsReceived reports whether the reader holds slices of the buffer
+// region it read in place and has not released.
 func (st *Stream) holdsReceived() bool {
 	st.mu.Lock()
 	defer st.mu.Unlock()
@@ -277,12 +265,11 @@ func (st *Stream) takesData() bool {
 	return !st.closed && !st.peerClosed && st.failErr == nil && !st.isEnded()
 }
 
-// fail ends the stream for a reason of this side's, err (a bound its
-// reader let pass, serveStalled): what it received and has not handed out
-// goes back, the peer is told the stream is closed, and reads and writes
-// return err. The stream
-// stays in its session's table until Close. It runs inside an access, on
-// the receive loop.
+// fail ends the stream for a reason of this side's, err (serveStalled):
+// what it received and has not handed out goes back, the peer is told the
+// stream is closed, and reads and writes return err. The stream stays in
+// its session's table until Close. It runs inside an access, on the
+// receive loop.
 func (st *Stream) fail(err error) {
 	st.mu.Lock()
 	if st.closed || st.failErr != nil {
@@ -292,7 +279,7 @@ func (st *Stream) fail(err error) {
 	st.failErr = err
 	tell := !st.peerClosed
 	var rerr error
-	if !st.reader.exposed() { // what the application holds stays valid until it lets go
+	if !st.reader.exposed() { // what the application holds stays valid
 		rerr = st.reader.releaseAll()
 	}
 	st.mu.Unlock()
@@ -349,23 +336,20 @@ func (st *Stream) SetReadDeadline(t time.Time) error {
 
 // SetWriteDeadline sets the time after which writes and flushes fail with a
 // timeout error, including one waiting for space in the IO queue or the
-// buffer region, and one sending fallback data over the socket. A zero time
-// means no deadline; a write then waits for at most WriteSpaceTimeout for
-// space and ConnectionWriteTimeout for the socket. Like every net.Conn
-// deadline it applies to writes already blocked: one waiting for space
-// looks at the deadline as it is before each pause (at most a millisecond
-// apart), so moving the deadline later or clearing it lets it wait on, and
-// moving it earlier ends its wait then. A fallback frame being written to
-// the socket keeps the deadline it started with; the next frame takes the
-// current one.
+// buffer region, or sending fallback data over the socket. A zero time
+// means no deadline: a write then waits at most WriteSpaceTimeout for space
+// and ConnectionWriteTimeout for the socket. As for every net.Conn, it
+// applies to writes already blocked: one waiting for space looks at the
+// deadline before each pause (at most a millisecond apart). A fallback
+// frame being written keeps the deadline it started with.
 //
 // Fallback data (see Config.FallbackWhenFull) goes over the socket in
 // frames. A deadline that passes before a frame starts fails the write and
-// leaves the session usable; frames already sent stay sent, so a message
-// sent in several frames may arrive in part. A deadline that passes in the
-// middle of a frame leaves the socket unusable, since the peer can no longer
-// find where frames start: the write fails with a timeout error and the
-// session ends (its error says the frame was cut short).
+// leaves the session usable; frames already sent stay sent, so the message
+// may arrive in part. One that passes in the middle of a frame ends the
+// session, since the peer can no longer find where frames start: the write
+// fails with a timeout error, and the session's error says the frame was
+// cut short.
 func (st *Stream) SetWriteDeadline(t time.Time) error {
 	st.wDeadline.Store(&t)
 	return nil

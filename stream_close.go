@@ -1,18 +1,14 @@
 package shmipc
 
-// Closing a stream, by its Close or its session's end, and letting go of
-// the regions it holds references on.
-
 // Close closes the stream in both directions. If the peer had not closed
 // it, the peer is told (docs/protocol.md §9.4). Slices returned by reads and
 // Reserve become invalid. Close is idempotent.
 //
-// Close does not wait for a Write, Flush or netpoll write in progress on the
-// stream: that call fails with ErrStreamClosed at its next step, and it
-// discards its message, tells the peer and lets go of the region as it
-// returns. A fallback frame it is writing cannot be cut short without
-// making the session's connection unusable, so the frame goes out whole
-// and the peer is told after it; the rest of the message is not sent.
+// Close does not wait for a write in progress on the stream: that call
+// fails with ErrStreamClosed at its next step, and discards its message,
+// tells the peer and lets go of the region as it returns. A fallback frame
+// being written goes out whole (cutting it would break the connection) and
+// the peer is told after it; the rest of the message is not sent.
 func (st *Stream) Close() error {
 	first, tellPeer, err := st.closeReader()
 	if !first {
@@ -31,8 +27,7 @@ func (st *Stream) Close() error {
 	return err
 }
 
-// What Close left to do (Stream.closeOwed): the writer's part, which tells
-// the peer or not.
+// What Close left to its writer's part (Stream.closeOwed).
 const (
 	closeSilent = 1
 	closeTell   = 2
@@ -56,10 +51,9 @@ func (st *Stream) finishClose() error {
 		}
 		err := st.s.access(st.writer.discard)
 		st.wmu.Unlock()
-		// The close goes out before the stream leaves the table: a
-		// client's OpenStream counts the streams in it against
-		// Config.MaxStreams, and the stream it opens next must not reach
-		// the server before this close does.
+		// The close goes out before the stream leaves the table, which
+		// OpenStream counts against Config.MaxStreams: the next stream
+		// opened must not reach the server before this close.
 		if tell {
 			_ = st.s.access(func() error {
 				st.s.sendStreamClose(st.id, st.fallback.Load())
@@ -88,8 +82,7 @@ func (st *Stream) closeReader() (first, tellPeer bool, err error) {
 
 // sessionEnded is called for each stream when its session ends. Unread data
 // stays readable unless the session was closed locally. The stream lets go
-// of the mapping as soon as it holds nothing of it (letGo); while it holds
-// data still unread or handed out, Close does it.
+// of the mapping now if it holds nothing of it (letGo), else at Close.
 func (st *Stream) sessionEnded(local bool) {
 	st.releaseUnexposed(local)
 	st.writeClosed.Store(true)
@@ -97,11 +90,11 @@ func (st *Stream) sessionEnded(local bool) {
 	st.letGo()
 }
 
-// letGo drops the stream's reference on the buffer region if its session
-// has ended and it holds nothing of the region: no received data and no
-// unsent message. A writer busy meanwhile does it when it is done
-// (unlockWriter), so that a stream whose last Write overlapped the end of
-// its session does not keep the region mapped until Close.
+// letGo drops the stream's references on the regions if its session has
+// ended and it holds nothing of them: no received data and no unsent
+// message. A writer busy meanwhile does it when done (unlockWriter), so
+// that a Write overlapping the session's end does not keep the region
+// mapped until Close.
 func (st *Stream) letGo() {
 	if st.life.Load()&lifeDropped != 0 || !st.isEnded() {
 		return
@@ -123,11 +116,10 @@ func (st *Stream) letGo() {
 // lockWriter serialises writers, Flush and Close.
 func (st *Stream) lockWriter() { st.wmu.Lock() }
 
-// unlockWriter ends what lockWriter began, and does what was left to the
-// writer meanwhile (handoverMutex): the rest of a Close, and, if the
-// session ended, dropping the stream's reference (letGo). The session
-// marks the stream ended before it tries the lock, and the writer unlocks
-// before it looks at the mark, so one of the two sees the other.
+// unlockWriter unlocks and does what was left to the writer meanwhile
+// (handoverMutex): the rest of a Close, and letGo if the session ended.
+// The session marks the stream ended before it tries the lock, and the
+// writer unlocks before it looks at the mark, so one sees the other.
 func (st *Stream) unlockWriter() {
 	st.wmu.Unlock()
 	if st.closeOwed.Load() != 0 {

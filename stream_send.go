@@ -5,18 +5,14 @@ import (
 	"time"
 )
 
-// Sending on a stream: Write and Flush, a message published on the IO
-// queue, or sent over the socket as fallback data.
-
 // Write writes p as one message and flushes it. On error n counts the
-// bytes of p the peer may read: a message going over the socket in
-// fallback frames (one larger than the buffer region can give) can be cut
-// short by Close, the write deadline or a failed socket write after some
-// of its frames went out. A message that reached the IO queue counts as
-// written even if the wake-up after it failed: with the peer's connection
-// closed just then, Write returns len(p) and nil (as with bytes in a
-// socket buffer, it may or may not have read it; the writes after it fail
-// with an error wrapping ErrPeerClosed), otherwise len(p) and the error.
+// bytes of p the peer may read: a message sent in fallback frames can be
+// cut short by Close, the write deadline or a failed socket write after
+// some frames went out. A message that reached the IO queue counts as
+// written even if the wake-up after it failed: if the peer's connection
+// closed just then, Write returns len(p) and nil (the peer may have read
+// it, as bytes in a socket buffer; later writes fail with an error
+// wrapping ErrPeerClosed), otherwise len(p) and the error.
 func (st *Stream) Write(p []byte) (int, error) {
 	st.lockWriter()
 	defer st.unlockWriter()
@@ -37,7 +33,6 @@ func (st *Stream) Write(p []byte) (int, error) {
 		return err
 	})
 	if err != nil {
-		// What went out: frames written whole, or the message on the queue.
 		return min(max(st.partSent-before, 0), len(p)), err
 	}
 	return len(p), nil
@@ -70,7 +65,7 @@ func (st *Stream) flushLocked() error {
 		if err := w.discard(); err != nil {
 			return err
 		}
-		return w.usable() // nothing to send, but not on a closed stream either
+		return w.usable() // nothing to send, but a closed stream still fails
 	}
 	raceReleaseIO()
 	st.reuse.Or(replyOwed)
@@ -92,19 +87,7 @@ func (st *Stream) flushLocked() error {
 // queue, retrying while the queue is full (PROTOCOL.md §5.6).
 func (st *Stream) sendShm() error {
 	s, w := st.s, &st.writer
-	// Drop empty slices first, so that a failure below frees each slice once.
-	kept := w.segs[:0]
-	var empty []segment
-	for _, seg := range w.segs {
-		if seg.n == 0 {
-			empty = append(empty, seg)
-		} else {
-			kept = append(kept, seg)
-		}
-	}
-	clear(w.segs[len(kept):])
-	w.segs = kept
-	if err := s.freeSegments(empty); err != nil {
+	if err := w.dropEmpty(); err != nil {
 		_ = w.discard()
 		return err
 	}
@@ -124,10 +107,9 @@ func (st *Stream) sendShm() error {
 	st.partSent = w.size // on the queue: the peer may read it, whatever err says (Write)
 	w.reset()
 	if errors.Is(err, ErrPeerClosed) {
-		// The message is on the queue; only the wake-up after it found
-		// the peer's socket closed. A peer that polls its queue may well
-		// have read it before it closed, so the message counts as sent,
-		// as bytes in a socket buffer do; the next write fails (sendable).
+		// Only the wake-up found the peer's socket closed: a peer polling
+		// its queue may have read the message, so it counts as sent (see
+		// Write); the next write fails (sendable).
 		return nil
 	}
 	return err
@@ -162,6 +144,12 @@ func (st *Stream) sendFallback() error {
 	var frame [][]byte
 	size, sent := 0, 0
 	var err error
+	send := func() {
+		if err = s.sendFallbackFrame(st.id, frame, deadline()); err == nil {
+			sent += size
+		}
+		frame, size = frame[:0], 0
+	}
 	for i := 0; i < len(w.segs) && err == nil; i++ {
 		data := w.segs[i].data[:w.segs[i].n]
 		for len(data) > 0 && err == nil {
@@ -170,10 +158,7 @@ func (st *Stream) sendFallback() error {
 			size += c
 			data = data[c:]
 			if size == limit {
-				if err = s.sendFallbackFrame(st.id, frame, deadline()); err == nil {
-					sent += size
-				}
-				frame, size = frame[:0], 0
+				send()
 				if err == nil && st.writeClosed.Load() {
 					err = st.writeClosedErr() // closed meanwhile: the rest is not sent
 				}
@@ -181,17 +166,12 @@ func (st *Stream) sendFallback() error {
 		}
 	}
 	if err == nil && size > 0 {
-		if err = s.sendFallbackFrame(st.id, frame, deadline()); err == nil {
-			sent += size
-		}
+		send()
 	}
-	if sent > 0 {
-		c := s.counters.of(st.id)
-		c.bytesOut.Add(uint64(sent))
-		c.fallbackBytesOut.Add(uint64(sent))
-	}
+	c := s.counters.of(st.id)
+	c.bytesOut.Add(uint64(sent))
+	c.fallbackBytesOut.Add(uint64(sent))
 	if err == nil {
-		c := s.counters.of(st.id)
 		c.messagesOut.Add(1)
 		c.fallbackMessagesOut.Add(1)
 	} else {

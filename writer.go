@@ -56,12 +56,10 @@ func (w *streamWriter) last() *segment {
 	return &w.segs[len(w.segs)-1]
 }
 
-// neverFits reports whether want more bytes cannot be had from shared
-// memory however long the writer waits: one contiguous piece larger than any
-// slice that can be handed out, a message that would take more than half
-// of what the region can hand out, or one larger than any slice that would
-// take more than half of what the region can hand out to it in pieces
-// (splitCapacity).
+// neverFits reports whether want more bytes can never come from shared
+// memory: a contiguous piece larger than any slice, a message over half of
+// what the region can hand out, or one larger than any slice and over half
+// of what the region can hand out in pieces (splitCapacity).
 func (w *streamWriter) neverFits(want int, contiguous bool) bool {
 	buf := w.st.s.buf
 	size := uint64(w.size + want)
@@ -89,11 +87,10 @@ func (w *streamWriter) usable() error {
 }
 
 // MaxReserve is the most bytes one BufferWriter.Reserve (or netpoll
-// Malloc) hands out: 1 TiB, more than any machine this runs on holds, and
-// far below what makes make([]byte, n) panic. A count beyond it, such as
-// a length prefix read from a corrupt message, gets an error that wraps
-// ErrLimitExceeded. A count that fits it but not in memory fails as
-// make([]byte, n) does.
+// Malloc) hands out: 1 TiB, more than any machine holds and far below what
+// makes make([]byte, n) panic. A count beyond it, such as a length prefix
+// read from a corrupt message, gets an error that wraps ErrLimitExceeded;
+// one that fits it but not in memory fails as make([]byte, n) does.
 const MaxReserve = 1 << 40
 
 // reserve returns n contiguous bytes at the end of the message.
@@ -125,9 +122,9 @@ func (w *streamWriter) reserve(n int) ([]byte, error) {
 
 // commitPages writes a zero to every page of p, a piece of a slice about to
 // be handed to the application. Regions are sparse, and a page that cannot
-// be committed (a full tmpfs) faults on its first write: here that happens
-// inside the caller's access and becomes an error, instead of a crash in
-// application code. On committed pages it costs one store per page.
+// be committed (a full tmpfs) faults on its first write: here, inside the
+// caller's access, that becomes an error instead of a crash in application
+// code.
 func commitPages(p []byte) {
 	if len(p) == 0 {
 		return
@@ -287,27 +284,22 @@ func (w *streamWriter) freeFrom(i int) error {
 }
 
 // dropEmpty frees the segments that send nothing, which WriteDirect and
-// Reserve(0) leave, so that only segments with data are linked.
+// Reserve(0) leave, so that only segments with data are linked. They leave
+// the message before they are freed, so that a fault cutting the frees
+// short frees none twice.
 func (w *streamWriter) dropEmpty() error {
-	k := 0
-	var err error
-	for i := range w.segs {
-		seg := w.segs[i]
+	kept := w.segs[:0]
+	var empty []segment
+	for _, seg := range w.segs {
 		if seg.n == 0 {
-			if e := w.st.s.freeSegments(w.segs[i : i+1]); err == nil {
-				err = e
-			}
-			continue
+			empty = append(empty, seg)
+		} else {
+			kept = append(kept, seg)
 		}
-		w.segs[k] = seg
-		k++
 	}
-	if k == len(w.segs) {
-		return err
-	}
-	clear(w.segs[k:])
-	w.segs = w.segs[:k]
-	return err
+	clear(w.segs[len(kept):])
+	w.segs = kept
+	return w.st.s.freeSegments(empty)
 }
 
 // extend adds n bytes to the message without writing them.
@@ -333,45 +325,32 @@ func (w *streamWriter) extend(n int) error {
 // bufferWriter is the BufferWriter of a stream.
 type bufferWriter Stream
 
-func (b *bufferWriter) Reserve(n int) (p []byte, err error) {
+// locked runs f on the stream's writer, holding its lock, in an access.
+func (b *bufferWriter) locked(f func(w *streamWriter) error) error {
 	st := (*Stream)(b)
 	st.lockWriter()
 	defer st.unlockWriter()
-	err = st.s.access(func() (err error) {
-		p, err = st.writer.reserve(n)
-		return err
-	})
+	return st.s.access(func() error { return f(&st.writer) })
+}
+
+func (b *bufferWriter) Reserve(n int) (p []byte, err error) {
+	err = b.locked(func(w *streamWriter) (err error) { p, err = w.reserve(n); return err })
 	return p, err
 }
 
 func (b *bufferWriter) WriteBytes(p []byte) (n int, err error) {
-	st := (*Stream)(b)
-	st.lockWriter()
-	defer st.unlockWriter()
-	err = st.s.access(func() (err error) {
-		n, err = writeTo(&st.writer, p)
-		return err
-	})
+	err = b.locked(func(w *streamWriter) (err error) { n, err = writeTo(w, p); return err })
 	return n, err
 }
 
 func (b *bufferWriter) WriteString(s string) (n int, err error) {
-	st := (*Stream)(b)
-	st.lockWriter()
-	defer st.unlockWriter()
-	err = st.s.access(func() (err error) {
-		n, err = writeTo(&st.writer, s)
-		return err
-	})
+	err = b.locked(func(w *streamWriter) (err error) { n, err = writeTo(w, s); return err })
 	return n, err
 }
 
 func (b *bufferWriter) WriteByte(c byte) error {
-	st := (*Stream)(b)
-	st.lockWriter()
-	defer st.unlockWriter()
-	return st.s.access(func() error {
-		p, err := st.writer.reserve(1)
+	return b.locked(func(w *streamWriter) error {
+		p, err := w.reserve(1)
 		if err == nil {
 			p[0] = c
 		}
@@ -391,9 +370,8 @@ const copyChunk = 256 << 10
 
 // copyCached is copy, in pieces smaller than a MiB. From a MiB on, the
 // runtime's copy on amd64 writes around the caches (non-temporal stores),
-// which suits a copy nobody reads soon; a message in shared memory is read
-// by the peer right away, and what a reader copies out is read by its
-// caller.
+// while what is copied here is read right away: by the peer, or by the
+// reader's caller.
 func copyCached[T string | []byte](dst []byte, src T) int {
 	n := min(len(dst), len(src))
 	for off := 0; off < n; off += copyChunk {
