@@ -8,59 +8,42 @@ import (
 
 // Circulation control: committed memory that follows the bytes in flight.
 //
-// The free lists are FIFO queues (PROTOCOL.md §4.8, §4.9): a pop takes the
-// head, a push appends at the tail. Under steady traffic every slice of a
-// class therefore takes its turn, and each one used has its data pages
-// committed, even when only a few messages are in flight at any moment: a
-// class is all committed after one pass through it.
+// The free lists are FIFO queues (PROTOCOL.md §4.8, §4.9), so under steady
+// traffic every slice of a class takes its turn and has its data pages
+// committed, even when only a few messages are in flight.
 //
-// So the process that created a region watches each of its lists every
-// circulationPeriod and keeps the slices that cycle close to what traffic
-// needs. It tracks the most slices of each list in flight, count − parked
-// − free, both counts taken at the same moment: its own pops and pushes
-// note the free count they leave, an allocation that finds the list dry
-// notes it too, and every look samples it. (Taking the lowest free count
-// instead, against the parked count at the look, overstates the peak
-// whenever slices were unparked in between, and the surplus parked at the
-// next look is unparked again at once: a churn of punched pages.)
-// Over the last circulationWindow looks the largest of these is the peak.
-// A busy list keeps peak + spare slices in circulation, where spare is the
-// larger of minSpare slices, spareBytes of data, and a quarter of the peak;
-// the other slices are parked: popped like any writer pops, their data
-// pages punched (giveback.go), and kept in this process. Nobody can write a
-// parked slice (it is off the list and in no message), so its pages stay
-// given back until it is handed out again.
+// So the process that created a region looks at each of its lists every
+// circulationPeriod. It tracks the most slices of each list in flight,
+// count − parked − free, both counts taken at the same moment (by its own
+// pops and pushes, an allocation that finds the list dry, and each look);
+// over the last circulationWindow looks the largest is the peak. A busy list
+// keeps peak + spare slices in circulation, spare being the larger of
+// minSpare slices, spareBytes of data and a quarter of the peak; the others
+// are parked: popped, their data pages punched (giveback.go), and kept in
+// this process, where nobody can write them.
 //
 // Parked slices go back as soon as they may be needed:
 //   - this process's own allocation takes a parked slice when the list has
 //     none to spare (bufferManager.take), and refills the list;
-//   - when a pop or push of this process, or a look, finds the list's free
-//     count below half the spare (at least 2: one slice that can be popped),
-//     parked slices are pushed until the list holds spare slices again. The
-//     receiver frees what it received, so the pops of the peer are seen by
-//     this process's pushes soon after they happen, and by the next look at
-//     the latest: a peer that finds a list short (and waits, or sends
-//     fallback data) does so for at most one period;
+//   - when a pop or push of this process, or a look, finds the free count
+//     below half the spare (at least 2), parked slices are pushed until the
+//     list holds its spare again. The peer's pops are seen by this
+//     process's pushes of what it received, or by the next look at the
+//     latest: a peer finds a list short for at most one period;
 //   - when the last session using the region ends, every parked slice is
 //     pushed back before its connection closes (the peer may check that its
-//     lists are full), and no slice is parked for parkHold after that;
-//     sessions that end while others go on leave the parked slices to
-//     those, as they belong to the region, not to a session;
+//     lists are full), and none is parked for parkHold after that;
 //   - when a list has been quiet for giveBackPeriod, its parked slices go
-//     back (their pages are already given back) and the pages of the others
-//     are given back too (giveback.go): an idle region has full lists and
-//     only its slice headers committed;
+//     back and the pages of the others are given back too (giveback.go);
 //   - before the region is unmapped, whatever is still parked goes back.
 //
-// The bound, per class c of a busy region (data pages rounded to whole
-// pages): committed ≤ headers + Σ_c min(count_c, peak_c + spare_c) × slice
-// size_c, where peak_c is the most slices of class c in flight (held by
-// either process) at any moment of the last circulationWindow looks. It
-// holds from the first look after traffic changes: within one period the
-// FIFO order can touch every slice that is not parked.
+// The bound, per class c of a busy region: committed ≤ headers + Σ_c
+// min(count_c, peak_c + spare_c) × slice size_c. It holds from the first
+// look after traffic changes, since within one period the FIFO order can
+// touch every slice that is not parked.
 //
-// Parked slices count as free in Stats and freeCounts: they are free, and
-// this process hands them out on demand.
+// Parked slices count as free in Stats and freeCounts: this process hands
+// them out on demand.
 
 // circulationPeriod is how often a region's lists are looked at. A region
 // takes the value when it is created.
@@ -79,9 +62,8 @@ const (
 	parkHold = 250 * time.Millisecond
 )
 
-// circList is what the hot path reads and writes of a list's circulation:
-// on a cache line of its own, written only when a new most in flight is
-// seen, and when slices are parked or unparked.
+// circList is what the hot path reads and writes of a list's circulation,
+// on a cache line of its own.
 type circList struct {
 	high   atomic.Int32 // the most slices in flight seen since the last look
 	parked atomic.Int32 // how many are parked: len(circulation.parked[li])
@@ -157,10 +139,10 @@ func (c *circulation) observe(m *bufferManager, li int, left int32) error {
 	return nil
 }
 
-// noteInFlight records the slices of list li in flight when it holds free
-// slices: those neither free nor parked. The parked count is read at the
-// same moment, so that parking and refilling between two looks do not
-// distort the count.
+// noteInFlight records the slices of list li in flight, neither free nor
+// parked, when it holds free slices. The parked count is read at the same
+// moment, so that parking and refilling between two looks do not distort
+// the count.
 func (c *circulation) noteInFlight(m *bufferManager, li int, free int32) {
 	cl := &c.lists[li]
 	if n := int32(m.lists[li].count) - cl.parked.Load() - free; n > cl.high.Load() {
@@ -224,11 +206,10 @@ func (c *circulation) unparkOne(m *bufferManager, li int) (uint32, error) {
 // unparkList pushes every parked slice of list li back.
 func (c *circulation) unparkList(m *bufferManager, li int) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer c.mu.Unlock() // deferred: look runs inside quietly
 	c.unparkListLocked(m, li)
 }
 
-// unparkListLocked pushes every parked slice of list li back.
 func (c *circulation) unparkListLocked(m *bufferManager, li int) {
 	defer c.setFloorLocked(li)
 	p := c.parked[li]
@@ -252,10 +233,9 @@ func (m *bufferManager) sessionEnding() {
 	}
 }
 
-// unparkAll pushes every parked slice back and parks none for parkHold.
-// It runs when the last session using the region ends and before the
-// region is unmapped. A fault (a region shrunk under us) ends the work
-// quietly.
+// unparkAll pushes every parked slice back and parks none for parkHold,
+// when the last session using the region ends and before the region is
+// unmapped.
 func (m *bufferManager) unparkAll() {
 	c := m.circ
 	if c == nil {
@@ -273,9 +253,7 @@ func (m *bufferManager) unparkAll() {
 
 // look is one look at every list: it records the peak in flight, steers
 // busy lists, and gives the pages of lists quiet for giveBack back. It runs
-// inside quietly: a fault (a region shrunk or a page not committable) ends
-// the work, and the sessions using the region meet it in their own
-// accesses.
+// inside quietly.
 func (m *bufferManager) look(period, giveBack time.Duration) {
 	c := m.circ
 	c.pos = (c.pos + 1) % circulationWindow

@@ -8,33 +8,25 @@ import (
 
 // Giving memory back.
 //
-// A buffer region's pages are committed when first written and, left alone,
-// stay committed: a burst of large messages would pin the pages of every
-// slice it used for as long as the region lives. So the process that
-// created a region (the client, which holds its descriptor) watches it
-// (circulation.go), and when a list has been quiet for giveBackPeriod,
-// nothing popped or pushed by either process, it punches holes in the data
-// pages of its free slices (fallocate FALLOC_FL_PUNCH_HOLE). A slice is
-// taken off the free list while its pages go, as any writer would take it,
-// so no peer can be writing to it; slice headers are never punched. A slice
-// handed out again faults its pages back in, zero-filled, as writers fill
-// slices before they publish them.
-//
-// Nothing of this runs on the hot path: a busy list is not touched, and the
-// cost (a pop, a push and a fallocate per slice with committed data pages)
-// is paid once after traffic stops. While traffic goes on, circulation
-// control keeps the slices that cycle few (circulation.go).
+// A buffer region's pages stay committed once written: a burst of large
+// messages would pin the pages of every slice it used for as long as the
+// region lives. So the process that created a region (the client, which
+// holds its descriptor) watches it (circulation.go), and when a list has
+// been quiet for giveBackPeriod it punches holes in the data pages of its
+// free slices (fallocate FALLOC_FL_PUNCH_HOLE). Each slice is popped while
+// its pages go, so no peer can be writing to it; slice headers are never
+// punched. A slice handed out again faults its pages back in, zero-filled,
+// as writers fill slices before they publish them.
 
 // giveBackPeriod is how long a list must be quiet before the data pages of
 // its free slices are given back. A region takes the value when it is
 // created.
 var giveBackPeriod = time.Second
 
-// listSample is what a list's header said at one look: its free count,
-// head and tail, which move with every pop and push, and both processes'
-// counter words. A list that pops and pushes as much as it pushes between
-// two looks can show the same free count and counters at both; its head
-// and tail have moved, unless by exactly a multiple of the list's length.
+// listSample is what a list's header said at one look. A list that pops
+// as much as it pushes between two looks shows the same free count and
+// counters at both, but its head and tail have moved (unless by exactly a
+// multiple of the list's length).
 type listSample struct {
 	free, creator, mapper int32
 	head, tail            uint32
@@ -80,36 +72,34 @@ func hasResident(resident []byte, first, end int) bool {
 	return false
 }
 
-// giveBackList cycles once through list li's free slices if any of them has
-// data pages in memory, punching those. It reports whether it popped any.
-// The slice at the tail cannot be popped while it is the last one, so the
-// cycle makes as many pops as the list holds slices, not one fewer: by the
-// last pop, the slices pushed back behind it have brought it to the head.
-func (m *bufferManager) giveBackList(li int, resident []byte) bool {
+// giveBackList cycles once through list li's free slices, if any slice of
+// the list has data pages in memory, punching those. The slice at the tail
+// cannot be popped while it is the last one, so the cycle makes as many
+// pops as the list holds free slices, not one fewer: by the last pop, the
+// slices pushed back behind it have brought it to the head.
+func (m *bufferManager) giveBackList(li int, resident []byte) {
 	l := &m.lists[li]
+	inMemory := func(off uint32) bool {
+		first, end := m.dataPages(li, off)
+		return first < end && hasResident(resident, first, end)
+	}
 	found := false
-	for k := uint32(0); k < l.count; k++ {
-		off := l.area + k*l.stride
-		if first, end := m.dataPages(li, off); first < end && hasResident(resident, first, end) {
-			found = true
-			break
-		}
+	for k := uint32(0); k < l.count && !found; k++ {
+		found = inMemory(l.area + k*l.stride)
 	}
 	if !found {
-		return false
+		return
 	}
-	n := m.freeCount(li)
-	for range n {
+	for range m.freeCount(li) {
 		off, _, err := m.popList(li, 0)
 		if err != nil || off == 0 {
 			break
 		}
-		if first, end := m.dataPages(li, off); first < end && hasResident(resident, first, end) {
+		if inMemory(off) {
 			m.punch(li, off)
 		}
 		if _, err := m.pushList(li, off); err != nil {
 			break
 		}
 	}
-	return true
 }

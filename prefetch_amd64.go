@@ -2,6 +2,16 @@ package shmipc
 
 import "unsafe"
 
+// Prefetching a kept slice for the next message: the peer wrote the slice
+// (reuse.go) on another core, so each line the next message is copied into
+// is first fetched from there. Prefetching the lines for writing when the
+// slice is kept starts those transfers while the stream waits for its peer.
+
+// prefetchMax bounds how much of a slice is prefetched: a few times the
+// number of lines a core fetches at once, beyond which prefetches queue up
+// or are dropped.
+const prefetchMax = 16 << 10
+
 // prefetchLinesW asks the CPU to fetch the cache lines of the n bytes at p
 // for writing (PREFETCHW): owned by this core, other cores' copies
 // invalidated. It never faults, so it is safe on shared memory a peer may

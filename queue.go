@@ -40,10 +40,9 @@ type queueElem struct {
 	status uint32
 }
 
-// ioQueue is one half of a queue region. One process produces into it and
-// the other consumes from it. Each side keeps its own counter (the tail for
-// the producer, the head for the consumer) locally and only reads the other
-// side's counter from shared memory, checking it before use.
+// ioQueue is one half of a queue region, produced into by one process and
+// consumed by the other. Each side keeps its own counter locally and only
+// reads the other side's from shared memory, checking it before use.
 type ioQueue struct {
 	mem  []byte
 	cap  uint32
@@ -188,15 +187,9 @@ func (q *ioQueue) isEmpty() bool {
 	return shmLoadInt64(q.tail) == q.chead.Load()
 }
 
-// looksEmpty is isEmpty for a spinner, which calls it over and over while
-// it waits. It also reads the slot the next element will be written to:
-// the producer writes the element before the tail, and a spinner that only
-// read the tail would fetch the element's cache line from the producer's
-// core only after it saw the tail move, one transfer after the other. Read
-// in the same look, the two transfers overlap. A single stream's 64 B round
-// trip between two processes, p50, in the machine's slow state (a
-// cross-core transfer costing about 0.25 µs): 1.60 µs against 1.65 µs
-// (medians of 60 alternating runs); no change when transfers are cheap.
+// looksEmpty is isEmpty for a spinner. It also reads the slot the next
+// element will be written to, so that the element's cache line is fetched
+// from the producer's core along with the tail's rather than after it.
 func (q *ioQueue) looksEmpty() bool {
 	h := q.chead.Load()
 	_ = shmLoadUint32((*uint32)(unsafe.Pointer(&q.slot(h)[0])))
@@ -204,11 +197,10 @@ func (q *ioQueue) looksEmpty() bool {
 }
 
 // markWorking sets the working flag if it was clear. The producer sends a
-// wake-up only when this succeeds (PROTOCOL.md §5.5).
-//
-// The plain load first keeps the common case, a consumer that is already
-// awake, free of a write to the shared cache line. It is still ordered after
-// the producer's tail store: both are sequentially consistent.
+// wake-up only when this succeeds (PROTOCOL.md §5.5). The load first keeps
+// a consumer that is already awake free of a write to the shared line; it
+// is still ordered after the tail store, as both are sequentially
+// consistent.
 func (q *ioQueue) markWorking() bool {
 	return shmLoadUint32(q.flag) == 0 && shmCASUint32(q.flag, 0, 1)
 }

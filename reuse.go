@@ -106,7 +106,7 @@ func (st *Stream) freeReceived(segs []segment) error {
 		if !st.kept.CompareAndSwap(keptFreeFor(li), keptValue(li, seg.off)) {
 			break // the stream let go of the region meanwhile
 		}
-		prefetchForWrite(seg.data) // prefetch.go
+		prefetchForWrite(seg.data)
 		if err := s.freeSegments(segs[:i]); err != nil {
 			return err
 		}
