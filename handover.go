@@ -11,22 +11,16 @@ import (
 // wake-up owed to the peer (eventConn.pollOwed), the rest of a stream's
 // Close (Stream.closeOwed). A goroutine with such work sets its debt flag
 // (an atomic) and calls tryLockOrLeave; the holder looks at the flags after
-// unlock.
+// Unlock.
 //
 // Why the holders count: sync.Mutex.TryLock begins with a plain load of the
 // mutex state, which a weakly ordered CPU (arm64) may perform before the
-// debt flag's store is visible to the holder's core, so a failed TryLock
-// alone does not prove that the holder will see the debt. holders is
-// changed and read only with atomics, which Go keeps sequentially
-// consistent: if tryLockOrLeave sees a holder, that holder's decrement,
-// and its look at the flags after it, come later in that order than the
-// debt's store.
-//
-// On amd64 the count is left out (countHolders, handover_amd64.go): Go
-// compiles an atomic store there to XCHG, a full fence, so the plain load
-// that follows cannot pass the debt's store. The count's two atomic
-// additions per Lock and Unlock cost about 0.1 µs of a 1.6 µs round trip
-// of 64 B between two processes (three alternating pairs).
+// debt flag's store is visible to the holder's core. holders is changed
+// and read only with atomics, which Go keeps sequentially consistent: if
+// tryLockOrLeave sees a holder, that holder's decrement, and its look at
+// the flags after it, come later in that order than the debt's store. On
+// amd64 the count is left out (countHolders): an atomic store there is
+// XCHG, a full fence, so the plain load cannot pass it.
 type handoverMutex struct {
 	mu      sync.Mutex
 	holders atomic.Int32 // goroutines between Lock and Unlock (0 or 1), if countHolders

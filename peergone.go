@@ -8,18 +8,14 @@ import (
 )
 
 // A write on the connection can fail because the peer has gone (EPIPE,
-// ECONNRESET) while what it sent before it went is still to be read: frames
-// in this side's socket buffer and messages on the IO queue. Ended at once,
-// the session would drop them; a peer process killed right after writing,
-// answered by a reply of ours, lost data that way, and its streams ended
-// with the write's error instead of ErrPeerClosed. So such a failure only
-// stops this side's sending (sendable then returns the failure), and the
-// receive loop reads on to the end of the socket, drains the queue
-// (drainAtEnd) and ends the session with ErrPeerClosed, as for any peer
-// that closed its end. If the end of the socket has not come within
-// peerGoneGrace (a peer that shut down its reading side only, and keeps the
-// connection; or a receive loop that waits for a reader to take buffered
-// fallback data), the session ends with the write's error then.
+// ECONNRESET) while what it sent before it went is still to be read, in
+// this side's socket buffer and on the IO queue. So such a failure only
+// stops this side's sending (sendable), and the receive loop reads on to
+// the end of the socket, drains the queue and ends the session with
+// ErrPeerClosed, as for any peer that closed its end. If that end has not
+// come within peerGoneGrace (a peer that shut down only its reading side,
+// or a receive loop waiting for a reader to take fallback data), the
+// session ends with the write's error then.
 const peerGoneGrace = time.Second
 
 // sendable returns the error that sending on s must fail with: the

@@ -41,9 +41,8 @@ const (
 // LAST_ACK and CLOSING (the numbers of include/net/tcp_states.h).
 const tcpLiveStates = 1<<1 | 1<<4 | 1<<5 | 1<<8 | 1<<9 | 1<<11
 
-// diagSock is the process's sock_diag socket, opened on first use and kept:
-// a query runs only when a stream's close arrives on a TCP session, and the
-// lock keeps one request and its answer together.
+// diagSock is the process's sock_diag socket, opened on first use and kept;
+// the lock keeps one request and its answer together.
 var diagSock struct {
 	sync.Mutex
 	fd  int
@@ -73,21 +72,16 @@ func queryPeerSocket(local, remote *net.TCPAddr) (tcpWritten, error) {
 // first four bytes; a socket of the other family may hold the same
 // connection as IPv4-mapped IPv6.
 func diagAddrs(family uint8, src, dst net.IP) (s, d [16]byte, ok bool) {
+	form := net.IP.To16
 	if family == unix.AF_INET {
-		s4, d4 := src.To4(), dst.To4()
-		if s4 == nil || d4 == nil {
-			return s, d, false
-		}
-		copy(s[:], s4)
-		copy(d[:], d4)
-		return s, d, true
+		form = net.IP.To4
 	}
-	s16, d16 := src.To16(), dst.To16()
-	if s16 == nil || d16 == nil {
+	sf, df := form(src), form(dst)
+	if sf == nil || df == nil {
 		return s, d, false
 	}
-	copy(s[:], s16)
-	copy(d[:], d16)
+	copy(s[:], sf)
+	copy(d[:], df)
 	return s, d, true
 }
 

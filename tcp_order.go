@@ -10,53 +10,40 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Close ordering over TCP loopback.
+// Close ordering over TCP loopback (closeAfterSocket). Over TCP, bytes of
+// a write that has returned may still sit in the peer's send queue (this
+// side's window is full) or in the loopback path, so "read so far +
+// SIOCINQ" does not bound them. Instead the kernel is asked (sock_diag,
+// tcp_diag.go) how many bytes the peer's application has written in all,
+// tcpi_bytes_acked + idiag_wqueue, and the close applies once this side has
+// acted on that many. This side's count comes from its socket too:
+// tcpi_bytes_received − SIOCINQ is everything it has read, the handshake
+// included, and eventConn.read is the running phase's part of it.
 //
-// A peer sends a stream's last bytes as a FallbackData frame, waits until
-// its write returned, then publishes the stream's close element on the
-// queue; the close must not be applied before those bytes (closeAfterSocket).
-// Over a Unix socket a completed write is already in this side's receive
-// queue, so "read so far + SIOCINQ" bounds it. Over TCP it is not: a
-// written byte may still sit in the peer's send queue (this side's window
-// is full) or in the loopback path, and the close would overtake it.
-//
-// The rule over TCP: the kernel is asked (sock_diag, tcp_diag.go) how many
-// bytes the peer's application has written on its socket in all,
-// tcpi_bytes_acked + idiag_wqueue (acknowledged, plus written but not
-// acknowledged), and the close applies once this side has acted on that
-// many. This side's own count comes from its socket too: tcpi_bytes_received
-// − SIOCINQ is everything it has read, the handshake included, and
-// eventConn.read is the running phase's part of it.
-//
-// Three details of the counts, each checked by experiment (Linux 6.18) and
-// in the kernel's sources:
-//   - The connecting side's tcpi_bytes_acked counts its SYN, which takes a
-//     sequence number; the accepting side's does not. A sent FIN takes one
-//     in write_seq too, and a received one in tcpi_bytes_received. The
-//     target is therefore taken tcpCountSlack (2) bytes low, which puts it
-//     0 to 3 bytes below the exact one: the receive loop acts frame by frame
-//     and every frame is at least wire.HeaderSize (8) bytes, so a target up
-//     to 7 bytes low is reached by exactly the same frame as the exact one.
-//   - idiag_wqueue and tcp_info are filled in one call
-//     (tcp_diag_get_info), but wqueue is read without the socket lock that
-//     tcp_get_info takes: an acknowledgement processed in between makes the
-//     sum too large, never too small. Two consecutive answers that agree
-//     are exact; until then the smallest sum is a target that is safe but
-//     perhaps never reached, so it is looked at again whenever the receive
-//     loop has read everything the socket holds (settleTCPClose).
+// Three details of the counts, checked by experiment (Linux 6.18) and in
+// the kernel's sources:
+//   - The connecting side's tcpi_bytes_acked counts its SYN; the accepting
+//     side's does not. A sent FIN counts in write_seq, a received one in
+//     tcpi_bytes_received. The target is therefore taken tcpCountSlack (2)
+//     bytes low, 0 to 3 bytes below the exact one: every frame is at least
+//     wire.HeaderSize (8) bytes, so the same frame reaches both.
+//   - idiag_wqueue is read without the socket lock that tcp_info is read
+//     under: an acknowledgement in between makes the sum too large, never
+//     too small. Two consecutive answers that agree are exact; until then
+//     the smallest sum is a safe target that may never be reached, looked
+//     at again whenever the socket is drained (settleTCPClose).
 //   - This side's two counts come from two calls, and are used only when
 //     tcpi_bytes_received was the same before and after SIOCINQ.
 //
 // Without sock_diag (no NETLINK_SOCK_DIAG, the peer in another network
-// namespace, behind a proxy, or on another host) the exact rule is not
-// available, and closes follow the quiet rule, with a warning on the
-// session's logger: a close applies once everything received when it was
-// seen has been acted on and then no byte has arrived for tcpQuiet, at most
-// tcpQuietRounds times over. Bytes the peer's kernel still holds leave it
-// without the peer's process running once this side's window is open,
-// which it is when everything received has been read; tcpQuiet bounds how
-// late they may arrive. That bound is a choice, not a proof: that is why the
-// session says so.
+// namespace, behind a proxy, or on another host) closes follow the quiet
+// rule, with a warning on the session's logger: a close applies once
+// everything received when it was seen has been acted on and then no byte
+// has arrived for tcpQuiet, at most tcpQuietRounds times over. With
+// everything read, this side's window is open and the peer's kernel sends
+// what it holds without the peer's process running; tcpQuiet bounds how
+// late that may arrive. That bound is a choice, not a proof: hence the
+// warning.
 
 // Modes of a pending close.
 const (

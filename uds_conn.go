@@ -48,7 +48,7 @@ type eventConn struct {
 	wvec        net.Buffers // scratch for fallback writes; guarded by wmu
 	deadline    time.Time   // the write deadline set on conn (zero: none); guarded by wmu
 
-	// One non-blocking write (tryWrite); guarded by wmu.
+	// One non-blocking write (tryWriteErr); guarded by wmu.
 	wfn  func(fd uintptr) bool
 	wb   []byte
 	wn   int
@@ -63,17 +63,11 @@ type eventConn struct {
 
 // Frames go through the socket with raw system calls (readOnce, writeOnce)
 // rather than the net package's Read and Write: the socket is non-blocking,
-// so a read or write returns at once, and the runtime need not be told of
-// it. Told, it wakes its monitor thread whenever it went to sleep while
-// every processor was idle, which is the case each time a process that
-// waits for the peer is woken by a frame: a thread wake-up per frame.
-// Between two processes with spinning off (example/pingpong -spin 0, 64 B
-// and 4 KiB, three alternating pairs of runs), raw calls took the CPU per
-// round trip from 14–20 µs to 10–12.5 µs per side and p99 from 146–168 µs
-// to 125–142 µs; with two CPU hogs, the CPU from 10–14.5 µs to 7–9.5 µs.
-// Waiting for the socket to be readable or writable still goes through the
-// runtime's network poller (syscall.RawConn), with the connection's
-// deadlines.
+// so the runtime need not be told of a call, and told, it would wake its
+// monitor thread for nearly every frame of a process that waits for its
+// peer. Waiting for the socket to be readable or writable still goes
+// through the runtime's network poller (syscall.RawConn), with the
+// connection's deadlines.
 
 // readBufSize is the initial receive buffer: many wake-up frames per read.
 const readBufSize = 64 << 10
@@ -131,7 +125,7 @@ func (c *eventConn) disarmDeadline() {
 // only a write that would block arms the deadline (ConnectionWriteTimeout),
 // for as long as it takes.
 func (c *eventConn) writeLocked(b []byte) error {
-	n := c.tryWrite(b)
+	n, _ := c.tryWriteErr(b) // an error comes again from the blocking write
 	if n == len(b) {
 		return nil
 	}
@@ -143,14 +137,7 @@ func (c *eventConn) writeLocked(b []byte) error {
 	return err
 }
 
-// tryWrite makes one non-blocking write(2) of b and returns how much of it
-// went out (0 when the socket is full, or has no file descriptor).
-func (c *eventConn) tryWrite(b []byte) int {
-	n, _ := c.tryWriteErr(b)
-	return n
-}
-
-// writeOnce is tryWrite's callback: it never waits for the socket.
+// writeOnce is tryWriteErr's callback: it never waits for the socket.
 func (c *eventConn) writeOnce(fd uintptr) bool {
 	raceReleaseIO()
 	for {

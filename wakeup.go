@@ -16,20 +16,14 @@ import (
 //   - when another frame holds the socket, its writer writes the wake-up
 //     right after it (pollOwed, unlockW);
 //   - when the socket is full, a goroutine of its own writes the rest of
-//     the frame as room comes, holding the socket meanwhile as any frame's
-//     writer does (finishPolling), bounded by ConnectionWriteTimeout. The
-//     peer is not asleep then for want of bytes to read: it has a socket
-//     buffer's worth before the wake-up, and reads the wake-up after them.
-//
-// Before, the writer of a small message waited for the socket itself, up to
-// ConnectionWriteTimeout (10 s), whatever its own write deadline.
+//     the frame as room comes (finishPolling). The peer is not asleep then
+//     for want of bytes: it has a socket buffer's worth to read first.
 
 // writePolling sends a Polling frame, or leaves it to the writer of the
-// frame being written, if any: a wake-up never waits behind another frame,
-// which can take as long as ConnectionWriteTimeout (fallback data the peer
-// is slow to read). The frame goes out right after that one, which is as
-// early as it could go anyway, and one frame answers any number of
-// wake-ups owed meanwhile, as it follows every element they announce.
+// frame being written, which can take as long as ConnectionWriteTimeout.
+// The frame goes out right after that one, as early as it could anyway, and
+// one frame answers every wake-up owed meanwhile, as it follows every
+// element they announce.
 func (c *eventConn) writePolling(version uint8) error {
 	c.pollVersion.Store(uint32(version))
 	c.pollOwed.Store(true)
