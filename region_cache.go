@@ -6,19 +6,16 @@ import (
 )
 
 // serverBuffers caches the buffer regions servers in this process have
-// mapped, as the other implementations do: every session of one client
-// process names the same buffer region, and they share one mapping.
+// mapped: every session of one client process names the same buffer
+// region, and they share one mapping.
 //
-// The other implementations key the cache by path alone, so any client that
-// names a path gets the mapping cached under it. Here a cached mapping is
-// shared only with a session of the same peer process (same pid and uid
-// from SO_PEERCRED) that names the same path, and only if the new
+// Unlike the other implementations, which key the cache by path alone, a
+// cached mapping is shared only with a session of the same peer process
+// (pid and uid from SO_PEERCRED) that names the same path, and only if the
 // descriptor is the same file (device and inode). Everyone else maps the
-// file anew, after the ownership checks of openRegionFile; a file mapped
-// twice is fine, as both mappings see the same memory. A peer whose pid is
-// unknown (TCP) never shares. A pid is reused only once its process is gone,
-// and the uid and file checks still hold for the reuser, so a reused pid
-// gains nothing that its owner's uid could not open anyway.
+// file anew, after the ownership checks of openRegionFile. A peer whose pid
+// is unknown (TCP) never shares. A reused pid gains nothing, as the uid and
+// file checks still hold for it.
 var serverBuffers = struct {
 	sync.Mutex
 	m map[bufferKey]*bufferManager
@@ -54,11 +51,9 @@ func mapServerBuffer(path string, fd int, file bool, peer peerID) (*bufferManage
 		return nil, err
 	}
 	mapped := false
+	// Deferred: a fault in the headers (a client shrinking its file), which
+	// the handshake recovers, must not keep the mapping and descriptor.
 	defer func() {
-		// Deferred, so that it runs when a fault in the headers (a client
-		// shrinking its file meanwhile) unwinds from here too: the
-		// handshake recovers it, and every such attempt kept a mapping and
-		// a descriptor.
 		if !mapped {
 			r.release()
 		}

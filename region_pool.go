@@ -13,29 +13,26 @@ import (
 
 // Sharing buffer regions between a client's sessions.
 //
-// The Shmipc design gives a client process one buffer region that all its
-// sessions use, each with a queue region of its own; servers recognise a
+// As in the Shmipc design, a client process gives all its sessions one
+// buffer region, each with a queue region of its own; servers recognise a
 // region they have mapped by its path (PROTOCOL.md §3, region_cache.go).
 // clientBuffers is that pool. Sessions share a region when they have the
-// same layout (size and slice sizes), prefix and mapping mode, and talk to
-// the same server process: the one that sends the server's handshake frames,
-// as the kernel reports it (peekSender), not the one that listens.
+// same layout, prefix and mapping mode, and talk to the same server
+// process: the one that sends the server's handshake frames, as the kernel
+// reports it (peekSender), not the one that listens.
 //
 // Only memfd regions are shared. In file mode a server removes the buffer
 // file when its last session on it ends (PROTOCOL.md §8, trap 12), and the
 // version 2 handshake has no acknowledgement, so a client could not tell a
 // server that had already removed the file from one that had mapped it.
 //
-// Why per server process: slices of a shared region can be lost only with a
-// process that held them. Every slice a session held is back in the region
-// once both ends of the session are done with it: each side frees what its
-// streams held when they close, frees the messages left unconsumed on its
-// receive queue at teardown (reclaimUnconsumed), and frees what it never
-// published. A killed server frees nothing, and what it held cannot be told
-// apart from what other servers hold. So a region serves one server process,
-// and when that process is gone the region is retired: new sessions get a
-// new region, and the old one is unmapped when its last session has ended,
-// taking whatever the dead process held with it.
+// Per server process, because slices of a shared region are lost only with
+// a process that held them: each side frees what its streams held, what is
+// left unconsumed on its receive queue (reclaimUnconsumed) and what it
+// never published. A killed server frees nothing, and what it held cannot
+// be told from what other servers hold. So when the server process is gone
+// the region is retired: new sessions get a new one, and the old one is
+// unmapped with its last session, taking whatever the dead process held.
 var clientBuffers = struct {
 	sync.Mutex
 	m map[poolKey]*pooledBuffer
@@ -104,10 +101,7 @@ func createBuffer(conf *Config, bufPath string) (*bufferManager, error) {
 	}
 	defer closeFds(fd)
 	made := false
-	defer func() {
-		// Deferred, so that a fault unwinding from here (a page that cannot
-		// be committed, or a file shrunk meanwhile) does not keep the
-		// mapping, the descriptor and, in file mode, the file.
+	defer func() { // deferred: a fault unwinding from here must not keep the region
 		if !made {
 			r.release()
 		}
@@ -182,17 +176,13 @@ func retireLocked(key poolKey, p *pooledBuffer) {
 var reclaimSweeps = []time.Duration{10 * time.Millisecond, 100 * time.Millisecond}
 
 // reclaimUnconsumed frees the messages the peer published on this side's
-// receive queue that were never consumed. It runs at teardown, inside an
-// access, once the receive loop, the queue's only consumer, has stopped: the
-// peer will not consume them, so without this they would stay allocated in
-// a buffer region that outlives the session when it is shared.
-//
-// The peer may still publish for a moment, from a writer that checked its
-// session just before it ended; so when other sessions still use the
-// buffer region, the queue is swept again after each of reclaimSweeps. (A
-// region used by this session alone goes when the session's references do,
-// with everything in it; file regions are not shared, and their files must
-// go when the session ends.)
+// receive queue that were never consumed, which would otherwise stay
+// allocated in a shared buffer region that outlives the session. It runs
+// at teardown, once the receive loop, the queue's only consumer, has
+// stopped. The peer may still publish for a moment, so when other sessions
+// still use the region the queue is swept again after each of
+// reclaimSweeps (a region of this session alone goes with it; file regions
+// are not shared).
 func (s *Session) reclaimUnconsumed() {
 	if s.recvQ == nil || s.buf == nil {
 		return
@@ -230,7 +220,7 @@ func (s *Session) sweepLater(i int) {
 // freeUnconsumed pops the elements left on the receive queue and frees
 // the messages they name: at most as many as the queue holds, so that a
 // peer that keeps publishing cannot keep it going. It runs inside an
-// access, never concurrently with another consumer of the queue.
+// access, as the queue's only consumer.
 func (s *Session) freeUnconsumed() error {
 	for range s.recvQ.cap {
 		e, ok, err := s.recvQ.pop()

@@ -5,41 +5,36 @@ import "math"
 // Slice reuse: a stream keeps one slice it received, once read, for the
 // next message it sends.
 //
-// Without it, every message costs two operations on a free list shared by
-// both processes (the receiver pushes what it read, the next sender pops),
-// on cache lines both processes write. A stream in a request-reply exchange
-// instead writes its next message in the slice it just read: the slice goes
-// back and forth on the stream without touching the free lists, and each
-// side writes the lines its peer has just written. Between two processes
-// this made 64 B round trips a third faster and 64 streams of 4 KiB 1.5
-// times the round trips per second (docs/bench/HISTORY.md has the runs).
+// Otherwise every message costs a push and a pop on a free list that both
+// processes write. A stream in a request-reply exchange instead writes its
+// next message in the slice it just read, so the slice goes back and forth
+// on the stream without touching the free lists. PROTOCOL.md §6.6 allows
+// it: a peer may hold slices, and the root slice of a message may have been
+// allocated by the other process.
 //
 // Slices of every class up to keepMaxCap are kept, one per stream, and used
 // only for a message piece that fits in one. A stream asks for permission
 // to keep slices of a class when it first has one to keep, and holds it
 // until it lets go of the region or receives a slice of another keepable
-// class, which replaces the one it held. At most 1/keepShare of a class may
-// be kept by a process's streams, so that many open streams cannot starve
-// its list. PROTOCOL.md §6.6 allows it: a peer may hold slices, and the
-// root slice of a message may have been allocated by the other process.
+// class. At most 1/keepShare of a class may be kept by a process's streams,
+// so that many open streams cannot starve its list.
 //
 // A kept slice goes back to its list when the stream lets go of the buffer
 // region (dropRef: Close, or the end of the session), when the peer closes
 // the stream (peerClose), and, for a session closed locally, before its
 // connection closes (dropAllKept), since a peer may count its free lists as
-// soon as it sees the end. An open stream thus holds at most one slice of
-// up to keepMaxCap bytes at rest.
+// soon as it sees the end.
 
-// keepShare: at most 1/keepShare of a class of a region may be kept by the
-// streams of a process (307 of the 2457 slices of the smallest class of
-// the default layout). The count shared by the process's streams is
-// touched when a stream's permission changes, not per message.
-const keepShare = 8
-
-// keepMaxCap is the largest slice capacity a stream keeps: the reference
-// layout's largest class (128 KiB less its header). Larger slices are few,
-// and a stream that kept one would hold a MiB or more between messages.
-const keepMaxCap = 128 << 10
+const (
+	// keepShare: at most 1/keepShare of a class of a region may be kept by
+	// the streams of a process. The count is touched when a stream's
+	// permission changes, not per message.
+	keepShare = 8
+	// keepMaxCap is the largest slice capacity a stream keeps, the
+	// reference layout's largest class: larger slices are few, and a stream
+	// that kept one would hold a MiB or more between messages.
+	keepMaxCap = 128 << 10
+)
 
 // The kept slot of a stream: keptNone until it may keep a slice, keptShut
 // once it has let go of the region, keptFreeFor(li) while it may keep

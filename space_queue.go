@@ -8,25 +8,17 @@ import (
 // Waiting for room in the buffer region, in turn.
 //
 // A writer that holds no slice and finds no room waits for the peer to free
-// some (back-pressure). When many wait at once, as when many streams send
-// large messages into a region that cannot hold them all, trying again at
-// intervals hands the room to whoever happens to look first after a slice
-// is freed. A stream that has just finished an exchange looks at once,
-// while one that has waited long sleeps between looks, so the streams that
-// already got room keep getting it and the others starve: with 64 streams
-// of 4 MiB echoes the slowest stream got under 1 % of the fastest one's
-// round trips.
+// some. When many wait at once, trying again at intervals hands the room to
+// whoever looks first after a slice is freed, which favours the streams
+// that have just been served and starves the others.
 //
 // So such writers of this process queue, one queue per class of slice they
-// ask for (the smallest list whose slices hold the request, or one queue
-// for writers whose bytes may be split over slices of any size), and take
-// the room in the order they came: only the head of a queue looks for room, and
-// a writer that finds others queued for its class joins the end instead of
-// looking. The head looks at the usual back-pressure intervals, and at once
-// whenever this process frees a slice; once it has its slice, the next
-// writer becomes the head and looks at once. A writer that gives up (its
-// stream closed, a deadline, WriteSpaceTimeout) leaves the queue and, if it
-// was the head, passes the turn on.
+// ask for (bufferManager.class), and take the room in the order they came:
+// only the head of a queue looks for room, at the usual back-pressure
+// intervals and at once whenever this process frees a slice, and a writer
+// that finds others queued for its class joins the end. A writer that
+// leaves the queue (it got its room, or gave up) passes the turn on if it
+// was the head.
 //
 // Writers that hold slices (bufferManager.alloc) do not queue: the room
 // they take lets an exchange finish and free slices, and the list reserve

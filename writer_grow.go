@@ -25,9 +25,8 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 	}
 	var wait spaceWait
 	// A writer that holds no slice leaves each list's reserve to those that
-	// do (bufferManager.alloc), and waits for room in turn with the other
-	// writers of this process that hold none (space_queue.go). A writer
-	// that never waits has no need to.
+	// do (bufferManager.alloc), and waits for room in turn (space_queue.go),
+	// unless it never waits.
 	leave := len(w.segs) == 0 && !st.s.conf.FallbackWhenFull
 	asked := false
 	class, queued := -1, false
@@ -37,10 +36,8 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			queued = false
 		}
 	}
-	// Every return leaves the queue, the next in it then looks at once;
-	// deferred, so also when a fault in alloc unwinds from here: a writer
-	// left in the queue would keep every later one of its class waiting
-	// behind it.
+	// Deferred, so that a fault in alloc leaves the queue too: a writer left
+	// in it would keep every later one of its class waiting.
 	defer quit()
 	join := func() {
 		if st.spaceCh == nil {
@@ -96,18 +93,14 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		}
 		waitedLong := !wait.start.IsZero() && time.Since(wait.start) >= heldSpaceWait
 		if st.s.conf.FallbackWhenFull || waitedLong && (len(w.segs) > 0 || st.holdsReceived()) {
-			// A writer waits only briefly while it holds part of its
-			// message: writers holding slices while waiting for more could
-			// hold the whole region between them and wait for ever. So
-			// does a writer whose stream's reader holds received slices in
-			// place: an echo that reserves its reply before releasing a
-			// large request could be waiting for the very slices it holds.
-			// (Unread data is left to the reader: a full-duplex stream,
-			// such as gRPC's, reads and frees it on another goroutine.)
-			// Briefly, not at all: the region's creator hands its parked
-			// slices back within one look (circulation.go), and most
-			// shortages are that. Falling back is not undone: the stream
-			// sends fallback data from then on.
+			// A writer that holds part of its message, or whose stream's
+			// reader holds received slices in place, waits only briefly:
+			// writers holding slices while waiting for more could hold the
+			// whole region between them and wait for ever (an echo
+			// reserving its reply before releasing a large request). Not
+			// at all would be too little: most shortages are parked slices,
+			// handed back within one look (circulation.go). Falling back is
+			// not undone: the stream sends fallback data from then on.
 			w.appendHeap(want)
 			return nil
 		}
