@@ -293,6 +293,14 @@ func DefaultConfig() *Config {
 	}
 }
 
+// verified returns conf, DefaultConfig() if nil, and conf.Verify's error.
+func verified(conf *Config) (*Config, error) {
+	if conf == nil {
+		conf = DefaultConfig()
+	}
+	return conf, conf.Verify()
+}
+
 // partialFrameTimeout is PartialFrameTimeout, or its default.
 func (c *Config) partialFrameTimeout() time.Duration {
 	if c.PartialFrameTimeout > 0 {

@@ -2,7 +2,6 @@ package shmipc
 
 import (
 	"context"
-	"fmt"
 	"net"
 )
 
@@ -16,11 +15,9 @@ import (
 //	ln, err := shmipc.Listen("unix", sock, nil)
 //	err = grpcServer.Serve(ln)
 //
-// The framework owns each connection for its lifetime and closes it, so a
-// stream handed out this way never goes back to the manager's pool. Each
-// connection is one stream of one of the manager's sessions; several
-// connections (of one or several gRPC clients) share the sessions and their
-// shared memory.
+// Each connection is a stream of one of the manager's sessions, which
+// several connections share; the framework owns it and closes it, so it
+// never goes back to the manager's pool.
 
 // DialContext opens a new stream on one of the manager's sessions and returns
 // it as a net.Conn (a *Stream). Its signature is the one
@@ -28,11 +25,9 @@ import (
 // address it was configured with (a gRPC target such as
 // "passthrough:///shmipc" is fine).
 //
-// The stream is always new, never an idle stream from the pool: a byte stream
-// for a protocol such as HTTP/2 must start at the protocol's beginning, and a
-// pooled stream has carried other requests whose server side is not expecting
-// a new connection. The caller owns the stream and must Close it; it must not
-// give it to PutBack.
+// The stream is always new, never one from the pool: a protocol such as
+// HTTP/2 must start at its beginning, which a pooled stream has passed. The
+// caller owns the stream and must Close it, not give it to PutBack.
 //
 // While every session of the manager is down (the server is restarting) it
 // waits for one to be re-dialed, until ctx is done, and then fails with an
@@ -40,44 +35,9 @@ import (
 // it fails with ctx.Err(), as net.Dialer.DialContext does. After Close it
 // fails with ErrSessionManagerClosed.
 func (m *SessionManager) DialContext(ctx context.Context, addr string) (net.Conn, error) {
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
-	st, err := m.openStreamContext(ctx)
+	st, err := m.getStreamContext(ctx, false)
 	if err != nil {
-		return nil, err
+		return nil, err // not a net.Conn holding a nil *Stream
 	}
 	return st, nil
-}
-
-// openStreamContext opens a stream on the next session that is up, taking
-// the sessions in turn, and waits for one to come back while none is.
-func (m *SessionManager) openStreamContext(ctx context.Context) (*Stream, error) {
-	n := len(m.slots)
-	for {
-		m.mu.Lock()
-		healthy, closed := m.healthy, m.closed
-		m.mu.Unlock()
-		if closed {
-			return nil, ErrSessionManagerClosed
-		}
-		start := int(m.next.Add(1)-1) % n
-		var lastErr error
-		for k := range n {
-			st, err := m.slots[(start+k)%n].openStream()
-			if err == nil {
-				return st, nil
-			}
-			lastErr = err
-		}
-		err := fmt.Errorf("%w: all %d sessions to %s %s are down: %w",
-			ErrNoHealthySession, n, m.conf.Network, m.conf.Address, lastErr)
-		select {
-		case <-healthy:
-		case <-m.ctx.Done():
-			return nil, ErrSessionManagerClosed
-		case <-ctx.Done():
-			return nil, fmt.Errorf("%w (%w)", err, ctx.Err())
-		}
-	}
 }

@@ -35,10 +35,8 @@ func handshakeServer(conn net.Conn, conf *Config, setup func(*Session)) (*Sessio
 }
 
 func handshake(conn net.Conn, conf *Config, client bool, setup func(*Session)) (*Session, error) {
-	if conf == nil {
-		conf = DefaultConfig()
-	}
-	if err := conf.Verify(); err != nil {
+	conf, err := verified(conf)
+	if err != nil {
 		conn.Close()
 		return nil, err
 	}
@@ -53,7 +51,7 @@ func handshake(conn net.Conn, conf *Config, client bool, setup func(*Session)) (
 		conn.Close()
 		return nil, fmt.Errorf("%w: %w", ErrHandshake, err)
 	}
-	err := s.runHandshake(client)
+	err = s.runHandshake(client)
 	if err == nil {
 		err = s.ec.clearDeadlines()
 	}
@@ -63,11 +61,7 @@ func handshake(conn net.Conn, conf *Config, client bool, setup func(*Session)) (
 		if isTimeout(err) {
 			err = fmt.Errorf("%w after %v: %w", ErrTimeout, conf.InitializeTimeout, err)
 		}
-		role := "server"
-		if client {
-			role = "client"
-		}
-		return nil, fmt.Errorf("%w (%s): %w", ErrHandshake, role, err)
+		return nil, fmt.Errorf("%w (%s): %w", ErrHandshake, s.role(), err)
 	}
 	if setup != nil {
 		setup(s)

@@ -272,10 +272,8 @@ func (l *Listener) WaitHotRestart(ctx context.Context) error {
 // Close removes the socket file only if it is still this listener's (not
 // taken over by yet another server since).
 func ListenTakeover(address string, conf *Config) (*Listener, error) {
-	if conf == nil {
-		conf = DefaultConfig()
-	}
-	if err := conf.Verify(); err != nil {
+	conf, err := verified(conf)
+	if err != nil {
 		return nil, err
 	}
 	if address == "" || address[0] == '@' {

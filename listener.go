@@ -16,10 +16,8 @@ import (
 // the client handshake. Over TCP, conf.MemMapType must be
 // MemMapTypeDevShmFile. A nil conf means DefaultConfig().
 func Dial(network, address string, conf *Config) (*Session, error) {
-	if conf == nil {
-		conf = DefaultConfig()
-	}
-	if err := conf.Verify(); err != nil {
+	conf, err := verified(conf)
+	if err != nil {
 		return nil, err
 	}
 	if conf.MemMapType == MemMapTypeMemFd && !strings.HasPrefix(network, "unix") {
@@ -37,10 +35,10 @@ func Dial(network, address string, conf *Config) (*Session, error) {
 // as a net.Conn (a *Stream).
 //
 // Closing follows net.Listener: Close stops accepting and leaves the
-// streams already accepted open, as closing a TCP listener leaves its
-// connections open, so that a server can finish the requests in progress
-// (grpc.Server.GracefulStop and http.Server.Shutdown close their listener
-// first and then wait for them). CloseAll also ends every session at once.
+// streams already accepted open, so that a server can finish the requests
+// in progress (grpc.Server.GracefulStop and http.Server.Shutdown close
+// their listener first, then wait for them). CloseAll also ends every
+// session at once.
 type Listener struct {
 	ln       net.Listener
 	conf     *Config
@@ -66,18 +64,15 @@ var _ net.Listener = (*Listener)(nil)
 // come from, and its timeouts.
 //
 // A Unix socket file left behind by a server that died without closing its
-// listener (killed, or crashed) is taken over: when address is a socket
-// that nobody listens on (connecting to it is refused), Listen removes it
-// and binds anew. A socket a live server listens on is left alone, and
-// Listen fails with an error wrapping syscall.EADDRINUSE; so it does for a
-// file at address that is not a socket. Two servers started at the same
-// moment on the same stale socket may both succeed, the later one replacing
-// the earlier's socket file; start one server per address.
+// listener is taken over: when address is a socket that nobody listens on
+// (connecting to it is refused), Listen removes it and binds anew. If a
+// live server listens there, or the file is not a socket, Listen fails
+// with an error wrapping syscall.EADDRINUSE. Two servers started at once
+// on the same stale socket may both succeed, the later one replacing the
+// earlier's socket file: start one server per address.
 func Listen(network, address string, conf *Config) (*Listener, error) {
-	if conf == nil {
-		conf = DefaultConfig()
-	}
-	if err := conf.Verify(); err != nil {
+	conf, err := verified(conf)
+	if err != nil {
 		return nil, err
 	}
 	ln, err := net.Listen(network, address)
@@ -220,10 +215,8 @@ func (l *Listener) serve(conn net.Conn) {
 	closed := l.isClosed()
 	l.mu.Unlock()
 	if err == nil && closed {
-		// Adopted, and its streams may have been accepted before Close:
-		// it ends with its last stream, as Close has it (retire). Closing
-		// it here ended a session whose accepted stream was in use when
-		// this goroutine came back from the handshake after Close.
+		// Its streams may have been accepted before Close: it ends with
+		// its last stream, as Close has it.
 		s.retire()
 		return
 	}
@@ -237,11 +230,10 @@ func (l *Listener) serve(conn net.Conn) {
 
 // adopt makes the listener the home of a session whose handshake is done
 // and whose receive loop has not started: its new streams go to the
-// listener's queue, and its end is noticed. The session is registered
-// before it can deliver a stream, so that a session whose streams were
-// accepted is one the listener knows (CloseAll, hot restart), and its
-// connection, conn, stops counting as one in its handshake at the same
-// moment.
+// listener's queue, and its end is noticed. It is registered before it can
+// deliver a stream, so that every session whose streams were accepted is
+// known (CloseAll, hot restart), and conn stops counting as a handshake at
+// the same moment.
 func (l *Listener) adopt(s *Session, conn net.Conn) {
 	s.onAccept = l.streams.push
 	s.onTeardown = l.forget
@@ -286,32 +278,28 @@ func (l *Listener) AcceptStream() (*Stream, error) {
 	return l.streams.pop(l.closed, func() error { return ErrListenerClosed })
 }
 
-// Close stops accepting, with the semantics of a net.Listener's Close: the
-// established connections, here the streams already accepted, live on.
+// Close stops accepting, as a net.Listener's Close does: the established
+// connections, here the streams already accepted, live on.
 //
-//   - The listening socket is closed, so no new session can start; a Unix
-//     socket file created by Listen is removed, unless it is no longer its
-//     own (a new server took the path over with ListenTakeover) or a hot
-//     restart handed the path on. Connections still in their handshake are
+//   - The listening socket is closed; a Unix socket file created by Listen
+//     is removed, unless a new server took the path over (ListenTakeover)
+//     or a hot restart handed it on. Connections in their handshake are
 //     dropped.
-//   - Accept and AcceptStream fail with ErrListenerClosed. Streams opened
-//     and not yet accepted are closed, and so is every stream a client opens
-//     after Close: the client reads io.EOF on it.
+//   - Accept and AcceptStream fail with ErrListenerClosed. Streams not yet
+//     accepted are closed, and so is every stream a client opens after
+//     Close: the client reads io.EOF on it.
 //   - Streams already accepted keep working until one side closes them.
-//     Each session of the listener ends once its last stream is closed (at
-//     once for a session with none), and its client then finds nobody
-//     listening.
+//     Each session ends once its last stream is closed (at once if it has
+//     none).
 //
-// So a server that stops gracefully closes the listener, lets its handlers
-// finish and close their streams, and its sessions end by themselves. A
-// SessionManager client moves to a new session on the first stream it
-// finds refused, and closes its pooled streams of the old one; a client
+// So a server that stops gracefully closes the listener and lets its
+// handlers finish; its sessions end by themselves. A SessionManager client
+// moves to a new session on the first stream it finds refused; a client
 // that holds streams open for good keeps its session, and the server's
-// handlers, alive: bound the wait and call CloseAll.
-// CloseAll ends them at once instead. Close returns once the accept loop has
-// stopped and the sessions that had no stream left have ended; it may be
-// called more than once, and returns the error of closing the listening
-// socket.
+// handlers, alive: bound the wait and call CloseAll, which ends them at
+// once. Close returns once the accept loop has stopped and the sessions
+// with no stream left have ended; it may be called more than once, and
+// returns the error of closing the listening socket.
 func (l *Listener) Close() error {
 	l.stopAccepting()
 	for _, s := range l.liveSessions() {
@@ -365,9 +353,8 @@ func (l *Listener) liveSessions() []*Session {
 }
 
 // retire makes the session end once it has no open stream, now if it has
-// none; it reports whether it closed it now. New streams of a closed
-// listener's sessions are closed as they arrive (the listener's queue
-// refuses them), so the count only goes down.
+// none; it reports whether it closed it now. The closed listener's queue
+// closes new streams as they arrive, so the count only goes down.
 func (s *Session) retire() bool {
 	s.mu.Lock()
 	s.retiring = true

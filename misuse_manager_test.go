@@ -130,7 +130,7 @@ func TestMisuseManagerCloseWhileWaiting(t *testing.T) {
 		go func() { _, err := m.GetStreamContext(context.Background()); errs <- err }()
 		go func() { _, err := m.DialContext(context.Background(), "x"); errs <- err }()
 		waitBlocked(t, "(*SessionManager).GetStreamContext", 1)
-		waitBlocked(t, "(*SessionManager).openStreamContext", 1)
+		waitBlocked(t, "(*SessionManager).DialContext", 1)
 		mzCall(t, "SessionManager.Close", m.Close)
 		for range 2 {
 			select {

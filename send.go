@@ -20,10 +20,8 @@ const (
 // already draining. While the queue is full it waits (PROTOCOL.md §5.6 lets
 // a sender retry), until the stream st (if any) is closed or past its write
 // deadline, or Config.WriteSpaceTimeout passes. It reports whether e was
-// published. It runs inside an access.
-//
-// The caller's stream st holds a reference on the queue region; its writer
-// lock keeps the stream from letting go of it meanwhile.
+// published. It runs inside an access, with st's writer lock held, which
+// keeps st's reference on the queue region.
 func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 	var wait spaceWait
 	for {
@@ -54,9 +52,9 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 	}
 }
 
-// wakePeer tells the peer, which has stopped draining its queue (the
-// caller has just set the working flag for it), that there is something
-// there: a Polling frame. st is the stream that published, or nil.
+// wakePeer sends the peer, which has stopped draining its queue (the caller
+// has just set the working flag for it), a Polling frame. st is the stream
+// that published, or nil.
 func (s *Session) wakePeer(st *Stream) error {
 	var id uint32
 	if st != nil {
@@ -87,16 +85,16 @@ func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 		s.counters.of(0).spaceWaits.Add(1)
 		w.start, w.delay = now, minSpacePause
 	}
-	// The deadline as it is now: one moved or cleared while the writer
-	// waits applies to it, as net.Conn has it.
 	w.limit = w.start.Add(s.conf.WriteSpaceTimeout)
 	if st != nil {
+		// The deadline as it is now: moving it applies to a waiting writer.
 		if d := st.wDeadline.Load(); d != nil && !d.IsZero() && d.Before(w.limit) {
 			w.limit = *d
 		}
-	}
-	if st != nil {
-		if err := st.queueFullGiveUp(); err != nil {
+		if err := st.writer.usable(); err != nil { // closed meanwhile
+			return err
+		}
+		if err := st.writeDeadlineErr(); err != nil {
 			return err
 		}
 	}
@@ -106,8 +104,7 @@ func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 	d := min(w.delay, w.limit.Sub(now))
 	var t *time.Timer
 	if st != nil {
-		// The stream's writer is the only one to use its timer, so that
-		// waiting allocates nothing after the first time.
+		// Only the stream's writer uses its timer: waiting allocates once.
 		if st.spaceTimer == nil {
 			st.spaceTimer = time.NewTimer(d)
 		} else {
@@ -159,14 +156,16 @@ func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 	if s.sendable() != nil {
 		return
 	}
+	var queued bool
+	var err error
 	if !byFrame {
 		if !s.queueRegion.acquire() {
 			return
 		}
-		ok, err := func() (bool, error) {
-			// Released when deferred: a fault in the queue unwinds from here
-			// (the caller's access recovers it), and a region left with a
-			// reference would stay mapped after the session.
+		queued, err = func() (bool, error) {
+			// Released even when a fault in the queue unwinds from here (the
+			// caller's access recovers it): a reference left would keep the
+			// region mapped after the session.
 			defer s.queueRegion.release()
 			ok, err := s.sendQ.put(queueElem{id: id, status: statusClosed})
 			if ok && s.sendQ.markWorking() {
@@ -174,14 +173,11 @@ func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 			}
 			return ok, err
 		}()
-		if err != nil {
-			_ = s.sendFailed(fmt.Sprintf("send close of stream %d", id), err)
-		}
-		if ok || err != nil {
-			return
-		}
 	}
-	if err := s.ec.writeStreamClose(s.version, id); err != nil {
+	if !queued && err == nil {
+		err = s.ec.writeStreamClose(s.version, id)
+	}
+	if err != nil {
 		_ = s.sendFailed(fmt.Sprintf("send close of stream %d", id), err)
 	}
 }

@@ -5,19 +5,12 @@ import (
 	"io"
 )
 
-// This file holds the callback-style server API. There are two styles:
-//
-//   - Listener.Serve runs a function per stream, in a goroutine of its own,
-//     that reads requests and writes responses in a loop (synchronous style,
-//     like a net/http handler).
-//   - Listener.ServeHandler and OnData call back when data has arrived on a
-//     stream, and the callback handles what is there (asynchronous,
-//     event-driven style, like the StreamCallbacks of other Shmipc
-//     libraries).
-//
-// Either way each stream has exactly one goroutine, so the callbacks of one
-// stream never run concurrently with each other, while different streams are
-// handled in parallel.
+// The callback-style server API, in two styles: Listener.Serve runs a
+// function per stream that reads requests and writes responses in a loop
+// (like a net/http handler); Listener.ServeHandler and OnData call back
+// when data has arrived on a stream (like the StreamCallbacks of other
+// Shmipc libraries). Either way each stream has one goroutine, so the
+// callbacks of one stream never run concurrently.
 
 // Serve accepts streams on l and calls handler for each one in a new
 // goroutine, until l is closed; it then returns ErrListenerClosed (it always
@@ -43,8 +36,8 @@ func (l *Listener) Serve(handler func(st *Stream)) error {
 }
 
 // StreamHandler handles the events of one stream in the asynchronous server
-// style (Listener.ServeHandler). The methods of one stream are
-// called one at a time from the stream's own goroutine.
+// style (Listener.ServeHandler). The methods of one stream are called one
+// at a time from the stream's own goroutine.
 type StreamHandler interface {
 	// OnData is called each time unread data is available on st; see OnData
 	// (the function) for the rules. Returning an error ends the stream.
@@ -63,9 +56,8 @@ type StreamHandler interface {
 
 // ServeHandler accepts streams on l and handles each with h, in a goroutine
 // per stream that waits for data and calls h.OnData, then h.OnClose, then
-// closes the stream. Like Serve, it runs until l is
-// closed, returns ErrListenerClosed, and does not wait for the streams'
-// goroutines.
+// closes the stream. Like Serve, it runs until l is closed, returns
+// ErrListenerClosed, and does not wait for the streams' goroutines.
 func (l *Listener) ServeHandler(h StreamHandler) error {
 	return l.Serve(func(st *Stream) { serveStream(st, h) })
 }
@@ -133,14 +125,12 @@ func dataLoop(st *Stream, fn func(*Stream) error) error {
 		if err := fn(st); err != nil {
 			return err
 		}
-		// Did fn consume anything? If not, wait for more than is there. The
-		// count, not where the first unread byte lies: a stream writes its
-		// next message in the slice it has just read (reuse.go), so a new
-		// message of the same length can lie exactly where the one fn read
-		// did.
+		// If fn consumed nothing, wait for more than is there. Compared by
+		// count, not by where the first unread byte lies: a new message can
+		// lie exactly where the one fn read did (reuse.go).
 		need = 1
 		if n := r.Len(); n > 0 && st.readCount() == before {
-			need = n + 1 // nothing consumed: wait for more
+			need = n + 1
 		}
 		r.ReleasePreviousRead()
 	}

@@ -46,10 +46,9 @@ type SessionManagerConfig struct {
 
 	// MinReconnectBackoff and MaxReconnectBackoff bound the delay between
 	// attempts to re-dial a session that died: it starts at the minimum and
-	// doubles after each attempt up to the maximum (defaults
-	// 10 ms and 2 s). A dial
-	// whose session dies again within MaxReconnectBackoff does not reset it;
-	// a session that lived longer does.
+	// doubles after each attempt up to the maximum (defaults 10 ms and 2 s).
+	// It is reset only by a session that lived longer than
+	// MaxReconnectBackoff.
 	MinReconnectBackoff time.Duration
 	MaxReconnectBackoff time.Duration
 }
@@ -60,9 +59,8 @@ type SessionManagerConfig struct {
 //
 // Use GetStream to take a stream for a request and PutBack to return it once
 // the response has been read completely; the next GetStream may hand out the
-// same stream again, which saves opening a stream per request (the server
-// sees one long-lived stream carrying many requests). A stream that is not
-// put back must be closed.
+// same stream again, which saves opening a stream per request. A stream
+// that is not put back must be closed.
 //
 // When a session dies (the server closed it, restarted, or broke the
 // protocol), its pooled streams are dropped and it is re-dialed in the
@@ -72,32 +70,28 @@ type SessionManagerConfig struct {
 // session fail with errors wrapping ErrSessionClosed.
 //
 // A server stopping gracefully (Listener.Close) keeps its sessions while
-// streams are open on them and closes every new stream as it arrives; the
-// stream's user reads io.EOF. When the server closes a stream the manager
-// opened without having sent anything on it, on a session older than a
-// second, the manager dials a new session to the address, where a new
-// server may listen by now, and retires the old one: its pooled streams
-// are closed, the streams handed out are closed when put back, and the
-// session ends with the last of them, which lets the old server finish.
-// If the dial fails the old session stays, and the next refusal tries
-// again, a second later at the earliest. (A server whose application
-// closes new streams without answering costs such a dial a second at
-// first; while the new session reaches the same server process as the old
-// one, the wait doubles, up to about a minute.) Close also ends the
-// retired sessions that are still open.
+// streams are open on them and closes every new stream as it arrives (its
+// user reads io.EOF). When the server closes a stream the manager opened
+// without having sent anything on it, on a session older than a second,
+// the manager dials a new session to the address, where a new server may
+// listen by now, and retires the old one: its pooled streams are closed,
+// those handed out are closed when put back, and the session ends with the
+// last of them. If the dial fails the old session stays, and the next
+// refusal tries again a second later at the earliest; while new sessions
+// reach the same server process as the old one, that wait doubles, up to
+// about a minute. Close also ends the retired sessions still open.
 //
-// Hot restart (docs/protocol.md §10): the first HotRestart frame
-// from the server (more than a second after the last restart began: a
-// server repeating it cannot make the manager dial in a loop) makes the
-// manager dial SessionNum new sessions to the same
-// address (where the new server now answers), with regions named
+// Hot restart (docs/protocol.md §10): the first HotRestart frame from the
+// server, unless a restart began less than a second before, makes the
+// manager dial SessionNum new sessions to the same address (where the new
+// server now answers), with regions named
 // <prefix>_epoch_<epoch>_<randID>_<pid>_<random>_buffer and _queue_0. Each
-// new session replaces one old session, whose pooled streams are closed;
-// streams already handed out on it keep working. Once every session is
-// replaced the manager sends HotRestartAck on every old session and closes
-// each when no stream is open on it (within 2 s). If the new
-// sessions cannot all be dialed within 2 s, the old sessions
-// already replaced are closed without an acknowledgement.
+// replaces one old session, whose pooled streams are closed; streams
+// already handed out on it keep working. Once every session is replaced
+// the manager sends HotRestartAck on every old session and closes each
+// when no stream is open on it (within 2 s). If the new sessions cannot
+// all be dialed within 2 s, the old sessions already replaced are closed
+// without an acknowledgement.
 type SessionManager struct {
 	conf   SessionManagerConfig
 	slots  []*smSlot
@@ -110,7 +104,7 @@ type SessionManager struct {
 	closed  bool
 	healthy chan struct{} // closed and replaced whenever a session comes back
 
-	hr smHotRestart // hot restart (hotrestart.go)
+	hr smHotRestart // hot restart (hotrestart_client.go)
 }
 
 // NewSessionManager dials conf.SessionNum sessions to conf.Address and
@@ -118,10 +112,8 @@ type SessionManager struct {
 // and returns the error: a manager starts complete, and only re-dials
 // sessions that die later.
 func NewSessionManager(conf SessionManagerConfig) (*SessionManager, error) {
-	if conf.Config == nil {
-		conf.Config = DefaultConfig()
-	}
-	if err := conf.Config.Verify(); err != nil {
+	var err error
+	if conf.Config, err = verified(conf.Config); err != nil {
 		return nil, err
 	}
 	if conf.Network == "" || conf.Address == "" {
@@ -211,8 +203,7 @@ func (m *SessionManager) dial() (*Session, error) {
 	return m.dialWith(m.ctx, m.conf.Config)
 }
 
-// dialWith dials one session with conf; the end of ctx aborts it. The
-// session reacts to HotRestart frames (hotrestart.go).
+// dialWith dials one session with conf; the end of ctx aborts it.
 func (m *SessionManager) dialWith(ctx context.Context, conf *Config) (*Session, error) {
 	d := net.Dialer{Timeout: conf.ConnectionWriteTimeout}
 	conn, err := d.DialContext(ctx, m.conf.Network, m.conf.Address)
@@ -234,7 +225,10 @@ func (m *SessionManager) dialWith(ctx context.Context, conf *Config) (*Session, 
 // ErrSessionManagerClosed.
 //
 // The caller owns the stream until it passes it to PutBack or closes it.
-func (m *SessionManager) GetStream() (*Stream, error) {
+func (m *SessionManager) GetStream() (*Stream, error) { return m.getStream(true) }
+
+// getStream is GetStream; with pooled false it always opens a new stream.
+func (m *SessionManager) getStream(pooled bool) (*Stream, error) {
 	if m.isClosed() {
 		return nil, ErrSessionManagerClosed
 	}
@@ -242,7 +236,7 @@ func (m *SessionManager) GetStream() (*Stream, error) {
 	start := int(m.next.Add(1)-1) % n
 	// An idle stream of any session first, so that the number of streams
 	// stays near the number used at once; then a new stream, round-robin.
-	for k := range n {
+	for k := 0; pooled && k < n; k++ {
 		if st := m.slots[(start+k)%n].popIdle(); st != nil {
 			return st, nil
 		}
@@ -272,6 +266,12 @@ func (m *SessionManager) GetStream() (*Stream, error) {
 // waits for one to be re-dialed, until ctx is done. With ctx already done it
 // fails with ctx.Err(), as net.Dialer.DialContext does.
 func (m *SessionManager) GetStreamContext(ctx context.Context) (*Stream, error) {
+	return m.getStreamContext(ctx, true)
+}
+
+// getStreamContext is GetStreamContext; with pooled false it always opens
+// a new stream.
+func (m *SessionManager) getStreamContext(ctx context.Context, pooled bool) (*Stream, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -279,7 +279,7 @@ func (m *SessionManager) GetStreamContext(ctx context.Context) (*Stream, error) 
 		m.mu.Lock()
 		healthy := m.healthy
 		m.mu.Unlock()
-		st, err := m.GetStream()
+		st, err := m.getStream(pooled)
 		if !errors.Is(err, ErrNoHealthySession) {
 			return st, err
 		}
@@ -299,25 +299,21 @@ func (m *SessionManager) GetStreamContext(ctx context.Context) (*Stream, error) 
 // use st afterwards.
 //
 // Only a clean stream is pooled, one on which nothing more can arrive for
-// the request it carried, as far as the stream can tell. A stream is clean
-// when all of these hold:
+// the request it carried, as far as the stream can tell:
 //   - no read on it has ever failed: not with a deadline (a reply may still
 //     be on its way), nor with any other error, even after it returned
 //     some bytes (Discard, netpoll Until);
-//   - if anything was written on it (Write, Flush, netpoll writes, even a
-//     write that failed), a read returned bytes after the last of those
-//     writes began: a request whose reply was never read is not clean;
+//   - if anything was written on it (even by a write that failed), a read
+//     returned bytes after the last write began;
 //   - it holds no unread data and no unflushed message;
 //   - it is not closed by either side, not in fallback mode, and its
 //     session is healthy and still the manager's.
 //
 // Any other stream is closed instead, and so is one that does not fit into
 // the pool; either way the caller may put back every stream it got, even
-// after a failed read. (Keeping track costs a flag per message.) What the
-// stream cannot know is where a reply ends: a caller that read only the
-// first part of one and puts the stream back, with the rest still on its
-// way, breaks the contract above: put back only once the response has
-// been read completely. A stream put back twice is pooled once.
+// after a failed read. What the stream cannot know is where a reply ends:
+// put it back only once the response has been read completely. A stream
+// put back twice is pooled once.
 func (m *SessionManager) PutBack(st *Stream) {
 	if st == nil {
 		return

@@ -115,18 +115,6 @@ func (st *Stream) sendShm() error {
 	return err
 }
 
-// queueFullGiveUp tells a writer waiting for space to stop: the stream was
-// closed, or its write deadline passed.
-func (st *Stream) queueFullGiveUp() error {
-	if err := st.s.sendable(); err != nil {
-		return err
-	}
-	if st.writeClosed.Load() {
-		return st.writeClosedErr()
-	}
-	return st.writeDeadlineErr()
-}
-
 // sendFallback copies the message into FallbackData frames and frees its
 // slices. From then on the stream always sends fallback data, so its bytes
 // cannot be overtaken by shared-memory messages (PROTOCOL.md §6.5).
