@@ -89,9 +89,7 @@ func (sl *smSlot) openStream() (*Stream, error) {
 }
 
 // renew replaces the slot's session s, which has opened its last stream
-// id, with a new session, and retires s as replaceRefused does: its idle
-// streams are closed, those handed out are closed as they are put back,
-// and s ends with the last of them. It returns the slot's session after
+// id, with a new session (install). It returns the slot's session after
 // that (one another caller renewed it with, if s was renewed meanwhile),
 // or nil when no new session could be dialed.
 func (sl *smSlot) renew(s *Session) *Session {
@@ -107,19 +105,29 @@ func (sl *smSlot) renew(s *Session) *Session {
 	if err != nil {
 		return nil
 	}
-	old, idle, ok := sl.replaceIf(s, ns)
+	if !sl.install(s, ns) {
+		return sl.current()
+	}
+	return ns
+}
+
+// install makes ns the slot's session in place of s and retires s: its
+// idle streams are closed, those handed out are closed as they are put
+// back, and s ends with the last of them. If s is no longer the slot's
+// session (a hot restart replaced it) or the manager has closed, it closes
+// ns instead and reports false.
+func (sl *smSlot) install(s, ns *Session) bool {
+	_, idle, ok := sl.swap(ns, func(cur *Session) bool { return cur == s })
 	if !ok {
 		ns.Close()
-		return sl.current()
+		return false
 	}
 	for _, is := range idle {
 		is.st.Close()
 	}
-	if old != nil {
-		old.retire()
-		sl.m.closeRetired(old)
-	}
-	return ns
+	s.retire()
+	sl.m.closeRetired(s)
+	return true
 }
 
 // putBack pools st if it belongs to this slot's session; it reports whether
@@ -171,22 +179,13 @@ func (sl *smSlot) watch(s *Session) {
 			if r != s { // a hot restart installed r while s, parked, drains
 				s, born = r, time.Now()
 			}
-			if wait := ref.due(born); wait > 0 || m.hotRestarting() {
-				ref.later(s, max(wait, refusedMinAge/4)) // not yet: once the wait is over
-				continue
-			}
 			s, born = ref.replace(sl, s, born)
 			continue
 		case <-ref.retry:
 			ref.retry = nil
-			if ref.pending != s || s.IsClosed() || sl.current() != s {
-				continue
+			if ref.pending == s && !s.IsClosed() && sl.current() == s {
+				s, born = ref.replace(sl, s, born)
 			}
-			if wait := ref.due(born); wait > 0 || m.hotRestarting() {
-				ref.later(s, max(wait, refusedMinAge/4))
-				continue
-			}
-			s, born = ref.replace(sl, s, born)
 			continue
 		case <-m.ctx.Done():
 			return
@@ -279,13 +278,19 @@ func (r *refusals) stop() {
 	r.timer, r.retry, r.pending = nil, nil, nil
 }
 
-// replace replaces s after a refusal (replaceRefused) and returns the
-// slot's session and its birth time. A replacement that reaches the same
-// server process as s, or one that cannot be told apart (pid 0), is not a
-// stopping server but one whose application closes new streams
-// unanswered, as far as the manager can tell: the wait doubles, up to
-// refusedMaxWait. Another process resets it.
+// replace acts on a refusal on s, the slot's session since born, and
+// returns the slot's session and its birth time. Until s has served long
+// enough (due), or while a hot restart runs, it only comes back to the
+// refusal later. Then it replaces s (replaceRefused). A replacement that
+// reaches the same server process as s, or one that cannot be told apart
+// (pid 0), is not a stopping server but one whose application closes new
+// streams unanswered, as far as the manager can tell: the wait doubles, up
+// to refusedMaxWait. Another process resets it.
 func (r *refusals) replace(sl *smSlot, s *Session, born time.Time) (*Session, time.Time) {
+	if wait := r.due(born); wait > 0 || sl.m.hotRestarting() {
+		r.later(s, max(wait, refusedMinAge/4))
+		return s, born
+	}
 	r.stop()
 	r.last = time.Now()
 	ns := sl.replaceRefused(s)
@@ -306,10 +311,8 @@ func (r *refusals) replace(sl *smSlot, s *Session, born time.Time) (*Session, ti
 // stream is closed, so a pool that goes on reusing its streams would keep
 // it from ever stopping, while every stream the pool opens fails. So the
 // slot dials a new session, to the server that now listens at the address,
-// and retires s: its idle streams are closed, the streams handed out are
-// closed as they are put back, and s ends with the last of them. When the
-// dial fails (nobody listens yet), s stays, and the next refusal tries
-// again. It returns the new session, or nil.
+// and installs it. When the dial fails (nobody listens yet), s stays, and
+// the next refusal tries again. It returns the new session, or nil.
 func (sl *smSlot) replaceRefused(s *Session) *Session {
 	ns, err := sl.m.dial()
 	if err != nil {
@@ -319,17 +322,8 @@ func (sl *smSlot) replaceRefused(s *Session) *Session {
 		ns.Close()
 		return nil
 	}
-	old, idle, ok := sl.replaceIf(s, ns)
-	if !ok {
-		ns.Close()
+	if !sl.install(s, ns) {
 		return nil
-	}
-	for _, is := range idle {
-		is.st.Close()
-	}
-	if old != nil {
-		old.retire()
-		sl.m.closeRetired(old)
 	}
 	return ns
 }
@@ -339,12 +333,6 @@ func (sl *smSlot) current() *Session {
 	sl.mu.Lock()
 	defer sl.mu.Unlock()
 	return sl.sess
-}
-
-// replaceIf is replace, only while s is the slot's session: a hot restart
-// may have replaced it meanwhile.
-func (sl *smSlot) replaceIf(s, ns *Session) (old *Session, idle []idleStream, ok bool) {
-	return sl.swap(ns, func(cur *Session) bool { return cur == s })
 }
 
 // closeRetired closes a retired session s when the manager closes, if it
