@@ -35,7 +35,7 @@ type bufferKey struct {
 // peer's pid is known). file says whether the region is a file the server
 // removes on the last release.
 func mapServerBuffer(path string, fd int, file bool, peer peerID) (*bufferManager, error) {
-	_, dev, ino, err := fdInfo(fd)
+	st, err := statRegular(fd)
 	if err != nil {
 		return nil, fmt.Errorf("buffer region %s: %w", path, err)
 	}
@@ -43,7 +43,7 @@ func mapServerBuffer(path string, fd int, file bool, peer peerID) (*bufferManage
 	shared := peer.pid != 0
 	serverBuffers.Lock()
 	defer serverBuffers.Unlock()
-	if m := serverBuffers.m[key]; shared && m != nil && m.region.dev == dev && m.region.ino == ino && m.region.acquire() {
+	if m := serverBuffers.m[key]; shared && m != nil && m.region.dev == st.Dev && m.region.ino == st.Ino && m.region.acquire() {
 		return m, nil
 	}
 	r, err := mapRegion(fd, path, minPeerBufferSize, maxPeerBufferSize)

@@ -78,10 +78,10 @@ func (r *region) keepFd(fd int) error {
 	return nil
 }
 
-// committed returns how many bytes of the region are backed by memory now.
-// With a kept descriptor that is the allocated size of the file (what
-// Shmem in /proc/meminfo counts, pages reserved but not yet touched
-// included); otherwise the pages present in the page cache (mincore).
+// committed returns how many bytes of the region are backed by memory now,
+// for statistics. With a kept descriptor that is the allocated size of the
+// file (what Shmem in /proc/meminfo counts, pages reserved but not yet
+// touched included); otherwise the pages in the page cache (mincore).
 func (r *region) committed() uint64 {
 	if r.hasFd {
 		var st unix.Stat_t
@@ -89,7 +89,11 @@ func (r *region) committed() uint64 {
 			return uint64(st.Blocks) * 512
 		}
 	}
-	return committedBytes(r.mem)
+	var n uint64
+	for _, v := range residentPages(r.mem) {
+		n += uint64(v & 1)
+	}
+	return n * uint64(pageSize)
 }
 
 // createRegionPerm creates a zero-filled shared region of size bytes: a
@@ -141,16 +145,13 @@ func createRegionPerm(mode MemMapType, path string, size int, perm uint32) (*reg
 			return fail(fmt.Errorf("seal memfd %s: %w", path, err))
 		}
 	}
-	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	r, err := mapRegion(fd, path, int64(size), int64(size))
 	if err != nil {
-		return fail(fmt.Errorf("map %s (%d bytes): %w", path, size, err))
+		return fail(err)
 	}
-	r := &region{mem: mem, path: path}
 	if mode == MemMapTypeDevShmFile {
 		r.file = path
-		_, r.dev, r.ino, _ = fdInfo(fd)
 	}
-	r.refs.Store(1)
 	return r, fd, nil
 }
 
@@ -161,8 +162,7 @@ var errRegionNotOwned = errors.New("a client may name only region files it owns"
 // openRegionFile opens a region file named by a client in file mode, whose
 // user id is owner. Only a regular file directly inside allowedDir, owned by
 // owner, is accepted, and symbolic links are not followed, so a client
-// cannot make the server map (and later remove) a file that is not its own:
-// the names in /dev/shm are public, but another user's region is not.
+// cannot make the server map (and later remove) a file that is not its own.
 func openRegionFile(path, allowedDir string, owner uint32) (int, error) {
 	clean := filepath.Clean(path)
 	if clean != path || !filepath.IsAbs(path) || filepath.Dir(path) != filepath.Clean(allowedDir) {
@@ -211,30 +211,21 @@ func statRegular(fd int) (unix.Stat_t, error) {
 	return st, nil
 }
 
-// fdInfo returns the size and identity of a regular file descriptor.
-func fdInfo(fd int) (size int64, dev, ino uint64, err error) {
-	st, err := statRegular(fd)
-	if err != nil {
-		return 0, 0, 0, err
-	}
-	return st.Size, st.Dev, st.Ino, nil
-}
-
 // mapRegion maps all of fd, which must hold between minSize and maxSize
 // bytes. It does not close fd.
 func mapRegion(fd int, path string, minSize, maxSize int64) (*region, error) {
-	size, dev, ino, err := fdInfo(fd)
+	st, err := statRegular(fd)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	if size < minSize || size > maxSize {
-		return nil, fmt.Errorf("%s: size %d is outside [%d, %d]", path, size, minSize, maxSize)
+	if st.Size < minSize || st.Size > maxSize {
+		return nil, fmt.Errorf("%s: size %d is outside [%d, %d]", path, st.Size, minSize, maxSize)
 	}
-	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	mem, err := unix.Mmap(fd, 0, int(st.Size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
-		return nil, fmt.Errorf("map %s (%d bytes): %w", path, size, err)
+		return nil, fmt.Errorf("map %s (%d bytes): %w", path, st.Size, err)
 	}
-	r := &region{mem: mem, path: path, dev: dev, ino: ino}
+	r := &region{mem: mem, path: path, dev: st.Dev, ino: st.Ino}
 	r.refs.Store(1)
 	return r, nil
 }
@@ -282,20 +273,10 @@ func checkFreeSpace(dir string, size uint64) error {
 	return nil
 }
 
-var pid = os.Getpid()
-
-// pageSize is the size of a memory page.
-var pageSize = os.Getpagesize()
-
-// committedBytes returns how many bytes of mem are in the page cache now
-// (mincore), whoever touched them; for statistics, it allocates.
-func committedBytes(mem []byte) uint64 {
-	var n uint64
-	for _, v := range residentPages(mem) {
-		n += uint64(v & 1)
-	}
-	return n * uint64(pageSize)
-}
+var (
+	pid      = os.Getpid()
+	pageSize = os.Getpagesize()
+)
 
 // residentPages returns one byte per page of mem, bit 0 set for a page in
 // memory (mincore), or nil.
