@@ -3,6 +3,7 @@ package shmipc
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"net"
 	"slices"
@@ -18,10 +19,9 @@ import (
 // streams; the server accepts them. A Session is safe for concurrent use.
 type Session struct {
 	// The fields are grouped by who writes them, and the groups written for
-	// every message are kept on cache lines of their own: the first group is
-	// read for every message by goroutines on every core and written only
-	// while the session starts, so a write to a counter or a lock must not
-	// take its line from the other cores.
+	// every message have cache lines of their own: the first group, read
+	// for every message on every core, is written only while the session
+	// starts.
 
 	conf     *Config
 	isClient bool
@@ -36,12 +36,10 @@ type Session struct {
 	serverPid int32         // a memfd client's server process (exchangeVersion), 0 if unknown
 	closed    chan struct{} // closed when the session ends
 
-	// index finds an open stream by id without taking mu, which every
-	// message would otherwise take on a line written by both cores. Slot
-	// id%streamIndexSize holds the stream of that id, or another one, or
-	// nil; it is written only under mu, and only with a stream in streams,
-	// so a stream found there is one mu would have found (a stream that
-	// does not find its slot takes mu: indexed).
+	// index finds an open stream by id without taking mu. Slot
+	// id%streamIndexSize holds the stream of that id, another one, or nil;
+	// it is written only under mu, and only with a stream in streams, so a
+	// stream found there is one mu would have found.
 	_     cacheLinePad
 	index [streamIndexSize]atomic.Pointer[Stream]
 
@@ -49,8 +47,7 @@ type Session struct {
 	mu      sync.Mutex
 	streams map[uint32]*Stream
 	// peerGone counts the streams in streams that the peer has closed and
-	// this side has not: the peer no longer holds them open, so they do
-	// not count against its Config.MaxStreams.
+	// this side has not: they do not count against Config.MaxStreams.
 	peerGone int
 	nextID   uint32 // the last id OpenStream gave out
 	// closedIDs are ids of streams this server closed while the client
@@ -82,8 +79,7 @@ type Session struct {
 	counters        stripedCounters
 	onHotRestartAck atomic.Pointer[func(epoch uint64)]
 
-	// The receive loop's, which alone reads the socket and consumes the
-	// receive queue (recv.go, consume.go).
+	// The receive loop's alone (recv.go, consume.go).
 	_       cacheLinePad
 	cons    consumer
 	scratch []segment
@@ -91,8 +87,8 @@ type Session struct {
 	closing []pendingClose // close elements waiting for the socket to catch up
 	stall   *stalledFrame  // fallback data waiting for room (fallback_recv.go)
 
-	// Readers waiting for data (Stream.countWaiting), and their signal to a
-	// receive loop that waits for one (awaitReader).
+	// Readers waiting for data (Stream.countWaiting), and their signal to
+	// the receive loop (awaitReader).
 	_           cacheLinePad
 	waiting     atomic.Int32
 	readerWaits chan struct{}
@@ -251,7 +247,13 @@ func (s *Session) closeWithError(cause error) {
 			s.err = errorf("%w: %w", ErrSessionClosed, cause)
 		}
 		close(s.closed)
-		s.notifyStreams()
+		// Nothing under s.mu touches shared memory or ends the session, so
+		// no caller holds it.
+		s.mu.Lock()
+		for _, st := range s.streams {
+			st.notify()
+		}
+		s.mu.Unlock()
 		if s.buf != nil {
 			// Before the peer sees the end: it may count its free lists.
 			s.dropAllKept()
@@ -259,17 +261,6 @@ func (s *Session) closeWithError(cause error) {
 		}
 		s.ec.conn.Close()
 	})
-}
-
-// notifyStreams wakes the readers of every stream as the session ends.
-// closeWithError, its caller, never runs with s.mu held: nothing under s.mu
-// touches shared memory or ends the session.
-func (s *Session) notifyStreams() {
-	s.mu.Lock()
-	for _, st := range s.streams {
-		st.notify()
-	}
-	s.mu.Unlock()
 }
 
 // closedErr is Err for a session known to have ended.
@@ -280,8 +271,7 @@ func (s *Session) closedErr() error {
 
 // wait blocks until ch, a stream's readNotify, is signalled, the session
 // ends or deadline passes. Without a deadline it waits on ch alone, which
-// costs less than a select: the end of the session signals every stream's
-// channel (closeWithError, and teardown again).
+// costs less than a select: the end of the session signals ch too.
 func (s *Session) wait(ch <-chan struct{}, deadline time.Time) {
 	if deadline.IsZero() {
 		<-ch
@@ -310,8 +300,7 @@ func (s *Session) indexed(id uint32) *Stream {
 }
 
 // lookupLocked returns the open stream with id, or nil, with s.mu held. It
-// puts a stream it finds in the index if its slot is free (taken by a
-// stream since closed).
+// puts a stream it finds in the index if its slot is free.
 func (s *Session) lookupLocked(id uint32) *Stream {
 	st := s.streams[id]
 	if st != nil {
@@ -410,10 +399,7 @@ func (s *Session) forgetStream(st *Stream, open bool) {
 func (s *Session) teardown() {
 	defer s.finishTeardown()
 	s.mu.Lock()
-	streams := make([]*Stream, 0, len(s.streams))
-	for _, st := range s.streams {
-		streams = append(streams, st)
-	}
+	streams := slices.Collect(maps.Values(s.streams))
 	s.mu.Unlock()
 	for _, st := range streams {
 		st.sessionEnded(s.localClose)
@@ -425,9 +411,7 @@ func (s *Session) teardown() {
 // finishTeardown ends the session's bookkeeping: it unmaps the regions,
 // moves the counters to the ended total and tells the listener. teardown
 // defers it, so that it runs even when a memory fault in a shared region
-// cuts teardown short (the receive loop runs teardown inside an access):
-// otherwise every session a peer ended that way would keep its mappings
-// and its place in the listener.
+// cuts teardown short (it runs inside an access).
 func (s *Session) finishTeardown() {
 	s.releaseRegions()
 	unregister(s)
@@ -448,10 +432,10 @@ func (s *Session) finishTeardown() {
 // streams a client can close in the time its late data takes to arrive.
 const recentIDsKept = 256
 
-// recentIDs remembers the last recentIDsKept ids added, in 1 KiB allocated
-// on first use. Clients never reuse the id of a stream they saw closed
-// (they count ids up, PROTOCOL.md §6.1), so forgetting the oldest ones is
-// safe. has scans the ring: it runs only for ids no open stream has.
+// recentIDs remembers the last recentIDsKept ids added, allocated on first
+// use. Clients never reuse an id (they count ids up, PROTOCOL.md §6.1), so
+// forgetting the oldest ones is safe. has scans the ring: it runs only for
+// ids no open stream has.
 type recentIDs struct {
 	ring []uint32
 	next int
