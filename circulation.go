@@ -13,37 +13,29 @@ import (
 // committed, even when only a few messages are in flight.
 //
 // So the process that created a region looks at each of its lists every
-// circulationPeriod. It tracks the most slices of each list in flight,
-// count − parked − free, both counts taken at the same moment (by its own
-// pops and pushes, an allocation that finds the list dry, and each look);
-// over the last circulationWindow looks the largest is the peak. A busy list
-// keeps peak + spare slices in circulation, spare being the larger of
-// minSpare slices, spareBytes of data and a quarter of the peak; the others
-// are parked: popped, their data pages punched (giveback.go), and kept in
-// this process, where nobody can write them.
+// circulationPeriod and tracks the most slices in flight, count − parked −
+// free (both counts taken at the same moment), over the last
+// circulationWindow looks: the peak. A busy list keeps peak + spare slices
+// in circulation (spareFor); the others are parked: popped, their data
+// pages punched (giveback.go), and kept in this process, where nobody can
+// write them. Within one period the FIFO order can touch every slice that
+// is not parked, so from the first look after traffic changes a class
+// commits at most min(count, peak + spare) slices besides its headers.
 //
 // Parked slices go back as soon as they may be needed:
-//   - this process's own allocation takes a parked slice when the list has
-//     none to spare (bufferManager.take), and refills the list;
+//   - this process's own allocation takes one when the list has none to
+//     spare (bufferManager.take);
 //   - when a pop or push of this process, or a look, finds the free count
 //     below half the spare (at least 2), parked slices are pushed until the
-//     list holds its spare again. The peer's pops are seen by this
-//     process's pushes of what it received, or by the next look at the
-//     latest: a peer finds a list short for at most one period;
-//   - when the last session using the region ends, every parked slice is
-//     pushed back before its connection closes (the peer may check that its
-//     lists are full), and none is parked for parkHold after that;
-//   - when a list has been quiet for giveBackPeriod, its parked slices go
-//     back and the pages of the others are given back too (giveback.go);
-//   - before the region is unmapped, whatever is still parked goes back.
+//     list holds its spare again: a peer finds a list short for at most one
+//     period;
+//   - when the last session using the region ends, all go back before its
+//     connection closes (the peer may check that its lists are full), and
+//     none is parked for parkHold after that;
+//   - when a list has been quiet for giveBackPeriod (giveback.go), and
+//     before the region is unmapped.
 //
-// The bound, per class c of a busy region: committed ≤ headers + Σ_c
-// min(count_c, peak_c + spare_c) × slice size_c. It holds from the first
-// look after traffic changes, since within one period the FIFO order can
-// touch every slice that is not parked.
-//
-// Parked slices count as free in Stats and freeCounts: this process hands
-// them out on demand.
+// Parked slices count as free in Stats and freeCounts.
 
 // circulationPeriod is how often a region's lists are looked at. A region
 // takes the value when it is created.
@@ -131,12 +123,13 @@ func (m *bufferManager) spareFor(li int, peak int32) int32 {
 // observe notes that list li was left with left free slices by a pop or
 // push of this process, and refills the list if it is short.
 func (c *circulation) observe(m *bufferManager, li int, left int32) error {
-	cl := &c.lists[li]
 	c.noteInFlight(m, li, left)
-	if left < cl.floor.Load() {
-		return c.refill(m, li)
+	if left >= c.lists[li].floor.Load() {
+		return nil
 	}
-	return nil
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.refillLocked(m, li)
 }
 
 // noteInFlight records the slices of list li in flight, neither free nor
@@ -165,13 +158,7 @@ func (c *circulation) setFloorLocked(li int) {
 	c.lists[li].floor.Store(floor)
 }
 
-// refill pushes parked slices of list li until it holds its spare.
-func (c *circulation) refill(m *bufferManager, li int) error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.refillLocked(m, li)
-}
-
+// refillLocked pushes parked slices of list li until it holds its spare.
 func (c *circulation) refillLocked(m *bufferManager, li int) error {
 	defer c.setFloorLocked(li)
 	free := m.i32(m.lists[li].header + listFreeOff)
@@ -206,7 +193,7 @@ func (c *circulation) unparkOne(m *bufferManager, li int) (uint32, error) {
 // unparkList pushes every parked slice of list li back.
 func (c *circulation) unparkList(m *bufferManager, li int) {
 	c.mu.Lock()
-	defer c.mu.Unlock() // deferred: look runs inside quietly
+	defer c.mu.Unlock()
 	c.unparkListLocked(m, li)
 }
 
@@ -289,13 +276,11 @@ func (m *bufferManager) look(period, giveBack time.Duration) {
 // spare, or refills it if it is short.
 func (m *bufferManager) steer(li int) {
 	c := m.circ
-	l := &m.lists[li]
 	var peak int32
 	for _, p := range c.peaks[li] {
 		peak = max(peak, p)
 	}
 	spare := m.spareFor(li, peak)
-	free := m.i32(l.header + listFreeOff)
 	c.mu.Lock()
 	c.spare[li] = spare
 	c.mu.Unlock()
@@ -303,7 +288,7 @@ func (m *bufferManager) steer(li int) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if shmLoadInt32(free) < c.lists[li].floor.Load() {
+	if m.freeCount(li) < c.lists[li].floor.Load() {
 		_ = c.refillLocked(m, li)
 	}
 	c.setFloorLocked(li)
