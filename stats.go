@@ -59,14 +59,13 @@ type RegionStats struct {
 	// Shmem in /proc/meminfo, counted once.
 	Committed uint64
 	// InUse is the data capacity of the slices handed out and not yet
-	// freed, by either process (buffer regions only; parked slices are
-	// free, but only the region's creator, the client, knows which are
-	// parked: a server counts them in use, as ListStats.Free does). What
-	// one session holds of a shared region is not told apart
-	// from what the others hold. An open stream that has read a message
-	// may keep one slice of up to 128 KiB for its next message (at most an
-	// eighth of a class per process), so a region at rest shows up to one
-	// such slice per open stream in use.
+	// freed, by either process, and by any session of a shared region
+	// (buffer regions only). Only the region's creator, the client, knows
+	// which slices are parked: a server counts them in use, as
+	// ListStats.Free does. An open stream that has read a message may keep
+	// one slice of up to 128 KiB for its next one (at most an eighth of a
+	// class per process), so a region at rest shows up to one such slice per
+	// open stream in use.
 	InUse uint64
 	// Sessions is the number of this process's sessions using the region
 	// (or, for AggregateStats, the number of regions summed).
@@ -87,8 +86,8 @@ type ListStats struct {
 }
 
 // sessionCounters are updated on the hot paths with atomic adds. Writers
-// update the first group and receivers the second; each group has cache
-// lines of its own, so the two sides do not slow each other down.
+// update the first group and the receive loop the second, each on cache
+// lines of its own.
 type sessionCounters struct {
 	_                                     cacheLinePad
 	messagesOut, bytesOut                 atomic.Uint64
@@ -106,9 +105,7 @@ type cacheLinePad [64]byte
 
 // counterStripes is how many sets of counters a session has. A stream
 // counts in the set its id picks, so that streams on different processors
-// mostly write different cache lines: with one set, the counters' lines
-// went back and forth between the processors for every message of 8
-// streams in one process.
+// mostly write different cache lines.
 const (
 	counterStripeBits = 2
 	counterStripes    = 1 << counterStripeBits
@@ -147,16 +144,16 @@ func (c *sessionCounters) addTo(st *Stats) {
 // Stats returns the session's counters and gauges. The gauges of a closed
 // session are zero.
 func (s *Session) Stats() Stats {
-	var st Stats
-	s.counters.addTo(&st)
+	var counts Stats
+	s.counters.addTo(&counts)
+	if s.IsClosed() || !s.queueRegion.acquire() {
+		return counts
+	}
+	defer s.queueRegion.release()
+	st := counts
 	s.mu.Lock()
 	st.ActiveStreams = len(s.streams)
 	s.mu.Unlock()
-	if s.IsClosed() || !s.queueRegion.acquire() {
-		st.ActiveStreams = 0
-		return st
-	}
-	defer s.queueRegion.release()
 	err := s.access(func() error {
 		st.SendQueueDepth = s.sendQ.depth()
 		st.RecvQueueDepth = s.recvQ.depth()
@@ -172,9 +169,8 @@ func (s *Session) Stats() Stats {
 		st.Queue = RegionStats{Size: uint64(len(s.queueRegion.mem)), Committed: s.queueRegion.committed(), Sessions: 1}
 		return nil
 	})
-	if err != nil { // a fault ended the session: its gauges are zero
-		st.ActiveStreams, st.SendQueueDepth, st.RecvQueueDepth, st.Lists = 0, 0, 0, nil
-		st.Buffer, st.Queue = RegionStats{}, RegionStats{}
+	if err != nil {
+		return counts // a fault ended the session: its gauges are zero
 	}
 	return st
 }
@@ -264,14 +260,6 @@ func (c *Config) logger() *slog.Logger {
 		return c.Logger
 	}
 	return discardLogger
-}
-
-// freeCounts returns the free slices of each list, for tests and
-// statistics: those on the free list and those this process has parked
-// (circulation.go), which are free and handed out on demand.
-func (m *bufferManager) freeCounts() []int32 {
-	free, _ := m.counts()
-	return free
 }
 
 // counts returns the free slices of each list (parked ones included) and,
