@@ -19,12 +19,11 @@ const (
 	MemMapTypeMemFd MemMapType = iota
 	// MemMapTypeDevShmFile creates files under ShareMemoryPathPrefix
 	// (normally in /dev/shm) and sends their paths (protocol version 2). It
-	// works over TCP loopback too. The files are removed when the session ends.
-	// A server maps only regular files directly inside its own prefix
-	// directory that are owned by the connecting client's user id (from
-	// SO_PEERCRED, or from /proc/net/tcp over TCP; a client whose user id
-	// cannot be established is refused), and shares a mapping it has cached
-	// only with sessions of the same client process.
+	// works over TCP loopback too. The files are removed when the session
+	// ends. A server maps only regular files directly inside its own prefix
+	// directory owned by the client's user id (SO_PEERCRED, or /proc/net/tcp
+	// over TCP; a client whose user id is unknown is refused), and shares a
+	// cached mapping only with sessions of the same client process.
 	MemMapTypeDevShmFile
 )
 
@@ -83,50 +82,48 @@ type Config struct {
 
 	// ConsumerSpinTime is how long a receiver that has drained its IO queue
 	// keeps looking for more before it sleeps on the socket. While it looks,
-	// the peer sends no wake-ups, which takes small-message latency well below
-	// a socket round trip. The time actually spent adapts to the traffic: it
-	// drops to nothing when spinning stops paying off, so an idle session
-	// uses no CPU. Zero disables spinning.
+	// the peer sends no wake-ups, which takes small-message latency well
+	// below a socket round trip. The time spent adapts to the traffic, down
+	// to nothing when spinning does not pay off, so an idle session uses no
+	// CPU. Zero disables spinning.
 	ConsumerSpinTime time.Duration
 
 	// WriteSpaceTimeout bounds how long a write waits for room when the
 	// buffer region or the peer's IO queue is full because the peer has not
-	// yet consumed what was sent (back-pressure). A write deadline that
-	// comes sooner wins. Then the write fails with a timeout error (a
-	// net.Error; for a full queue it also wraps ErrQueueFull) and nothing of
-	// the message is sent.
+	// yet consumed what was sent (back-pressure), unless a write deadline
+	// comes sooner. Then the write fails with a timeout error (a net.Error;
+	// for a full queue it also wraps ErrQueueFull) and nothing of the
+	// message is sent.
 	//
-	// A writer that holds part of the region waits only briefly: after
-	// 50 ms, a message that runs out of room part way goes on as fallback
-	// data, and so does a message on a stream whose reader holds received
-	// slices it read in place and has not released (an echo that reserves
-	// its reply before releasing a large request could otherwise wait for
-	// what it holds itself); data read by copying, or not read yet, does not
-	// count. Writers that hold nothing wait for room first come, first
-	// served, and on the side that created the region they leave a few of
-	// its slices to writers that hold some. Waiting can
-	// still deadlock when every slice is held by streams
-	// other than the waiting one, whose owners wait too (a client that keeps
-	// large replies on some streams while it sends on others): size the
-	// region for the data in flight, or set FallbackWhenFull.
+	// A writer that holds part of the region waits only 50 ms, then goes on
+	// as fallback data: a message that ran out of room part way, or one on a
+	// stream whose reader holds slices it read in place and has not
+	// released (an echo that reserves its reply before releasing a large
+	// request would otherwise wait for itself). Writers that hold nothing
+	// wait first come, first served, and on the side that created the
+	// region they leave a few slices to writers that hold some. Waiting can
+	// still deadlock when every slice is held by other streams whose owners
+	// wait too (a client that keeps large replies on some streams while it
+	// sends on others): size the region for the data in flight, or set
+	// FallbackWhenFull.
 	WriteSpaceTimeout time.Duration
 
 	// FallbackWhenFull sends a message over the socket as fallback data when
 	// the buffer region has no room for it, instead of waiting (the other
 	// implementations' behaviour). A stream that has sent fallback data
 	// keeps doing so. Messages that can never fit in shared memory (a
-	// Reserve larger than the largest slice, or a message larger than half
-	// the region, or than half of what its slices of an eighth of the
-	// largest size or more can hold) always go as fallback data.
+	// Reserve larger than the largest slice, a message larger than half the
+	// region, or than half of what its slices of an eighth of the largest
+	// size or more hold) always go as fallback data.
 	FallbackWhenFull bool
 
 	// RequireSealedMemory makes a server refuse regions that the client
 	// could still shrink after the handshake: memfds not sealed against
-	// shrinking (F_SEAL_SHRINK), and all file-mode regions. A shrunk region
-	// is survivable anyway (faults on the library's own accesses end the
-	// session with an error), but a zero-copy slice held by the application
-	// would fault in application code. Clients of this package seal their
-	// memfds; the reference implementations do not.
+	// shrinking (F_SEAL_SHRINK), and all file-mode regions. The library's
+	// own accesses survive a shrunk region (the session ends with an
+	// error), but a zero-copy slice held by the application would fault in
+	// its code. Clients of this package seal their memfds; the reference
+	// implementations do not.
 	RequireSealedMemory bool
 
 	// AllowedPeerUIDs, when not empty, restricts a server to clients whose
@@ -151,10 +148,9 @@ type Config struct {
 
 	// MaxFallbackFrameSize is the largest FallbackData frame accepted from
 	// the peer, header included (at least 32 MiB). Larger frames end the
-	// session. This implementation sends a flushed message as one frame of
-	// up to 32 MiB, as the reference implementations do (32 MiB is the Rust
-	// reference's read buffer), and splits only a larger one, so that every
-	// peer takes its frames whatever its setting.
+	// session. This implementation sends frames of at most 32 MiB (the Rust
+	// reference's read buffer), splitting only larger messages, so that
+	// every peer takes its frames whatever its setting.
 	MaxFallbackFrameSize uint32
 
 	// Bounds on what a peer can make this side hold. A peer that reaches
@@ -164,13 +160,12 @@ type Config struct {
 
 	// MaxStreams bounds the streams a client holds open at once in a
 	// session (default 65,536; a stream costs a few hundred bytes):
-	// OpenStream fails beyond it. A stream counts from the moment it is
-	// opened until the client closes it, whether or not the server has
-	// closed it. A server ends a session whose client has more than twice
-	// as many open as far as it can tell (a close can reach it after the
-	// client's next stream). Streams the client has closed and the server's
-	// application has not are the application's to bound: those not yet
-	// accepted by MaxPendingAccepts, the others by how it accepts them.
+	// OpenStream fails beyond it. A stream counts from its opening until the
+	// client closes it, whether or not the server has. A server ends a
+	// session whose client has more than twice as many open as far as it
+	// can tell. Streams the client has closed and the server's application
+	// has not are the application's to bound: those not yet accepted by
+	// MaxPendingAccepts, the others by how it accepts them.
 	MaxStreams int
 
 	// MaxPendingAccepts bounds the streams of one session that have been
@@ -180,21 +175,17 @@ type Config struct {
 
 	// MaxFallbackBufferedPerStream and MaxFallbackBuffered bound the
 	// fallback data received and not yet read, for one stream and for the
-	// whole session (defaults 32 MiB and 64 MiB), whatever API reads it
-	// (Read, BufferReader, netpoll, OnData, ServeHandler). A FallbackData
-	// frame is always taken while its stream (for the session's bound, the
-	// session) holds none, so the data held is at most the bound plus one
-	// frame. A frame that would exceed a bound waits, and the socket with
-	// it, until the application reads; the session's shared-memory
-	// messages go on meanwhile (the receive loop keeps polling its queue).
-	// If no room comes within FallbackStallTimeout (default 10 s), that
-	// stream fails: its reads and writes return an error that wraps
-	// ErrLimitExceeded and names the bound, the peer is told the stream is
-	// closed, and the session goes on. So a read that needs more unread
-	// bytes at once than a stream's bound (a ReadBytes or Peek of a larger
-	// message sent as fallback data) fails that way.
-	// Streams carrying shared-memory messages are bounded by the buffer
-	// region itself.
+	// whole session (defaults 32 MiB and 64 MiB), whatever API reads it. A
+	// FallbackData frame is always taken while its stream (for the
+	// session's bound, the session) holds none, so the data held is at most
+	// the bound plus one frame. A frame that would exceed a bound waits, and
+	// the socket with it, until the application reads; shared-memory
+	// messages go on meanwhile. If no room comes within
+	// FallbackStallTimeout (default 10 s), that stream fails: its reads and
+	// writes return an error that wraps ErrLimitExceeded and names the
+	// bound, the peer is told the stream is closed, and the session goes
+	// on. So does a ReadBytes or Peek of more fallback data than a stream's
+	// bound. Shared-memory messages are bounded by the buffer region itself.
 	MaxFallbackBufferedPerStream int
 	MaxFallbackBuffered          int
 	FallbackStallTimeout         time.Duration
@@ -202,8 +193,8 @@ type Config struct {
 	// PartialFrameTimeout bounds how long a frame may take to arrive once
 	// its first bytes have (default 10 s): a peer that announces a frame
 	// and stops part way ends its session. The receive buffer grows with
-	// the bytes that arrive, not with the length a frame announces. Zero
-	// means the default.
+	// the bytes that arrive, not the length announced. Zero means the
+	// default.
 	PartialFrameTimeout time.Duration
 
 	// MaxSessions bounds the sessions a Listener serves at once, handshakes
@@ -233,13 +224,9 @@ const (
 
 	// maxFallbackFrameSent is the largest FallbackData frame we send: the
 	// smallest MaxFallbackFrameSize Verify allows, since a peer's limit is
-	// never learnt, and a peer of this implementation configured at that
-	// minimum must take every frame. It is the Rust reference's read
-	// buffer: that reader panics on a larger frame, and leaks every frame
-	// but the last that one of its reads spans, so a message goes in as
-	// few frames as it can. While a frame is written it holds the socket:
-	// the frames and wake-ups of the session's other streams wait behind it
-	// (fallbackFrameData).
+	// never learnt. It is the Rust reference's read buffer: that reader
+	// panics on a larger frame, and leaks every frame but the last that one
+	// of its reads spans, so a message goes in as few frames as it can.
 	maxFallbackFrameSent = minFallbackFrame
 
 	minBufferCap = 1 << 20
@@ -256,12 +243,11 @@ const (
 //
 // The other Shmipc implementations default to 32 MiB of 8, 32 and 128 KiB
 // slices (ReferenceSliceSizes); their peers accept any layout. The larger
-// classes let a message of up to 4 MiB sit in one slice, so Reserve and
-// ReadBytes stay zero-copy for it, and there are 20 of the 4 MiB slices so
-// that 8 streams can each hold a 4 MiB request while they reserve a 4 MiB
-// reply. The 128 MiB are address space: a region is sparse, and its pages
-// are committed only when written (the slice headers, about 11 MiB for this
-// layout, when the region is created; data pages as traffic needs them).
+// classes keep Reserve and ReadBytes zero-copy up to 4 MiB, and 20 slices
+// of 4 MiB let 8 streams each hold a 4 MiB request while they reserve a
+// 4 MiB reply. The 128 MiB are address space: a region's pages are
+// committed only when written (about 11 MiB of slice headers when it is
+// created, data pages as traffic needs them).
 func DefaultConfig() *Config {
 	return &Config{
 		InitializeTimeout:      defaultInitializeTimeout,
@@ -353,7 +339,6 @@ func (c *Config) Verify() error {
 		return bad("ShareMemoryPathPrefix %q must be an absolute path without . or .. elements in file mode", c.ShareMemoryPathPrefix)
 	}
 	if len(c.ShareMemoryPathPrefix) > maxMemfdPrefix {
-		// Region names go into the handshake with 16-bit lengths.
 		return bad("ShareMemoryPathPrefix is %d bytes long; at most %d", len(c.ShareMemoryPathPrefix), maxMemfdPrefix)
 	}
 	if c.MemMapType == MemMapTypeDevShmFile && len(c.ShareMemoryPathPrefix)+len(pathUniquePart) > maxPathBudget {
@@ -406,13 +391,12 @@ const ReferenceBufferCap = 32 << 20
 const minFallbackFrame = 32 << 20
 
 // fallbackFrameData is the most data a FallbackData frame we send carries
-// (the frame less its 16 bytes of header, id and status). A variable only
-// so that a benchmark can compare the frame sizes in one run.
+// (less 16 bytes of header, id and status). A variable for benchmarks.
 var fallbackFrameData = maxFallbackFrameSent - 16
 
 // maxMemfdPrefix bounds ShareMemoryPathPrefix in memfd mode too (file mode
-// has the tighter maxPathBudget): the region names a client sends, with
-// what hot restart adds to them, must fit the handshake's 16-bit lengths.
+// has the tighter maxPathBudget): the region names, with what hot restart
+// adds, must fit the handshake's 16-bit lengths.
 const maxMemfdPrefix = 4096
 
 // pathUniquePart stands for what a client appends to the prefix: "_<pid>_<random>".
@@ -463,8 +447,7 @@ func planLists(size uint32, pairs []SizePercentPair) ([]listPlan, error) {
 		plans[i] = listPlan{sliceCap: p.Size, count: uint32(count)}
 	}
 	// A free list never hands out its last slice (bufferManager.alloc): a
-	// class of one slice is never used, and a layout of such classes
-	// would send everything over the socket.
+	// layout of one-slice classes would send everything over the socket.
 	usable := false
 	for _, p := range plans {
 		usable = usable || p.count >= 2

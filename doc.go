@@ -36,10 +36,8 @@
 //	reply, err := st.BufferReader().ReadBytes(5) // zero-copy
 //
 // Listener.Close stops accepting and leaves the streams already accepted
-// open, as a net.Listener's Close leaves its connections (a server that
-// stops gracefully, such as grpc.Server.GracefulStop, relies on it); each
-// session then ends with its last stream. Listener.CloseAll also ends every
-// session at once.
+// open, as a net.Listener's Close leaves its connections; each session then
+// ends with its last stream. Listener.CloseAll ends every session at once.
 //
 // # Sessions and streams
 //
@@ -52,11 +50,11 @@
 //
 // Stream.BufferWriter builds a message directly in shared memory and
 // Stream.Flush sends it; Stream.BufferReader returns received bytes in
-// place. Their documentation says how long returned slices stay valid,
-// and that bytes returned in place stay writable by the peer: copy what you
-// must validate when the peer is not trusted (Stream.Read copies).
+// place. Their documentation says how long returned slices stay valid, and
+// that the peer can still write bytes returned in place: copy what you must
+// validate when the peer is not trusted (Stream.Read copies).
 // Stream.NetpollReader and Stream.NetpollWriter offer the same through
-// CloudWeGo netpoll's interfaces, for RPC frameworks.
+// CloudWeGo netpoll's interfaces.
 //
 // # Configuration
 //
@@ -67,10 +65,10 @@
 //
 // # Errors
 //
-// Every sentinel error is declared in one block (ErrSessionClosed,
-// ErrProtocol, ErrLimitExceeded, ...); returned errors wrap them, for
-// errors.Is. Timeouts satisfy net.Error and match os.ErrDeadlineExceeded;
-// the errors of a stream after its own Close match net.ErrClosed.
+// Returned errors wrap the sentinels (ErrSessionClosed, ErrProtocol,
+// ErrLimitExceeded, ...), for errors.Is. Timeouts satisfy net.Error and
+// match os.ErrDeadlineExceeded; the errors of a stream after its own Close
+// match net.ErrClosed.
 //
 // Everything read from the socket or from shared memory is checked before
 // use. A peer that breaks the protocol ends its session with an error
@@ -82,8 +80,7 @@
 // OnData call back when data has arrived. A SessionManager pools sessions to
 // one address, hands out reusable streams, re-dials sessions that die, and
 // dials streams for gRPC (SessionManager.DialContext). Listener.HotRestart
-// and ListenTakeover hand the clients of one server process over to the
-// next.
+// and ListenTakeover hand the clients of one server process to the next.
 //
 // # Statistics
 //
@@ -91,8 +88,8 @@
 // wake-ups and the memory of the shared regions; Config.Logger receives log
 // records (none by default).
 //
-// The wire protocol is that of the other Shmipc implementations, so a
-// shmipc client can talk to their servers and the other way round; the
-// README lists what has been checked, and docs/protocol.md describes the
-// protocol and what this implementation adds locally.
+// A shmipc client can talk to the other implementations' servers and the
+// other way round; the README lists what has been checked, and
+// docs/protocol.md describes the protocol and this implementation's local
+// additions.
 package shmipc

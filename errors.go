@@ -35,8 +35,7 @@ var (
 
 	// ErrStreamClosed is returned by the methods of a stream after its own
 	// Close (and by a call that Close cut short). It matches net.ErrClosed
-	// under errors.Is, as the error of a closed net.Conn does, so code that
-	// tells a deliberate close from a failure that way works on streams.
+	// under errors.Is, as the error of a closed net.Conn does.
 	ErrStreamClosed error = &closedError{"shmipc: stream closed"}
 
 	// ErrStreamPeerClosed is returned by writes (Write, Flush, BufferWriter
@@ -71,7 +70,7 @@ var (
 
 	// ErrListenerClosed is returned by Accept after the listener was closed.
 	// It matches net.ErrClosed under errors.Is, as the error of a closed
-	// net.Listener does, so accept loops written for those stop on it too.
+	// net.Listener does.
 	ErrListenerClosed error = &closedError{"shmipc: listener closed"}
 
 	// ErrTimeout is returned when a deadline or timeout passes. It satisfies
@@ -97,15 +96,13 @@ var (
 	// listener is still running.
 	ErrHotRestartRunning = errors.New("shmipc: a hot restart is already running")
 
-	// ErrHotRestartHandshaking was returned by HotRestart while a session
-	// of the listener was still handshaking. HotRestart no longer waits
-	// for handshakes (a session that finishes one during the restart is
-	// told then), so nothing returns it; it stays for code that checks it.
+	// ErrHotRestartHandshaking is returned by nothing: HotRestart tells a
+	// session still handshaking when it is done. It stays for code that
+	// checks it.
 	ErrHotRestartHandshaking = errors.New("shmipc: a session is still handshaking")
 
 	// ErrHotRestartTimeout is returned (wrapped) by WaitHotRestart when not
-	// every session acknowledged within 2 s. The sessions stay
-	// up.
+	// every session acknowledged within 2 s. The sessions stay up.
 	ErrHotRestartTimeout = errors.New("shmipc: hot restart not acknowledged in time")
 
 	// ErrNoHotRestart is returned by WaitHotRestart when HotRestart was not
@@ -146,8 +143,7 @@ func (e *closedError) Error() string { return e.msg }
 func (e *closedError) Unwrap() error { return net.ErrClosed }
 
 // writeClosedErr is the error of a write on a stream whose writes are
-// closed: ErrStreamClosed after its own Close, ErrStreamPeerClosed after
-// the peer's, and the session's error when the session ended.
+// closed: by its Close, fail, the peer's close or the session's end.
 func (st *Stream) writeClosedErr() error {
 	st.mu.Lock()
 	closed, failed, peer := st.closed, st.failErr, st.peerClosed

@@ -8,15 +8,10 @@ import (
 	"strings"
 )
 
-// Building error messages that say each thing once.
-//
 // Every error of this package starts with "shmipc: ", and many wrap another
-// (a session closed because of a protocol violation, a manager without a
-// healthy session because of a dial that failed), so joined naively the
-// prefix would come back at each level. errorf says it once: at the start.
-// The errors of package net and os name their operation and address
-// already ("dial unix /p: connect: connection refused"), so netError adds
-// only the prefix to those.
+// of them, so joined naively the prefix would come back at each level:
+// errorf says it once, at the start. Errors of package net and os name
+// their operation and address already, so netError adds only the prefix.
 
 const errPrefix = "shmipc: "
 

@@ -10,25 +10,19 @@ import (
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// Hot restart, client side (PROTOCOL.md §7; the server side and the
-// sequence are in hotrestart_server.go): a SessionManager that gets a
-// HotRestart frame dials the new server, parks the old sessions until their
-// streams are idle, acknowledges, and moves its pool over.
+// Hot restart, client side (PROTOCOL.md §7; the server side is in
+// hotrestart_server.go): a SessionManager that gets a HotRestart frame dials
+// the new server, parks the old sessions until their streams are idle,
+// acknowledges, and moves its pool over.
 
 // smHotRestart is the hot-restart state of a SessionManager.
 type smHotRestart struct {
-	mu      sync.Mutex
-	ready   bool // the slots exist
-	running bool
-	epoch   uint64 // of the running (or last) restart
-	randID  uint64
-	started time.Time // when the running (or last) restart started
-
-	// Results, for inspection.
-	completed int    // restarts that replaced every session and acknowledged
-	failed    int    // restarts that timed out
-	lastEpoch uint64 // of the last finished restart
-	changed   chan struct{}
+	mu        sync.Mutex
+	ready     bool // the slots exist
+	running   bool
+	started   time.Time // when the running (or last) restart started
+	completed int       // restarts that replaced every session and acknowledged
+	failed    int       // restarts that timed out
 }
 
 // hotRestartSetup installs the HotRestart hook on a session the manager
@@ -39,9 +33,8 @@ func (m *SessionManager) hotRestartSetup(s *Session) {
 }
 
 // minHotRestartInterval is the least time between the starts of two hot
-// restarts of a manager: a server sending HotRestart over and over (on the
-// new sessions as soon as they are current) would otherwise have it dial
-// new sessions and create new regions in a loop.
+// restarts of a manager, so that a server sending HotRestart over and over
+// cannot make it dial sessions and create regions in a loop.
 const minHotRestartInterval = time.Second
 
 // onHotRestart runs on s's receive loop and must not block. The first
@@ -55,7 +48,7 @@ func (m *SessionManager) onHotRestart(s *Session, epoch uint64) {
 		return
 	}
 	if !m.hr.started.IsZero() && time.Since(m.hr.started) < minHotRestartInterval {
-		return // a server repeating HotRestart must not make the manager dial in a loop
+		return
 	}
 	m.mu.Lock()
 	if m.closed {
@@ -66,9 +59,8 @@ func (m *SessionManager) onHotRestart(s *Session, epoch uint64) {
 	m.mu.Unlock()
 	m.hr.running = true
 	m.hr.started = time.Now()
-	m.hr.epoch = epoch
-	m.hr.randID = uint64(time.Now().UnixNano()) + rand.Uint64()
-	go m.runHotRestart(epoch, m.hr.randID, time.Now().Add(hotRestartTimeout))
+	randID := uint64(time.Now().UnixNano()) + rand.Uint64()
+	go m.runHotRestart(epoch, randID, time.Now().Add(hotRestartTimeout))
 }
 
 // hotRestarting reports whether a hot restart is switching the sessions.
@@ -79,17 +71,7 @@ func (m *SessionManager) hotRestarting() bool {
 }
 
 // isCurrent reports whether s is the session of one of the slots.
-func (m *SessionManager) isCurrent(s *Session) bool {
-	for _, sl := range m.slots {
-		sl.mu.Lock()
-		cur := sl.sess
-		sl.mu.Unlock()
-		if cur == s {
-			return true
-		}
-	}
-	return false
-}
+func (m *SessionManager) isCurrent(s *Session) bool { return m.slotOf(s) != nil }
 
 // hotRestartConfig is the session configuration after a hot restart with
 // epoch and randID: region names become
@@ -120,7 +102,7 @@ func (m *SessionManager) runHotRestart(epoch, randID uint64, deadline time.Time)
 		if ns == nil {
 			break
 		}
-		old, idle, installed := sl.replace(ns)
+		old, idle, installed := sl.swap(ns, nil)
 		for _, is := range idle {
 			is.st.Close()
 		}
@@ -134,7 +116,7 @@ func (m *SessionManager) runHotRestart(epoch, randID uint64, deadline time.Time)
 		replaced++
 	}
 	if replaced < len(m.slots) {
-		m.endHotRestart(epoch, false)
+		m.endHotRestart(false)
 		for _, s := range parked {
 			s.Close()
 		}
@@ -148,24 +130,19 @@ func (m *SessionManager) runHotRestart(epoch, randID uint64, deadline time.Time)
 			_ = s.sendFailed("send HotRestartAck", err)
 		}
 	}
-	m.endHotRestart(epoch, true)
+	m.endHotRestart(true)
 	m.drainParked(parked)
 }
 
 // endHotRestart records the end of a restart; another may start.
-func (m *SessionManager) endHotRestart(epoch uint64, ok bool) {
+func (m *SessionManager) endHotRestart(ok bool) {
 	m.hr.mu.Lock()
 	defer m.hr.mu.Unlock()
 	m.hr.running = false
-	m.hr.lastEpoch = epoch
 	if ok {
 		m.hr.completed++
 	} else {
 		m.hr.failed++
-	}
-	if m.hr.changed != nil {
-		close(m.hr.changed)
-		m.hr.changed = nil
 	}
 }
 
@@ -222,19 +199,12 @@ func (m *SessionManager) drainParked(parked []*Session) {
 	}
 }
 
-// replace installs s as the slot's session after a hot restart and returns
-// the session it replaces (nil if the slot was being re-dialed) and that
-// session's idle streams, which the caller closes. installed is false if the
-// manager has closed.
-func (sl *smSlot) replace(s *Session) (old *Session, idle []idleStream, installed bool) {
-	return sl.swap(s, nil)
-}
-
 // swap installs s as the slot's session, if the slot's current session
-// passes ok (any does when ok is nil), and returns the one it replaces
-// and that one's idle streams. It fails once the manager has closed.
-// Waiters for a healthy session (GetStreamContext) look again: the slot
-// may have been empty, or its session dead and not yet noticed.
+// passes ok (any does when ok is nil), and returns the one it replaces (nil
+// if the slot was being re-dialed) and that one's idle streams, which the
+// caller closes. It fails once the manager has closed. Waiters for a
+// healthy session (GetStreamContext) look again: the slot may have been
+// empty, or its session dead and not yet noticed.
 func (sl *smSlot) swap(s *Session, ok func(cur *Session) bool) (old *Session, idle []idleStream, swapped bool) {
 	m := sl.m
 	m.mu.Lock()

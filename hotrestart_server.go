@@ -18,17 +18,15 @@ package shmipc
 // Close lets the requests in progress finish: each old session ends with its
 // last stream (CloseAll ends them at once).
 //
-// The new server binds a fresh socket under a temporary name in the same
-// directory and renames it over the path (rename(2) is atomic): a client that
-// connects sees either the old or the new server, never no server, and no
-// listener fd has to travel between the processes. The old listener keeps
-// its (now unnamed) socket until it is closed; HotRestart makes sure its
-// Close does not remove the path, which belongs to the new server.
+// The new server binds a socket under a temporary name in the same
+// directory and renames it over the path (rename(2) is atomic): a client
+// sees the old or the new server, never none, and no listener fd travels
+// between the processes. HotRestart makes sure the old listener's Close
+// does not remove the path, which belongs to the new server.
 //
 // Client side (hotrestart_client.go): a SessionManager reacts to HotRestart
-// on its own; see SessionManager. A plain Session (Dial, Client) ignores
-// HotRestart and stays up; it ends when the old server closes it (once its
-// listener is closed, when its last stream is closed).
+// on its own. A plain Session (Dial, Client) ignores it and ends when the
+// old server closes it.
 
 import (
 	"context"
@@ -48,8 +46,8 @@ import (
 )
 
 // hotRestartTimeout bounds a hot restart on both sides (PROTOCOL.md §7):
-// the old server waits this long for the acknowledgements, and a client
-// this long for its old sessions to become idle.
+// the old server's wait for the acknowledgements, and a client's for its
+// old sessions to become idle.
 const hotRestartTimeout = 2 * time.Second
 
 // hotRestartPoll is how often the server checks for the acknowledgements.
@@ -65,9 +63,8 @@ type srvHotRestart struct {
 	hooked  map[*Session]*func(uint64)
 	acked   int
 	over    bool // finish ran: no session joins any more
-	// handshaking are the connections that were in their handshake when
-	// the restart began: their sessions join it (join). Written before
-	// the restart is published, under the listener's mu.
+	// handshaking are the connections in their handshake when the restart
+	// began, whose sessions join it. Written before it is published.
 	handshaking map[net.Conn]struct{}
 
 	done chan struct{}
@@ -84,9 +81,9 @@ func (hr *srvHotRestart) finished() bool {
 }
 
 // HotRestart starts a hot restart with the given epoch: it sends a
-// HotRestart frame to every session of the listener (docs/protocol.md §10) and
-// counts the HotRestartAck frames that come back with the same epoch. It
-// returns once the frames are sent; WaitHotRestart waits for the
+// HotRestart frame to every session of the listener (docs/protocol.md §10)
+// and counts the HotRestartAck frames that come back with the same epoch.
+// It returns once the frames are sent; WaitHotRestart waits for the
 // acknowledgements (at most 2 s from now).
 //
 // It fails with ErrHotRestartRunning while a previous restart is still
@@ -178,8 +175,7 @@ func (hr *srvHotRestart) tell(s *Session) {
 
 // join makes a session whose handshake was running when the restart began
 // part of it (Listener.adopt): its client would otherwise stay on this
-// server. (Sessions the clients dial after that, such as the ones they
-// dial for the restart, are not part of it.)
+// server.
 func (hr *srvHotRestart) join(s *Session) {
 	if hr.hook(s) {
 		hr.tell(s)
@@ -246,9 +242,9 @@ func (hr *srvHotRestart) finish(err error) {
 
 // WaitHotRestart waits for the hot restart started by HotRestart to finish.
 // It returns nil once every session acknowledged, an error wrapping
-// ErrHotRestartTimeout if some did not within 2 s (the restart
-// is then over and the sessions stay up), ErrListenerClosed if the listener
-// was closed first, or ctx's error.
+// ErrHotRestartTimeout if some did not within 2 s (the restart is then over
+// and the sessions stay up), ErrListenerClosed if the listener was closed
+// first, or ctx's error.
 func (l *Listener) WaitHotRestart(ctx context.Context) error {
 	hr := l.restart.Load()
 	if hr == nil {
@@ -287,23 +283,16 @@ func ListenTakeover(address string, conf *Config) (*Listener, error) {
 	if err != nil {
 		return fail(err)
 	}
-	if err := os.Chmod(tmp, conf.SocketFileMode); err != nil {
+	pl, err := ownSocketFile(ul, tmp, conf.SocketFileMode)
+	if err == nil {
+		err = os.Rename(tmp, address)
+	}
+	if err != nil {
 		ul.Close()
 		os.Remove(tmp)
 		return fail(err)
 	}
-	var st syscall.Stat_t
-	if err := syscall.Stat(tmp, &st); err != nil {
-		ul.Close()
-		os.Remove(tmp)
-		return fail(err)
-	}
-	if err := os.Rename(tmp, address); err != nil {
-		ul.Close()
-		os.Remove(tmp)
-		return fail(err)
-	}
-	pl := &pathListener{UnixListener: ul, path: address, dev: uint64(st.Dev), ino: uint64(st.Ino)}
+	pl.path = address
 	return NewListener(pl, conf), nil
 }
 
@@ -341,9 +330,12 @@ type pathListener struct {
 	keep     atomic.Bool
 }
 
-// ownSocketFile wraps ul, listening on the socket file at path, in a
-// pathListener.
-func ownSocketFile(ul *net.UnixListener, path string) (*pathListener, error) {
+// ownSocketFile sets the mode of the socket file at path, on which ul
+// listens, and wraps ul in a pathListener.
+func ownSocketFile(ul *net.UnixListener, path string, mode os.FileMode) (*pathListener, error) {
+	if err := os.Chmod(path, mode); err != nil {
+		return nil, err
+	}
 	var st syscall.Stat_t
 	if err := syscall.Stat(path, &st); err != nil {
 		return nil, &os.PathError{Op: "stat", Path: path, Err: err}

@@ -83,13 +83,9 @@ func Listen(network, address string, conf *Config) (*Listener, error) {
 		return nil, netError("listen", network, address, err)
 	}
 	if ul, ok := ln.(*net.UnixListener); ok && !strings.HasPrefix(address, "@") {
-		err := os.Chmod(address, conf.SocketFileMode)
-		if err == nil {
-			// Removed on Close only while it is this listener's: a new
-			// server may have taken the path over (ListenTakeover).
-			ln, err = ownSocketFile(ul, address)
-		}
-		if err != nil {
+		// Removed on Close only while it is this listener's: a new server
+		// may have taken the path over (ListenTakeover).
+		if ln, err = ownSocketFile(ul, address, conf.SocketFileMode); err != nil {
 			ul.Close()
 			return nil, netError("listen", network, address, err)
 		}

@@ -184,18 +184,22 @@ func (m *SessionManager) setupSession(s *Session) {
 // refused tells the slot whose session s is that the server refused a
 // stream on it (Session.onRefused). It runs on s's receive loop.
 func (m *SessionManager) refused(s *Session) {
-	for _, sl := range m.slots {
-		sl.mu.Lock()
-		cur := sl.sess
-		sl.mu.Unlock()
-		if cur == s {
-			select {
-			case sl.refused <- s:
-			default:
-			}
-			return
+	if sl := m.slotOf(s); sl != nil {
+		select {
+		case sl.refused <- s:
+		default:
 		}
 	}
+}
+
+// slotOf returns the slot whose session is s, or nil.
+func (m *SessionManager) slotOf(s *Session) *smSlot {
+	for _, sl := range m.slots {
+		if sl.current() == s {
+			return sl
+		}
+	}
+	return nil
 }
 
 // dial dials one session; Close aborts it.
