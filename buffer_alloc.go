@@ -129,15 +129,14 @@ func (m *bufferManager) locate(off uint32) (int, error) {
 	return i, nil
 }
 
-// hold marks the slice at off of list li as received and held by this
-// process. It reports false when it was held already.
+// hold marks the slice at off of list li as held (bufferManager.held). It
+// reports false when it was held already.
 func (m *bufferManager) hold(li int, off uint32) bool {
 	w, bit := m.heldBit(li, off)
 	return w.Or(bit)&bit == 0
 }
 
-// unhold clears the mark of hold: the slice leaves this process's hands as
-// received data.
+// unhold clears the mark of hold.
 func (m *bufferManager) unhold(li int, off uint32) {
 	w, bit := m.heldBit(li, off)
 	if w.Load()&bit != 0 {
@@ -158,24 +157,19 @@ func (m *bufferManager) heldBit(li int, off uint32) (*atomic.Uint64, uint64) {
 }
 
 // alloc pops one slice for n more bytes: from the smallest list whose
-// slices hold n, falling back to larger lists when it is empty. When split
-// is set the bytes need not be contiguous, so after those it takes the
-// largest smaller slice that is left, of at least an eighth of n (or of the
-// largest slice that can be handed out, for n beyond it; maxSplitPieces).
-// It returns li = -1 when no list can give a slice.
+// slices hold n, or a larger one. With split the bytes need not be
+// contiguous, so it then takes the largest smaller slice left, of at least
+// 1/maxSplitPieces of n (or of usable). It returns li = -1 when no list can
+// give a slice.
 //
-// With leave, the writer holds no slice of the region, and it leaves the
-// reserve of the lists it takes as a last resort (the largest list, and
-// the smaller ones of a split), besides the last slice, which is never
-// handed out; parked slices count as being on the list. The reserve goes
-// to writers that hold slices, such as an echo holding the request it
-// answers: if every writer could take every slice, new requests could fill
-// the region while the writers that would answer them wait for room only
-// their answers would free.
-//
-// Only the region's creator leaves a reserve: it alone sees the slices it
-// parked (circulation.go), and keeps a busy list short of free slices on
-// purpose, so a mapper counting only the free list could wait for ever.
+// With leave (the writer holds no slice of the region) it leaves the
+// reserve of the lists it takes as a last resort: the largest, and the
+// smaller ones of a split. The reserve keeps room for writers that hold
+// slices, such as an echo holding the request it answers, which could
+// otherwise wait for room that only their answers would free. Only the
+// creator leaves a reserve: it alone sees the slices it parked
+// (circulation.go), and a mapper counting only the free list of a list
+// kept short on purpose could wait for ever.
 func (m *bufferManager) alloc(n int, split, leave bool) (li int, off uint32, err error) {
 	leave = leave && m.circ != nil
 	start := m.firstFit(n)
@@ -228,9 +222,8 @@ func (m *bufferManager) firstFit(n int) int {
 }
 
 // class is the queue a writer asking for n bytes waits for room in
-// (space_queue.go): for n contiguous bytes, that of the smallest list whose
-// slices hold them (or the largest list); for bytes that may be split over
-// slices of any list, one queue of its own.
+// (space_queue.go): that of the smallest list whose slices hold them (or
+// the largest list), or with split, one queue of its own.
 func (m *bufferManager) class(n int, split bool) int {
 	if split {
 		return len(m.lists)
@@ -239,9 +232,8 @@ func (m *bufferManager) class(n int, split bool) int {
 }
 
 // take pops a slice of list li for this process's own use: from the free
-// list, or when that has none to spare, one of the list's parked slices
-// (circulation.go). With leave it leaves the list's reserve, parked slices
-// included.
+// list, or else one of its parked slices (circulation.go). With leave it
+// leaves the list's reserve, parked slices included.
 func (m *bufferManager) take(li int, leave bool) (uint32, error) {
 	l := &m.lists[li]
 	var keep, parked int32

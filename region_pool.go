@@ -26,13 +26,12 @@ import (
 // version 2 handshake has no acknowledgement, so a client could not tell a
 // server that had already removed the file from one that had mapped it.
 //
-// Per server process, because slices of a shared region are lost only with
-// a process that held them: each side frees what its streams held, what is
-// left unconsumed on its receive queue (reclaimUnconsumed) and what it
-// never published. A killed server frees nothing, and what it held cannot
-// be told from what other servers hold. So when the server process is gone
-// the region is retired: new sessions get a new one, and the old one is
-// unmapped with its last session, taking whatever the dead process held.
+// Per server process, because a killed server frees nothing, and what it
+// held cannot be told from what other servers hold (a live one frees what
+// its streams held and what it left unconsumed, reclaimUnconsumed). So when
+// the server process is gone the region is retired: new sessions get a new
+// one, and the old one goes with its last session, with what the dead
+// process held.
 var clientBuffers = struct {
 	sync.Mutex
 	m map[poolKey]*pooledBuffer
@@ -41,7 +40,7 @@ var clientBuffers = struct {
 // poolKey says which sessions may share a buffer region.
 type poolKey struct {
 	size   uint32
-	layout string // the sorted slice sizes and percentages
+	layout string // the slice sizes and counts
 	prefix string
 	server int32 // the server's pid
 }
@@ -74,10 +73,7 @@ func poolKeyFor(conf *Config, server int32) (poolKey, bool) {
 	}
 	var b strings.Builder
 	for _, p := range plans {
-		b.WriteString(strconv.FormatUint(uint64(p.sliceCap), 10))
-		b.WriteByte(':')
-		b.WriteString(strconv.FormatUint(uint64(p.count), 10))
-		b.WriteByte(',')
+		fmt.Fprintf(&b, "%d:%d,", p.sliceCap, p.count)
 	}
 	return poolKey{size: conf.ShareMemoryBufferCap, layout: b.String(), prefix: conf.ShareMemoryPathPrefix, server: server}, true
 }
@@ -200,9 +196,8 @@ func (s *Session) reclaimUnconsumed() {
 	s.sweepLater(0)
 }
 
-// sweepLater sweeps the receive queue after reclaimSweeps[i], then schedules
-// the next sweep; after the last it drops the references reclaimUnconsumed
-// took.
+// sweepLater sweeps the receive queue after reclaimSweeps[i] and the ones
+// after it, then drops the references reclaimUnconsumed took.
 func (s *Session) sweepLater(i int) {
 	if i == len(reclaimSweeps) {
 		s.buf.region.release()

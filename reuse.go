@@ -1,29 +1,28 @@
 package shmipc
 
-import "math"
+import (
+	"maps"
+	"math"
+	"slices"
+)
 
 // Slice reuse: a stream keeps one slice it received, once read, for the
-// next message it sends.
+// next message it sends, so that a request-reply exchange passes one slice
+// back and forth instead of pushing and popping on free lists both
+// processes write. PROTOCOL.md §6.6 allows it: a peer may hold slices, and
+// the root slice of a message may have been allocated by the other process.
 //
-// Otherwise every message costs a push and a pop on a free list that both
-// processes write. A stream in a request-reply exchange instead writes its
-// next message in the slice it just read, so the slice goes back and forth
-// on the stream without touching the free lists. PROTOCOL.md §6.6 allows
-// it: a peer may hold slices, and the root slice of a message may have been
-// allocated by the other process.
+// Only slices up to keepMaxCap are kept, used only for a message piece that
+// fits in one. A stream gets permission to keep slices of a class when it
+// first has one to keep, and holds it until it lets go of the region or
+// receives a slice of another keepable class. At most 1/keepShare of a
+// class may be kept by a process's streams, so that many open streams
+// cannot starve its list.
 //
-// Slices of every class up to keepMaxCap are kept, one per stream, and used
-// only for a message piece that fits in one. A stream asks for permission
-// to keep slices of a class when it first has one to keep, and holds it
-// until it lets go of the region or receives a slice of another keepable
-// class. At most 1/keepShare of a class may be kept by a process's streams,
-// so that many open streams cannot starve its list.
-//
-// A kept slice goes back to its list when the stream lets go of the buffer
-// region (dropRef: Close, or the end of the session), when the peer closes
-// the stream (peerClose), and, for a session closed locally, before its
-// connection closes (dropAllKept), since a peer may count its free lists as
-// soon as it sees the end.
+// A kept slice goes back when the stream lets go of the buffer region
+// (dropRef), when the peer closes the stream (peerClose), and, for a session
+// closed locally, before its connection closes (dropAllKept), since a peer
+// may count its free lists as soon as it sees the end.
 
 const (
 	// keepShare: at most 1/keepShare of a class of a region may be kept by
@@ -141,7 +140,7 @@ func (st *Stream) takeKept(want int) (li int, off uint32, ok bool) {
 }
 
 // dropKept returns the kept slice to its list and the stream's permission
-// to the process, for good: the stream keeps none from now on.
+// to the process, for good.
 func (st *Stream) dropKept() {
 	if li, off, ok := st.shutKept(); ok {
 		_ = st.s.access(func() error { return st.s.freeSegments([]segment{{list: int32(li), off: off}}) })
@@ -164,16 +163,11 @@ func (st *Stream) shutKept() (li int, off uint32, ok bool) {
 }
 
 // dropAllKept returns the slices kept by the session's streams to their
-// lists as the session ends, before its connection closes, so that the peer
-// finds them free when it sees the end. It runs inside closeWithError, so
-// it cannot end the session on a fault or a corrupt list as an access
-// would: either ends the work quietly.
+// lists before its connection closes. It runs inside closeWithError, so a
+// fault or a corrupt list ends the work quietly instead of the session.
 func (s *Session) dropAllKept() {
 	s.mu.Lock()
-	streams := make([]*Stream, 0, len(s.streams))
-	for _, st := range s.streams {
-		streams = append(streams, st)
-	}
+	streams := slices.Collect(maps.Values(s.streams))
 	s.mu.Unlock()
 	quietly(func() {
 		for _, st := range streams {
