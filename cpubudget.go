@@ -13,22 +13,15 @@ import (
 	"time"
 )
 
-// The CPUs spinning is rationed to (spinGovernor): the CPUs the process
-// shares with its peers, not those of the host, and no more processors than
-// it runs goroutines on. A cgroup CPU quota (cgroup v2 cpu.max, v1
-// cpu.cfs_quota_us over cpu.cfs_period_us) bounds the CPU time the process
-// gets: in a container limited to 2 CPUs of a 64-core host, "half the
-// CPUs" is 1 spinner, not 32. Half of them, since the peer process needs
-// the other half; and at most GOMAXPROCS, since a spinner holds a
-// processor (with one, it lets the goroutines it waits for run between
-// looks: spinWatch.alone). So a process with GOMAXPROCS 1 on a 2-CPU host
-// spins on one, while on a 1-CPU host nothing spins.
-//
-// Both can change while the process runs. GOMAXPROCS is read again by
-// spinners every procsRefresh (procsCache.read), and by a process that
-// could not spin at all every starvedLooks refused slots; the quota, which
-// costs a few file reads, at most every quotaRefresh, on a goroutine of
-// its own.
+// The CPUs spinning is rationed to (spinGovernor): half the CPUs the
+// process may use, since the peer process needs the other half, and at most
+// GOMAXPROCS, since a spinner holds a processor. A cgroup CPU quota (v2
+// cpu.max, v1 cpu.cfs_quota_us over cpu.cfs_period_us) counts, not the
+// host's CPUs: in a container limited to 2 CPUs of a 64-core host, half is
+// 1 spinner, not 32. Both can change while the process runs: GOMAXPROCS is
+// read again every procsRefresh (procsCache), or every starvedLooks refused
+// slots by a process that may not spin at all; the quota, a few file reads,
+// at most every quotaRefresh, on a goroutine of its own.
 
 const (
 	quotaRefresh = time.Second
@@ -43,9 +36,8 @@ var cpuQuota struct {
 }
 
 // spinSlots is how many goroutines of the process may spin at once when it
-// runs goroutines on procs processors: half the CPUs it may use (the host's,
-// or fewer under a CPU quota), at most procs. It reads the quota again, in
-// the background, when the last read is older than quotaRefresh.
+// runs goroutines on procs processors. It reads the quota again, in the
+// background, when the last read is older than quotaRefresh.
 func spinSlots(procs int) int {
 	now := time.Now().UnixNano()
 	if at := cpuQuota.readAt.Load(); (at == 0 || now-at > int64(quotaRefresh)) && cpuQuota.reading.CompareAndSwap(false, true) {

@@ -7,21 +7,16 @@ import (
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// Fallback data received. FallbackData frames carry a stream's bytes over
-// the socket when shared memory is full (PROTOCOL.md §6.5, in
-// docs/protocol.md). They are copied into process memory, which is bounded
-// per stream (Config.MaxFallbackBufferedPerStream) and per session
-// (Config.MaxFallbackBuffered), whatever API reads the stream.
-//
-// A frame that would pass a bound waits, and the socket with it (frames
-// are in order), until the stream's reader makes room. Meanwhile the
-// receive loop keeps the working flag set and serves the queue, so the
-// other streams' shared-memory messages go on. If no room comes within
-// Config.FallbackStallTimeout, that stream fails with an error naming the
-// bound (ErrLimitExceeded): its data is dropped, the peer is told it is
-// closed, and the session goes on. A frame is always taken while its
-// stream (or, for the session's bound, the session) holds none, so a bound
-// below the largest frame cannot wedge a stream.
+// Fallback data received (PROTOCOL.md §6.5, in docs/protocol.md) is copied
+// into process memory, bounded per stream (MaxFallbackBufferedPerStream)
+// and per session (MaxFallbackBuffered). A frame that would pass a bound
+// waits, and the socket with it, until the stream's reader makes room,
+// while the receive loop serves the queue for the other streams. If no
+// room comes within FallbackStallTimeout, that stream fails with
+// ErrLimitExceeded (its data dropped, the peer told it is closed) and the
+// session goes on. A frame is always taken while
+// its stream (or, for the session's bound, the session) holds none, so a
+// bound below the largest frame cannot wedge a stream.
 
 // stalledFrame is a FallbackData frame waiting for room.
 type stalledFrame struct {
@@ -80,8 +75,7 @@ const (
 )
 
 // largestFallbackHolder returns the stream not yet failed that holds the
-// most fallback data, or nil if none holds any. (Rare: only a stall that
-// timed out asks.)
+// most fallback data, or nil if none holds any.
 func (s *Session) largestFallbackHolder() *Stream {
 	s.mu.Lock()
 	streams := make([]*Stream, 0, len(s.streams))
@@ -117,8 +111,8 @@ func (s *Session) fallbackBound(st *Stream, n int) (string, int64) {
 // serveStalled runs the receive loop while a frame waits for room: it
 // consumes the queue, with pauses, and delivers the frame once it fits, or
 // fails its stream once FallbackStallTimeout has passed. Elements of the
-// waiting stream itself wait too (drain), so that its data keeps its
-// order. It runs inside an access.
+// waiting stream wait too (drain), to keep its data in order. It runs
+// inside an access.
 func (s *Session) serveStalled() error {
 	f := s.stall
 	if !s.cons.consuming {

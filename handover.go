@@ -18,13 +18,15 @@ import (
 // debt flag's store is visible to the holder's core. holders is changed
 // and read only with atomics, which Go keeps sequentially consistent: if
 // tryLockOrLeave sees a holder, that holder's decrement, and its look at
-// the flags after it, come later in that order than the debt's store. On
-// amd64 the count is left out (countHolders): an atomic store there is
-// XCHG, a full fence, so the plain load cannot pass it.
+// the flags after it, come later in that order than the debt's store.
 type handoverMutex struct {
 	mu      sync.Mutex
 	holders atomic.Int32 // goroutines between Lock and Unlock (0 or 1), if countHolders
 }
+
+// countHolders is false on amd64, where an atomic store is XCHG, a full
+// fence, so the plain load of TryLock cannot pass the debt's store.
+const countHolders = runtime.GOARCH != "amd64"
 
 func (m *handoverMutex) Lock() {
 	m.mu.Lock()

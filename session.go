@@ -228,12 +228,10 @@ func (s *Session) IsClosed() bool {
 // after Close, and an error wrapping ErrSessionClosed and the cause (such as
 // ErrProtocol or ErrPeerClosed) otherwise.
 func (s *Session) Err() error {
-	select {
-	case <-s.closed:
+	if s.IsClosed() {
 		return s.err
-	default:
-		return nil
 	}
+	return nil
 }
 
 // closeWithError ends the session; cause nil means a local Close. The
