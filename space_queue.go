@@ -1,28 +1,24 @@
 package shmipc
 
 import (
+	"slices"
 	"sync"
 	"sync/atomic"
 )
 
-// Waiting for room in the buffer region, in turn.
-//
-// A writer that holds no slice and finds no room waits for the peer to free
-// some. When many wait at once, trying again at intervals hands the room to
+// spaceQueue makes the writers of this process that hold no slice and find
+// no room wait for it in turn. Retrying at intervals would hand the room to
 // whoever looks first after a slice is freed, which favours the streams
-// that have just been served and starves the others.
+// just served and starves the others. So there is one queue per class of
+// slice asked for (bufferManager.class): only its head looks for room, at
+// the usual back-pressure intervals and at once whenever this process frees
+// a slice, and a writer that finds others queued joins the end. A writer
+// that leaves the queue (it got its room, or gave up) passes the turn on if
+// it was the head.
 //
-// So such writers of this process queue, one queue per class of slice they
-// ask for (bufferManager.class), and take the room in the order they came:
-// only the head of a queue looks for room, at the usual back-pressure
-// intervals and at once whenever this process frees a slice, and a writer
-// that finds others queued for its class joins the end. A writer that
-// leaves the queue (it got its room, or gave up) passes the turn on if it
-// was the head.
-//
-// Writers that hold slices (bufferManager.alloc) do not queue: the room
-// they take lets an exchange finish and free slices, and the list reserve
-// keeps room for them.
+// Writers that hold slices do not queue: the room they take lets an
+// exchange finish and free slices, and the list reserve keeps room for
+// them (bufferManager.alloc).
 type spaceQueue struct {
 	mu      sync.Mutex
 	waiters []chan struct{} // in arrival order; the first is the head
@@ -67,19 +63,15 @@ func (sq *spaceQueues) leave(li int, ch chan struct{}) {
 	q := &sq.qs[li]
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	for i, c := range q.waiters {
-		if c != ch {
-			continue
-		}
-		copy(q.waiters[i:], q.waiters[i+1:])
-		q.waiters[len(q.waiters)-1] = nil
-		q.waiters = q.waiters[:len(q.waiters)-1]
-		q.n.Store(int32(len(q.waiters)))
-		sq.waiting.Add(-1)
-		if i == 0 && len(q.waiters) > 0 {
-			wakeWriter(q.waiters[0])
-		}
+	i := slices.Index(q.waiters, ch)
+	if i < 0 {
 		return
+	}
+	q.waiters = slices.Delete(q.waiters, i, i+1)
+	q.n.Store(int32(len(q.waiters)))
+	sq.waiting.Add(-1)
+	if i == 0 && len(q.waiters) > 0 {
+		wakeWriter(q.waiters[0])
 	}
 }
 

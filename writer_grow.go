@@ -5,13 +5,11 @@ import (
 	"time"
 )
 
-// Growing the message being written: a slice from the stream's kept slot
-// or the free lists, or a wait for room in turn with the process's other
-// writers (space_queue.go), or the heap for fallback data.
-
-// grow appends a segment with room for at least min bytes when contiguous
-// is set, or for as much of want as one slice gives otherwise. Like every
-// streamWriter method that touches slices, it runs inside an access.
+// grow appends a segment with room for want bytes when contiguous is set,
+// or for as much of want as one slice gives otherwise: a slice from the
+// stream's kept slot or the free lists, after a wait for room in turn
+// (space_queue.go) if need be, or heap memory for fallback data. It runs
+// inside an access.
 func (w *streamWriter) grow(want int, contiguous bool) error {
 	st := w.st
 	buf := st.s.buf
@@ -93,14 +91,11 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		}
 		waitedLong := !wait.start.IsZero() && time.Since(wait.start) >= heldSpaceWait
 		if st.s.conf.FallbackWhenFull || waitedLong && (len(w.segs) > 0 || st.holdsReceived()) {
-			// A writer that holds part of its message, or whose stream's
-			// reader holds received slices in place, waits only briefly:
-			// writers holding slices while waiting for more could hold the
-			// whole region between them and wait for ever (an echo
-			// reserving its reply before releasing a large request). Not
-			// at all would be too little: most shortages are parked slices,
-			// handed back within one look (circulation.go). Falling back is
-			// not undone: the stream sends fallback data from then on.
+			// A writer that holds slices, or whose reader does, waits only
+			// briefly: writers holding slices while waiting for more could
+			// hold the whole region between them and wait for ever. Most
+			// shortages are parked slices, back within one look. Falling
+			// back is not undone.
 			w.appendHeap(want)
 			return nil
 		}
@@ -122,12 +117,12 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 	}
 }
 
-// headSpacePause is the longest pause of the writer at the head of a queue
-// for room (space_queue.go): the writers behind it do not look at all.
-const headSpacePause = 50 * time.Microsecond
-
-// heldSpaceWait is how long a writer that holds part of its message waits
-// for more of the region before the rest goes as fallback data: one look of
-// the region's creator at its lists (circulationPeriod), after which slices
-// it parked are back on a list that runs short.
-const heldSpaceWait = 50 * time.Millisecond
+const (
+	// headSpacePause is the longest pause of the writer at the head of a
+	// queue for room: the writers behind it do not look at all.
+	headSpacePause = 50 * time.Microsecond
+	// heldSpaceWait is how long a writer that holds part of its message
+	// waits for more before the rest goes as fallback data: one look of the
+	// region's creator (circulationPeriod), which unparks slices.
+	heldSpaceWait = 50 * time.Millisecond
+)
