@@ -71,7 +71,7 @@ func handshake(conn net.Conn, conf *Config, client bool, setup func(*Session)) (
 }
 
 // runHandshake runs one side of the handshake. A peer can shrink a region
-// file while the server maps and reads it: faults become errors here too.
+// while the server maps and reads it: faults become errors.
 func (s *Session) runHandshake(client bool) (err error) {
 	old := debug.SetPanicOnFault(true)
 	defer func() {
@@ -86,12 +86,9 @@ func (s *Session) runHandshake(client bool) (err error) {
 	return s.serverHandshake()
 }
 
-// isTimeout reports whether err, or an error it wraps (errors.Unwrap, or
-// each of an Unwrap() []error, as errors.As walks them), is a timeout: a
-// deadline passed.
+// isTimeout reports whether err, or an error it wraps, is a timeout. It
+// walks the chain as errors.As does, by hand: errors.As would allocate.
 func isTimeout(err error) bool {
-	// Walked by hand rather than with errors.As, whose target escapes and
-	// would allocate.
 	if t, ok := err.(interface{ Timeout() bool }); ok && t.Timeout() {
 		return true
 	}
@@ -137,20 +134,16 @@ func (s *Session) clientHandshake() error {
 		return err
 	}
 
+	typ := wire.TypeShareMemoryByMemfd
 	if !memfd {
-		s.version = wire.VersionFilePath
-		frame, err := wire.AppendPaths(nil, s.version, wire.TypeShareMemoryByFilePath, queuePath, bufPath)
-		if err != nil {
-			return err
-		}
-		return s.ec.write(frame)
+		s.version, typ = wire.VersionFilePath, wire.TypeShareMemoryByFilePath
 	}
-	frame, err := wire.AppendPaths(nil, s.version, wire.TypeShareMemoryByMemfd, queuePath, bufPath)
-	if err != nil {
-		return err
+	frame, err := wire.AppendPaths(nil, s.version, typ, queuePath, bufPath)
+	if err == nil {
+		err = s.ec.write(frame)
 	}
-	if err := s.ec.write(frame); err != nil {
-		return err
+	if err != nil || !memfd {
+		return err // file mode is not acknowledged
 	}
 	// The regions go to whoever sends the acknowledgement: it must be the
 	// process that answered the version exchange, for which the buffer
@@ -178,12 +171,11 @@ func (s *Session) clientHandshake() error {
 }
 
 // exchangeVersion sends the client's ExchangeProtoVersion frame, reads the
-// server's and learns which process answered (s.serverPid): the socket
-// reports the credentials of the sender of every message until the fds are
-// sent (peercred_linux.go).
+// server's and learns which process answered (s.serverPid, from the
+// sender's credentials: peercred_linux.go).
 func (s *Session) exchangeVersion() error {
-	// Without credentials (a socket refusing SO_PASSCRED) the server
-	// process stays unknown, and the session gets a region of its own.
+	// Without credentials the server process stays unknown, and the
+	// session gets a region of its own.
 	creds := s.ec.passCred(true) == nil
 	if err := s.ec.writeEvent(wire.MaxVersion, wire.TypeExchangeProtoVersion); err != nil {
 		return err
@@ -279,15 +271,14 @@ func (s *Session) serverHandshake() error {
 		}
 		switch h.Type() {
 		case wire.TypeShareMemoryByMemfd:
-			if err := s.mapFromFds(h); err != nil {
-				return err
-			}
+			err = s.mapFromFds(h)
 		case wire.TypeShareMemoryByFilePath:
-			if err := s.mapFromPaths(h); err != nil {
-				return err
-			}
+			err = s.mapFromPaths(h)
 		default:
 			return fmt.Errorf("got %v after the version exchange, want %v or %v", h.Type(), wire.TypeShareMemoryByMemfd, wire.TypeShareMemoryByFilePath)
+		}
+		if err != nil {
+			return err
 		}
 		return s.ec.writeEvent(s.version, wire.TypeAckShareMemory)
 	default:
@@ -367,9 +358,8 @@ const (
 	maxPeerBufferSize = 1<<32 - 1
 )
 
-// mapRegions maps the regions of the client peer. In file mode the server
-// removes the files when it is done with them, as the other
-// implementations' servers do.
+// mapRegions maps the client's regions. In file mode the server removes
+// the files when done with them, as the other implementations do.
 func (s *Session) mapRegions(queuePath, bufPath string, queueFd, bufFd int, peer peerID, files bool) error {
 	var err error
 	if s.buf, err = mapServerBuffer(bufPath, bufFd, files, peer); err != nil {

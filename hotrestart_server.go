@@ -36,6 +36,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -116,10 +117,7 @@ func (l *Listener) HotRestart(epoch uint64) error {
 
 		handshaking: maps.Clone(l.pending),
 	}
-	sessions := make([]*Session, 0, len(l.sessions))
-	for s := range l.sessions {
-		sessions = append(sessions, s)
-	}
+	sessions := slices.Collect(maps.Keys(l.sessions))
 	if l.restart.Swap(hr) == nil {
 		go func() { // forget the restart once the listener is closed
 			<-l.done

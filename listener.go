@@ -3,8 +3,10 @@ package shmipc
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -341,11 +343,7 @@ func (l *Listener) stopAccepting() {
 func (l *Listener) liveSessions() []*Session {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	sessions := make([]*Session, 0, len(l.sessions))
-	for s := range l.sessions {
-		sessions = append(sessions, s)
-	}
-	return sessions
+	return slices.Collect(maps.Keys(l.sessions))
 }
 
 // retire makes the session end once it has no open stream, now if it has

@@ -17,13 +17,12 @@ import (
 )
 
 // peerID is who is at the other end of a session's socket, as the kernel
-// reports it. A server uses it to decide which region files a client may
-// name and which cached mappings it may share.
+// reports it: it decides which region files a client may name and which
+// cached mappings it may share.
 type peerID struct {
 	uid uint32
-	// pid is the peer's process id, or 0 when it is unknown: over TCP, or
-	// when the peer lives in a pid namespace this process cannot see. A
-	// peer with pid 0 never shares a cached mapping.
+	// pid is 0 when unknown (over TCP, or in a pid namespace this process
+	// cannot see); such a peer never shares a cached mapping.
 	pid int32
 }
 
@@ -98,12 +97,10 @@ const (
 	tcpStateNewSynRecv = 0x0C
 )
 
-// tcpPeerUID finds the owner of the peer's end of a TCP connection whose
-// local and remote addresses are local and remote: the row of
-// /proc/net/tcp{,6} whose local address is remote and whose remote address
-// is local. The uid column is the user who created that socket. The row
-// exists only if the peer is in this network namespace, which loopback
-// implies; a peer on another host is not found, and the error says so.
+// tcpPeerUID finds the owner of the peer's end of a TCP connection: the
+// uid column of the row of /proc/net/tcp{,6} whose local address is remote
+// and whose remote address is local. Only a peer in this network namespace
+// (as loopback implies) has such a row.
 func tcpPeerUID(local, remote *net.TCPAddr) (uint32, error) {
 	for _, table := range procNetTCP {
 		uid, found, err := scanTCPTable(table, remote, local)
@@ -156,10 +153,9 @@ func scanTCPTable(table string, addr, peer *net.TCPAddr) (uid uint32, found bool
 }
 
 // procAddrIs reports whether s, an address column of /proc/net/tcp{,6}
-// ("0100007F:1F90"), is a. The kernel prints the address as 32-bit words
-// in the machine's byte order, each as 8 hex digits, and the port as 4 hex
-// digits. IPv4 and IPv4-mapped IPv6 addresses of the same host compare
-// equal.
+// ("0100007F:1F90"), is a. The kernel prints the address as 32-bit words in
+// the machine's byte order, 8 hex digits each, then the port. IPv4 and
+// IPv4-mapped IPv6 addresses compare equal.
 func procAddrIs(s string, a *net.TCPAddr) bool {
 	hexIP, hexPort, ok := strings.Cut(s, ":")
 	if !ok {
@@ -180,18 +176,13 @@ func procAddrIs(s string, a *net.TCPAddr) bool {
 	return ip.Equal(a.IP)
 }
 
-// Which process answers a client.
-//
-// SO_PEERCRED names the process that called listen(2) for the server's
-// socket, not the one that accepted the connection and serves it: with
-// socket activation, a supervisor or a server that forks workers after
-// listening, sessions to different server processes all report the same
-// pid. A client that shares a buffer region among its sessions to one
-// server process (region_pool.go) needs the process that actually reads
-// its frames. With SO_PASSCRED set on the client's socket, the kernel
-// attaches to every message sent to it the credentials of the process that
-// sent it, which that process cannot forge; the client peeks at them on
-// the server's handshake replies (clientHandshake).
+// Which process answers a client: SO_PEERCRED names the process that
+// called listen(2), not the one that serves the connection (socket
+// activation, servers that fork workers). A client that shares a buffer
+// region among its sessions to one server process (region_pool.go) needs
+// the latter. With SO_PASSCRED on, the kernel attaches to every message the
+// credentials of its sender, which it cannot forge; the client peeks at
+// them on the server's handshake replies (clientHandshake).
 
 // passCred turns SO_PASSCRED on or off on c's socket.
 func (c *eventConn) passCred(on bool) error {
@@ -215,10 +206,9 @@ func (c *eventConn) passCred(on bool) error {
 }
 
 // peekSender waits, with the connection's read deadline, until the socket
-// holds data, and returns the pid of the process that sent its first byte
-// without consuming anything. The pid is 0 when the kernel attached no
-// credentials (SO_PASSCRED was off when the data was sent) or the sender
-// lives in a pid namespace this process cannot see. At the end of the
+// holds data, and returns the pid of the sender of its first byte without
+// consuming anything: 0 when no credentials were attached (SO_PASSCRED was
+// off) or the sender's pid namespace is not visible. At the end of the
 // stream it returns io.EOF.
 func (c *eventConn) peekSender() (int32, error) {
 	if c.raw == nil {

@@ -3,6 +3,7 @@ package shmipc
 import (
 	"fmt"
 	"io"
+	"slices"
 	"unsafe"
 )
 
@@ -216,9 +217,8 @@ func (w *streamWriter) copyAt(pos int, src []byte) {
 	}
 }
 
-// owns reports whether p lies in memory a segment of the message holds but
-// does not send (beyond its used bytes), where WriteDirect leaves the bytes
-// it moves.
+// owns reports whether p lies in a segment's memory beyond the bytes it
+// sends, where WriteDirect leaves the bytes it moves.
 func (w *streamWriter) owns(p []byte) bool {
 	if len(p) == 0 {
 		return true
@@ -236,9 +236,9 @@ func (w *streamWriter) owns(p []byte) bool {
 }
 
 // truncateKeep shrinks the message to n bytes without freeing or reusing
-// the memory of the bytes cut: the caller may still write into it (for
-// WriteDirect). Segments keep their capacity but their length is cut to
-// what they send, so nothing is appended there.
+// the memory of the bytes cut, which the caller may still write into (for
+// WriteDirect): segments keep their capacity, and their length is cut so
+// that nothing is appended there.
 func (w *streamWriter) truncateKeep(n int) {
 	left := n
 	for i := range w.segs {
@@ -250,9 +250,8 @@ func (w *streamWriter) truncateKeep(n int) {
 	w.size = n
 }
 
-// truncate shrinks the message to n bytes (for MallocAck): the segment
-// holding byte n-1 keeps what it sends of them, and the segments after it
-// are freed.
+// truncate shrinks the message to n bytes (for MallocAck), freeing the
+// segments after the one holding byte n-1.
 func (w *streamWriter) truncate(n int) error {
 	if n == 0 {
 		return w.discard()
@@ -264,22 +263,11 @@ func (w *streamWriter) truncate(n int) error {
 	}
 	// left <= segs[keep].n: the message ends in segment keep.
 	w.segs[keep].n = left
-	err := w.freeFrom(keep + 1)
+	err := w.st.s.freeSegments(w.segs[keep+1:])
+	clear(w.segs[keep+1:])
+	w.segs = w.segs[:keep+1]
+	w.heap = slices.ContainsFunc(w.segs, func(seg segment) bool { return seg.list == heapSegment })
 	w.size = n
-	return err
-}
-
-// freeFrom frees segs[i:] and drops them from the message.
-func (w *streamWriter) freeFrom(i int) error {
-	err := w.st.s.freeSegments(w.segs[i:])
-	clear(w.segs[i:])
-	w.segs = w.segs[:i]
-	w.heap = false
-	for _, seg := range w.segs {
-		if seg.list == heapSegment {
-			w.heap = true
-		}
-	}
 	return err
 }
 
