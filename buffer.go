@@ -34,9 +34,9 @@ const (
 	flagInUse   = 0x02
 
 	// maxReserve is how many free slices a list keeps for writers that
-	// hold slices (bufferManager.alloc): 2, or a quarter of a list of fewer
-	// than 8 slices. It is about liveness, not room: one slice is enough
-	// for an answer to go out and free its request.
+	// hold slices (bufferManager.alloc), or a quarter of a shorter list. It
+	// is about liveness, not room: one slice lets an answer go out and free
+	// its request.
 	maxReserve = 2
 
 	// maxSplitPieces bounds how finely alloc splits the bytes a writer
@@ -63,9 +63,7 @@ type sliceList struct {
 	sliceCap uint32
 	count    uint32
 	first    uint32 // the index of its first slice among all the region's (held)
-	// reserve is how many free slices a writer that holds no slice of the
-	// region leaves on the list for writers that do (see alloc).
-	reserve int32
+	reserve  int32  // free slices left for writers that hold slices (alloc)
 	// keepLimit is how many streams of this process may keep a slice of
 	// the list (0: none; reuse.go).
 	keepLimit int32
@@ -97,15 +95,12 @@ type bufferManager struct {
 	sessions      atomic.Int32 // sessions of this process using the region
 	circ          *circulation // slices taken out of circulation (creator only)
 
-	// held has a bit per slice of the region, set while the slice is in
-	// this process's hands as part of a message it received: from readChain
-	// until it is pushed back on its free list or a writer of this process
-	// takes it (a kept slice, reuse.go). A correct peer cannot publish a
-	// slice whose bit is set, as it cannot allocate one this process has
-	// not freed; a peer that did could otherwise have one slice delivered
-	// (and later freed) any number of times. Neighbouring slices are spread
-	// over different cache lines (heldBit), as different processors often
-	// hold them at once.
+	// held has a bit per slice of the region, set from readChain until the
+	// slice is pushed back or a writer of this process takes it (reuse.go).
+	// A correct peer cannot publish a slice whose bit is set, as it cannot
+	// allocate one this process has not freed; unchecked, one slice could be
+	// delivered (and freed) any number of times. Neighbouring slices are on
+	// different cache lines (heldBit), as different processors hold them.
 	held      []atomic.Uint64
 	heldShift uint // log2 of the number of cache lines of held
 
@@ -149,9 +144,9 @@ func initBufferRegion(mem []byte, plans []listPlan) {
 }
 
 // newBufferManager reads and checks the layout of a mapped buffer region
-// (PROTOCOL.md §4.6). Every list must lie inside the mapping, slice sizes must
-// be distinct non-zero multiples of 4, and every list must hold a slice. The
-// values are copied; the manager never trusts those header fields again.
+// (PROTOCOL.md §4.6): every list must lie inside the mapping and hold a
+// slice, and slice sizes must be distinct non-zero multiples of 4. The
+// values are copied; the manager never reads those header fields again.
 func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 	mem := r.mem
 	size := uint64(len(mem))
@@ -170,7 +165,7 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 	if uint64(n)*listHeaderSize > used {
 		return nil, fmt.Errorf("buffer region claims %d lists in %d bytes", n, used)
 	}
-	m := &bufferManager{region: r, mem: mem, lists: make([]sliceList, n), counter: mapperCounter}
+	m := &bufferManager{region: r, mem: mem, lists: make([]sliceList, n), bySize: make([]int, n), counter: mapperCounter}
 	if creator {
 		m.counter = creatorCounter
 	}
@@ -202,6 +197,10 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 			first:    uint32(total),
 			reserve:  int32(min(count/4, maxReserve)),
 		}
+		if sliceCap <= keepMaxCap {
+			m.lists[i].keepLimit = int32(count / keepShare)
+		}
+		m.bySize[i] = i
 		total += count
 		// The last slice of a list is never handed out (PROTOCOL.md §4.8).
 		m.capacity += (count - 1) * sliceCap
@@ -215,10 +214,6 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 		m.heldShift++
 	}
 	m.held = make([]atomic.Uint64, 8<<m.heldShift)
-	m.bySize = make([]int, n)
-	for i := range m.bySize {
-		m.bySize[i] = i
-	}
 	sort.Slice(m.bySize, func(a, b int) bool { return m.lists[m.bySize[a]].sliceCap < m.lists[m.bySize[b]].sliceCap })
 	for i := 1; i < n; i++ {
 		if m.lists[m.bySize[i-1]].sliceCap == m.lists[m.bySize[i]].sliceCap {
@@ -231,11 +226,6 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 		}
 	}
 	m.keepers = make([]atomic.Int32, n)
-	for i := range m.lists {
-		if l := &m.lists[i]; l.sliceCap <= keepMaxCap {
-			l.keepLimit = int32(l.count / keepShare)
-		}
-	}
 	m.space.init(n + 1)
 	return m, nil
 }
