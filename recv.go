@@ -16,9 +16,7 @@ func (s *Session) recvLoop() {
 	defer close(s.loopDone)
 	var err error
 	for err == nil {
-		if s.stall != nil {
-			// A stream's fallback data waits for room: the socket waits
-			// with it, the queue is served meanwhile.
+		if s.stall != nil { // the socket waits with the stalled frame
 			err = s.access(s.serveStalled)
 			continue
 		}
@@ -135,14 +133,13 @@ func (s *Session) role() string {
 }
 
 // handleData hands the message whose first slice is at offset to stream
-// id, opening the stream if it is new (server). The chain is read into
-// scratch.
-func (s *Session) handleData(id, offset uint32, scratch *[]segment) error {
-	slices, err := s.buf.readChain((*scratch)[:0], offset)
+// id, opening the stream if it is new (server).
+func (s *Session) handleData(id, offset uint32) error {
+	slices, err := s.buf.readChain(s.scratch[:0], offset)
 	if err != nil {
 		return fmt.Errorf("stream %d: %w", id, err)
 	}
-	*scratch = slices
+	s.scratch = slices
 	n := 0
 	for _, sl := range slices {
 		n += len(sl.data)
@@ -172,7 +169,7 @@ func (s *Session) handleElem(e queueElem) error {
 	}
 	switch e.status & statusMask {
 	case statusOpened:
-		return s.handleData(e.id, e.offset, &s.scratch)
+		return s.handleData(e.id, e.offset)
 	case statusClosed:
 		if e.offset != 0 {
 			return fmt.Errorf("%w: close element for stream %d has offset %d, want 0", ErrProtocol, e.id, e.offset)

@@ -6,11 +6,9 @@ import (
 	"time"
 )
 
-// A SessionManager's pool is a fixed set of slots. A slot holds one session
-// and the streams put back on it, and keeps the slot filled: when the
-// session ends it re-dials, with backoff, until the manager closes.
-
-// smSlot is one session of a SessionManager and its pool of idle streams.
+// smSlot is one session of a SessionManager's fixed set and its pool of
+// idle streams. When the session ends, the slot re-dials it, with backoff,
+// until the manager closes (watch).
 type smSlot struct {
 	m     *SessionManager
 	index int
@@ -26,12 +24,10 @@ type smSlot struct {
 }
 
 // refusedMinAge is how long a session serves, and how long after the last
-// attempt, before a refused stream makes its slot dial a replacement
-// (watch); a refusal that comes sooner is acted on once the wait is over.
-// When the replacement is answered by the same server process as the
-// session it replaced, the wait doubles, up to refusedMaxWait (refusals):
-// a server whose application closes new streams without answering costs a
-// dial a second at first and one every 16 s later.
+// attempt, before a refused stream makes its slot dial a replacement; a
+// refusal that comes sooner is acted on once the wait is over. When the
+// replacement reaches the same server process, the wait doubles, up to
+// refusedMaxWait (refusals.replace).
 const (
 	refusedMinAge  = time.Second
 	refusedMaxWait = 16 * time.Second
@@ -134,34 +130,25 @@ func (sl *smSlot) install(s, ns *Session) bool {
 // st belonged here (if so, it was pooled or closed).
 func (sl *smSlot) putBack(st *Stream) bool {
 	sl.mu.Lock()
-	if sl.sess != st.s {
-		sl.mu.Unlock()
-		return false
+	mine := sl.sess == st.s
+	pool := mine && !st.pooled // pooled twice, it would be handed out twice
+	full := pool && len(sl.idle) >= sl.m.conf.MaxIdleStreams
+	if pool && !full {
+		st.pooled = true
+		sl.idle = append(sl.idle, idleStream{st: st, since: time.Now()})
 	}
-	if st.pooled { // put back twice: pooling it again would hand it out twice
-		sl.mu.Unlock()
-		return true
-	}
-	if len(sl.idle) >= sl.m.conf.MaxIdleStreams {
-		sl.mu.Unlock()
-		st.Close()
-		return true
-	}
-	st.pooled = true
-	sl.idle = append(sl.idle, idleStream{st: st, since: time.Now()})
 	sl.mu.Unlock()
-	return true
+	if full {
+		st.Close() // not under sl.mu: Close may write to the socket
+	}
+	return mine
 }
 
 // watch waits for the slot's session to die, then drops its pool and
-// re-dials it with backoff, until the manager closes.
-//
-// The backoff goes on growing across sessions that die young: a server that
-// completes the handshake and then drops the session at once (it refuses
-// the client, or crashes on start) must not be re-dialed in a storm, each
-// dial creating and removing a buffer region. It starts again from
-// MinReconnectBackoff only after a session stayed up for
-// MaxReconnectBackoff.
+// re-dials it with backoff, until the manager closes. The backoff goes on
+// growing across sessions that die young, so that a server that drops each
+// session after the handshake is not re-dialed in a storm; it starts again
+// from MinReconnectBackoff once a session stayed up for MaxReconnectBackoff.
 func (sl *smSlot) watch(s *Session) {
 	m := sl.m
 	defer m.wg.Done()

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -37,10 +38,9 @@ type eventConn struct {
 
 	wmu          handoverMutex
 	writeTimeout time.Duration
-	// pollOwed: a Polling frame is owed to the peer, not yet written
-	// because another frame held the socket (writePolling); whoever holds
-	// wmu writes it as it lets go (unlockW). onAsyncErr gets the error of
-	// such a write, for the session to end.
+	// pollOwed: a Polling frame is owed, left to the holder of wmu
+	// (writePolling, unlockW); onAsyncErr gets the error of a write that
+	// no caller waits for.
 	pollOwed    atomic.Bool
 	pollVersion atomic.Uint32
 	onAsyncErr  func(error)
@@ -54,7 +54,7 @@ type eventConn struct {
 	wn   int
 	wErr error
 
-	// Reads (readSome); only the socket's holder reads.
+	// One read (readSome); receive loop only.
 	rfn  func(fd uintptr) bool
 	rb   []byte
 	rn   int
@@ -291,24 +291,12 @@ func checkPeer(conn net.Conn, allowed []uint32) error {
 	if !ok {
 		return fmt.Errorf("%w: %T carries no peer credentials", errPeerNotAllowed, conn)
 	}
-	raw, err := uc.SyscallConn()
+	id, err := unixPeer(uc)
 	if err != nil {
 		return err
 	}
-	var cred *unix.Ucred
-	var credErr error
-	if err := raw.Control(func(fd uintptr) {
-		cred, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return err
+	if slices.Contains(allowed, id.uid) {
+		return nil
 	}
-	if credErr != nil {
-		return fmt.Errorf("read peer credentials: %w", credErr)
-	}
-	for _, uid := range allowed {
-		if cred.Uid == uid {
-			return nil
-		}
-	}
-	return fmt.Errorf("%w: uid %d (pid %d)", errPeerNotAllowed, cred.Uid, cred.Pid)
+	return fmt.Errorf("%w: uid %d (pid %d)", errPeerNotAllowed, id.uid, id.pid)
 }
