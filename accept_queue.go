@@ -6,23 +6,20 @@ import (
 	"sync"
 )
 
-// Errors of push. Neither leaves the stream in the queue.
+// Errors of push, which leaves the stream out of the queue.
 var (
-	// errAcceptClosed: the queue was closed, so nobody will accept the
-	// stream; push has closed it.
+	// errAcceptClosed: nobody will accept the stream; push has closed it.
 	errAcceptClosed = errors.New("shmipc: no longer accepting streams")
 
-	// errTooManyPending: the stream's session already has as many streams
-	// waiting to be accepted as it may. The caller decides what becomes of
-	// the stream (and of the peer that opened it).
+	// errTooManyPending: the stream's session has as many streams waiting
+	// as it may. The caller decides what becomes of the stream.
 	errTooManyPending = errors.New("shmipc: too many streams not yet accepted")
 )
 
 // streamQueue holds the streams that peers opened and nobody has accepted
 // yet: a Listener's queue (streams of all its sessions) or a session's own.
-// Once closed it takes no more streams, and the streams it held are closed,
-// so that none is left open, holding its session's regions, with nobody
-// to close it.
+// Once closed it takes no more streams and closes those it held, so that
+// none is left holding its session's regions with nobody to close it.
 type streamQueue struct {
 	mu      sync.Mutex
 	items   []*Stream

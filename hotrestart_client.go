@@ -25,13 +25,6 @@ type smHotRestart struct {
 	failed    int       // restarts that timed out
 }
 
-// hotRestartSetup installs the HotRestart hook on a session the manager
-// dialed, before its receive loop starts.
-func (m *SessionManager) hotRestartSetup(s *Session) {
-	f := func(epoch uint64) { m.onHotRestart(s, epoch) }
-	s.onHotRestart.Store(&f)
-}
-
 // minHotRestartInterval is the least time between the starts of two hot
 // restarts of a manager, so that a server sending HotRestart over and over
 // cannot make it dial sessions and create regions in a loop.

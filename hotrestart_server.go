@@ -15,8 +15,7 @@ package shmipc
 //	err := ln1.WaitHotRestart(ctx) // nil once every session acknowledged
 //	ln1.Close()                    // leaves sockPath to the new server
 //
-// Close lets the requests in progress finish: each old session ends with its
-// last stream (CloseAll ends them at once).
+// Close lets the requests in progress finish (CloseAll does not).
 //
 // The new server binds a socket under a temporary name in the same
 // directory and renames it over the path (rename(2) is atomic): a client
@@ -88,16 +87,13 @@ func (hr *srvHotRestart) finished() bool {
 // acknowledgements (at most 2 s from now).
 //
 // It fails with ErrHotRestartRunning while a previous restart is still
-// running, and with ErrListenerClosed after Close. Connections still in
-// their handshake do not hold it up: their sessions are told as they
-// start, and waited for.
+// running, and with ErrListenerClosed after Close. Sessions still in their
+// handshake are told as they start, and waited for; sessions that end
+// during the restart are not waited for, and connections accepted after
+// the call are not part of it.
 //
 // Call it once the new server answers on the socket path (ListenTakeover).
 // From then on Close does not remove the listener's Unix socket file.
-//
-// A session that ends during the restart is no longer waited for: it cannot
-// acknowledge, and its client, if it re-dials, reaches the new server.
-// Connections accepted after HotRestart was called are not part of it.
 func (l *Listener) HotRestart(epoch uint64) error {
 	l.mu.Lock()
 	if l.isClosed() {
@@ -350,14 +346,4 @@ func (p *pathListener) Close() error {
 		os.Remove(p.path)
 	}
 	return p.UnixListener.Close()
-}
-
-// inHandshake reports whether conn was in its handshake when the restart hr
-// (nil: none) began; the listener's mu is held.
-func (hr *srvHotRestart) inHandshake(conn net.Conn) bool {
-	if hr == nil {
-		return false
-	}
-	_, ok := hr.handshaking[conn]
-	return ok
 }

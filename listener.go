@@ -239,7 +239,10 @@ func (l *Listener) adopt(s *Session, conn net.Conn) {
 	delete(l.pending, conn)
 	l.sessions[s] = struct{}{}
 	hr := l.restart.Load() // under mu: HotRestart took its sessions or set hr
-	joins := hr.inHandshake(conn)
+	joins := false
+	if hr != nil {
+		_, joins = hr.handshaking[conn]
+	}
 	l.mu.Unlock()
 	if joins {
 		hr.join(s) // a hot restart began during the handshake

@@ -76,27 +76,23 @@ func serveStream(st *Stream, h StreamHandler) error {
 // available on st, until fn returns an error or the stream ends, and then
 // closes st. The channel it returns receives why it stopped (nil when the
 // peer closed the stream, or fn closed it) and is then closed. It works on
-// either side of a session, such as for a client that handles responses
-// asynchronously.
+// either side of a session.
 //
 // Rules for fn:
 //
-//   - It runs on the stream's goroutine and is the only reader of st; other
-//     goroutines may write to st (with the usual rule that writes to one
-//     stream must not interleave).
-//   - It should handle what it can of st's unread data (st.BufferReader()
-//     .Len() bytes, at least one) and may block reading the rest of a
-//     message it has begun: that holds up only this stream.
+//   - It is the only reader of st; other goroutines may write to st (their
+//     writes must not interleave).
+//   - It should handle what it can of st's unread data (at least one byte)
+//     and may block reading the rest of a message it has begun: that holds
+//     up only this stream.
 //   - If it returns while unread data remains, it is called again at once
-//     if it consumed something, and only after more data has arrived if it
-//     consumed nothing. So it may leave an incomplete message unread and wait
-//     for the next call.
-//   - Slices it got from BufferReader are valid until it returns: afterwards
-//     OnData releases what was read (ReleasePreviousRead). Copy what must
-//     outlive the call.
+//     if it consumed something, else only once more data has arrived: it
+//     may leave an incomplete message unread until the next call.
+//   - Slices it got from BufferReader are valid until it returns; then
+//     OnData releases what was read (ReleasePreviousRead).
 //
-// Set a read deadline on st to bound how long it may stay idle: when it
-// passes, OnData stops with ErrTimeout.
+// A read deadline on st bounds how long it may stay idle: OnData then stops
+// with ErrTimeout.
 func OnData(st *Stream, fn func(st *Stream) error) <-chan error {
 	done := make(chan error, 1)
 	go func() {

@@ -177,7 +177,8 @@ func NewSessionManager(conf SessionManagerConfig) (*SessionManager, error) {
 // setupSession installs the manager's hooks on a session it dialed, before
 // its receive loop starts.
 func (m *SessionManager) setupSession(s *Session) {
-	m.hotRestartSetup(s)
+	f := func(epoch uint64) { m.onHotRestart(s, epoch) }
+	s.onHotRestart.Store(&f)
 	s.onRefused = func() { m.refused(s) }
 }
 

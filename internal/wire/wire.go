@@ -7,22 +7,18 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 )
 
-// Header field sizes and offsets, adding up to HeaderSize.
+// Header field offsets: length (4 bytes), magic (2), version (1), type (1).
 const (
-	sizeOfLength  = 4
-	sizeOfMagic   = 2
-	sizeOfVersion = 1
-	sizeOfType    = 1
-
 	offsetLength  = 0
-	offsetMagic   = offsetLength + sizeOfLength
-	offsetVersion = offsetMagic + sizeOfMagic
-	offsetType    = offsetVersion + sizeOfVersion
+	offsetMagic   = 4
+	offsetVersion = 6
+	offsetType    = 7
 
 	// HeaderSize is the size of every frame header.
-	HeaderSize = offsetType + sizeOfType
+	HeaderSize = 8
 )
 
 // Magic is the value of every header's magic field.
@@ -220,11 +216,6 @@ func DecodePaths(payload []byte) (queuePath, bufferPath string, err error) {
 // grow extends b by n bytes and returns the extended slice and the new part.
 func grow(b []byte, n int) ([]byte, []byte) {
 	l := len(b)
-	if cap(b)-l < n {
-		nb := make([]byte, l, 2*cap(b)+n)
-		copy(nb, b)
-		b = nb
-	}
-	b = b[:l+n]
+	b = slices.Grow(b, n)[:l+n]
 	return b, b[l:]
 }
