@@ -149,6 +149,14 @@ func (c *circulation) setParkedLocked(li int, p []uint32) {
 	c.lists[li].parked.Store(int32(len(p)))
 }
 
+// unparkLocked takes the last parked slice of list li, which has one, out
+// of the parked ones and returns it.
+func (c *circulation) unparkLocked(li int) uint32 {
+	p := c.parked[li]
+	c.setParkedLocked(li, p[:len(p)-1])
+	return p[len(p)-1]
+}
+
 // setFloorLocked sets the free count below which list li is refilled.
 func (c *circulation) setFloorLocked(li int) {
 	var floor int32
@@ -162,12 +170,8 @@ func (c *circulation) setFloorLocked(li int) {
 func (c *circulation) refillLocked(m *bufferManager, li int) error {
 	defer c.setFloorLocked(li)
 	free := m.i32(m.lists[li].header + listFreeOff)
-	p := c.parked[li]
-	for len(p) > 0 && shmLoadInt32(free) < c.spare[li] {
-		off := p[len(p)-1]
-		p = p[:len(p)-1]
-		c.setParkedLocked(li, p)
-		if _, err := m.pushList(li, off); err != nil {
+	for len(c.parked[li]) > 0 && shmLoadInt32(free) < c.spare[li] {
+		if _, err := m.pushList(li, c.unparkLocked(li)); err != nil {
 			return err
 		}
 	}
@@ -179,14 +183,12 @@ func (c *circulation) refillLocked(m *bufferManager, li int) error {
 func (c *circulation) unparkOne(m *bufferManager, li int) (uint32, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	p := c.parked[li]
-	if len(p) == 0 {
+	if len(c.parked[li]) == 0 {
 		return 0, nil
 	}
 	// The list ran dry: every slice not parked is in flight.
 	c.noteInFlight(m, li, m.freeCount(li))
-	off := p[len(p)-1]
-	c.setParkedLocked(li, p[:len(p)-1])
+	off := c.unparkLocked(li)
 	return off, c.refillLocked(m, li)
 }
 
@@ -199,12 +201,8 @@ func (c *circulation) unparkList(m *bufferManager, li int) {
 
 func (c *circulation) unparkListLocked(m *bufferManager, li int) {
 	defer c.setFloorLocked(li)
-	p := c.parked[li]
-	for len(p) > 0 {
-		off := p[len(p)-1]
-		p = p[:len(p)-1]
-		c.setParkedLocked(li, p)
-		if _, err := m.pushList(li, off); err != nil {
+	for len(c.parked[li]) > 0 {
+		if _, err := m.pushList(li, c.unparkLocked(li)); err != nil {
 			c.setParkedLocked(li, nil) // a corrupt list: the region is lost anyway
 			return
 		}

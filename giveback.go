@@ -6,17 +6,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Giving memory back.
-//
-// A buffer region's pages stay committed once written: a burst of large
-// messages would pin the pages of every slice it used for as long as the
-// region lives. So the process that created a region (the client, which
-// holds its descriptor) watches it (circulation.go), and when a list has
-// been quiet for giveBackPeriod it punches holes in the data pages of its
-// free slices (fallocate FALLOC_FL_PUNCH_HOLE). Each slice is popped while
-// its pages go, so no peer can be writing to it; slice headers are never
-// punched. A slice handed out again faults its pages back in, zero-filled,
-// as writers fill slices before they publish them.
+// Giving memory back. A buffer region's pages stay committed once written,
+// so when a list has been quiet for giveBackPeriod, the process that created
+// the region (which holds its descriptor) punches holes in the data pages
+// of its free slices (fallocate FALLOC_FL_PUNCH_HOLE). Each slice is popped
+// while its pages go, so no peer can be writing to it; headers are never
+// punched. A slice handed out again faults its pages back in, zero-filled.
 
 // giveBackPeriod is how long a list must be quiet before the data pages of
 // its free slices are given back. A region takes the value when it is

@@ -7,15 +7,12 @@ import (
 
 // serverBuffers caches the buffer regions servers in this process have
 // mapped: every session of one client process names the same buffer
-// region, and they share one mapping.
-//
-// Unlike the other implementations, which key the cache by path alone, a
-// cached mapping is shared only with a session of the same peer process
-// (pid and uid from SO_PEERCRED) that names the same path, and only if the
-// descriptor is the same file (device and inode). Everyone else maps the
-// file anew, after the ownership checks of openRegionFile. A peer whose pid
-// is unknown (TCP) never shares. A reused pid gains nothing, as the uid and
-// file checks still hold for it.
+// region. Unlike the other implementations, which key the cache by path
+// alone, a mapping is shared only with a session of the same peer process
+// (pid and uid from SO_PEERCRED; never when the pid is unknown) that names
+// the same path, and only if the descriptor is the same file. Everyone else
+// maps the file anew, after the ownership checks of openRegionFile. A
+// reused pid gains nothing: the uid and file checks still hold.
 var serverBuffers = struct {
 	sync.Mutex
 	m map[bufferKey]*bufferManager

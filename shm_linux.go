@@ -99,13 +99,9 @@ func (r *region) committed() uint64 {
 // createRegionPerm creates a zero-filled shared region of size bytes: a
 // memfd, or a new file at path with permissions perm. It returns the region
 // (one reference) and the open fd, which the caller closes once it has been
-// passed to the peer.
-//
-// The region is sparse, so memory follows traffic rather than the number of
-// sessions: a page is committed when first written. A page that cannot be
-// committed then (a full tmpfs) faults inside Session.access and becomes the
-// session's error; slices handed to the application are committed before
-// they are handed out (commitPages).
+// passed to the peer. The region is sparse, so memory follows traffic: a
+// page that cannot be committed when first written faults inside an access
+// (slices handed to the application are committed first, commitPages).
 func createRegionPerm(mode MemMapType, path string, size int, perm uint32) (*region, int, error) {
 	var fd int
 	var err error

@@ -5,32 +5,24 @@ import (
 	"runtime/debug"
 )
 
-// The trust boundary.
-//
-// A session's regions are writable by the peer, and a peer that created a
-// region can also shrink it under us (file regions, and memfds it did not
+// The trust boundary. A session's regions are writable by the peer, which
+// can also shrink a region it created (file regions, and memfds it did not
 // seal); a page that cannot be committed (a full tmpfs, a memory cgroup at
 // its limit) is lost the same way. Touching such a page raises SIGBUS or
 // SIGSEGV. Values read from the regions are checked where they are read;
 // faults are caught here.
 //
-// Every code path that touches a region runs inside access (or a method
-// that begins with `defer s.endAccess(&err, debug.SetPanicOnFault(true))`,
-// the same thing), which turns a fault into an ErrProtocol error that ends
-// the session. The fault is recovered inside access, so it never unwinds
-// through a caller's frame: a caller may hold locks around an access. Code
-// inside an access must not be half-way through updating a lock, a token
-// or a counter outside the region when it touches the region. The
-// handshake uses faultError for the regions it maps before a session exists.
-//
-// Work on a region outside any session's access (circulation control, the
-// kept slices a session returns as it ends) runs inside quietly: a fault
-// ends that work silently, since the sessions using the region meet it in
-// their own accesses.
+// Every code path that touches a region runs inside access (or begins with
+// `defer s.endAccess(&err, debug.SetPanicOnFault(true))`), which turns a
+// fault into an ErrProtocol error that ends the session. The fault is
+// recovered inside access, so a caller may hold locks around an access;
+// code inside one must not be half-way through updating a lock, a token or
+// a counter outside the region when it touches the region. Work outside
+// any session (circulation control, the kept slices a session returns as it
+// ends) runs inside quietly instead, and the handshake uses faultError.
 //
 // Slices handed to the application (ReadBytes, Peek, Reserve) are touched
-// by application code, outside access; Config.RequireSealedMemory keeps
-// such faults from happening.
+// outside access; Config.RequireSealedMemory keeps such faults away.
 
 // access runs f, which touches the session's shared regions, with memory
 // faults turned into the session's error.
