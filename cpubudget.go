@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -101,22 +102,21 @@ func cgroupCPULimit(root, procCgroup string) float64 {
 			continue
 		}
 		if f[0] == "0" && f[1] == "" { // cgroup v2
-			walkCgroup(filepath.Join(root, f[2]), root, func(dir string) { take(readCPUMax(dir)) })
-			if root2 := filepath.Join(root, "unified"); dirExists(root2) {
-				walkCgroup(filepath.Join(root2, f[2]), root2, func(dir string) { take(readCPUMax(dir)) })
+			for _, mount := range []string{root, filepath.Join(root, "unified")} {
+				if dirExists(mount) {
+					walkCgroup(filepath.Join(mount, f[2]), mount, func(dir string) { take(readCPUMax(dir)) })
+				}
 			}
 			continue
 		}
-		for _, c := range strings.Split(f[1], ",") {
-			if c != "cpu" {
-				continue
-			}
-			for _, m := range []string{"cpu", "cpu,cpuacct", "cpuacct,cpu"} {
-				mount := filepath.Join(root, m)
-				if dirExists(mount) {
-					walkCgroup(filepath.Join(mount, f[2]), mount, func(dir string) { take(readCFS(dir)) })
-					break
-				}
+		if !slices.Contains(strings.Split(f[1], ","), "cpu") {
+			continue
+		}
+		for _, m := range []string{"cpu", "cpu,cpuacct", "cpuacct,cpu"} {
+			mount := filepath.Join(root, m)
+			if dirExists(mount) {
+				walkCgroup(filepath.Join(mount, f[2]), mount, func(dir string) { take(readCFS(dir)) })
+				break
 			}
 		}
 	}
