@@ -36,11 +36,8 @@ func Dial(network, address string, conf *Config) (*Session, error) {
 // clients open. It implements net.Listener: Accept returns each new stream
 // as a net.Conn (a *Stream).
 //
-// Closing follows net.Listener: Close stops accepting and leaves the
-// streams already accepted open, so that a server can finish the requests
-// in progress (grpc.Server.GracefulStop and http.Server.Shutdown close
-// their listener first, then wait for them). CloseAll also ends every
-// session at once.
+// Close stops accepting and leaves the streams already accepted open, as a
+// net.Listener's Close does; CloseAll also ends every session at once.
 type Listener struct {
 	ln       net.Listener
 	conf     *Config
@@ -149,16 +146,15 @@ func NewListener(ln net.Listener, conf *Config) *Listener {
 	return l
 }
 
-// Pauses of the accept loop after a failed Accept: the first, and the
-// longest (as net/http's Server does).
+// Pauses of the accept loop after a failed Accept (as net/http's Server).
 const (
 	minAcceptBackoff = 5 * time.Millisecond
 	maxAcceptBackoff = time.Second
 )
 
 // acceptLoop accepts connections and serves each on its own goroutine. A
-// failed Accept is logged and retried with growing pauses: errors such as
-// EMFILE, ENFILE or ECONNABORTED pass. Only a closed listener ends the loop.
+// failed Accept (EMFILE, ECONNABORTED, ...) is logged and retried with
+// growing pauses; only a closed listener ends the loop.
 func (l *Listener) acceptLoop() {
 	defer close(l.done)
 	var backoff time.Duration
@@ -326,8 +322,7 @@ func (l *Listener) CloseAll() error {
 }
 
 // stopAccepting closes the listening socket, drops connections in their
-// handshake, waits for the accept loop and closes the queue of streams not
-// yet accepted. Only the first call does anything.
+// handshake, waits for the accept loop and closes the accept queue, once.
 func (l *Listener) stopAccepting() {
 	l.once.Do(func() {
 		l.mu.Lock()

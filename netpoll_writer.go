@@ -42,40 +42,25 @@ var errNetpollRange = errors.New("shmipc: count beyond the bytes allocated since
 // valid until Flush. They are shared memory when a slice can hold them, and
 // otherwise private memory, the message then going as fallback data; it
 // waits for free slices as BufferWriter.Reserve does.
-func (w *netpollWriter) Malloc(n int) (_ []byte, err error) {
-	st := w.st
-	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	if n < 0 {
-		return nil, errNegative
+func (w *netpollWriter) Malloc(n int) ([]byte, error) {
+	if n != 0 {
+		return (*bufferWriter)(w.st).Reserve(n)
 	}
-	st.lockWriter()
-	defer st.unlockWriter()
-	if n == 0 {
-		if err := st.writer.usable(); err != nil {
-			return nil, err
-		}
-		return []byte{}, nil
+	if err := (*bufferWriter)(w.st).locked((*streamWriter).usable); err != nil {
+		return nil, err
 	}
-	return st.writer.reserve(n)
+	return []byte{}, nil // unlike Reserve(0), takes no slice
 }
 
 // WriteString appends a copy of s to the message.
-func (w *netpollWriter) WriteString(s string) (_ int, err error) {
-	st := w.st
-	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.lockWriter()
-	defer st.unlockWriter()
-	return writeTo(&st.writer, s)
+func (w *netpollWriter) WriteString(s string) (int, error) {
+	return (*bufferWriter)(w.st).WriteString(s)
 }
 
 // WriteBinary appends a copy of p to the message. Unlike netpoll's own
 // buffers it does not keep p, so the caller may reuse p at once.
-func (w *netpollWriter) WriteBinary(p []byte) (_ int, err error) {
-	st := w.st
-	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.lockWriter()
-	defer st.unlockWriter()
-	return writeTo(&st.writer, p)
+func (w *netpollWriter) WriteBinary(p []byte) (int, error) {
+	return (*bufferWriter)(w.st).WriteBytes(p)
 }
 
 // WriteByte appends c to the message.

@@ -15,11 +15,9 @@ import (
 // reused by either process. Do not write into them.
 //
 // Bytes returned in place are not a snapshot: the peer keeps the region
-// mapped read-write, so a hostile or buggy peer can change them after the
-// call returned, after the caller checked them (a length it validated can
-// become another). Where the peer is not trusted, copy the bytes before
-// validating them and use only the copy, or read with Stream.Read, which
-// copies.
+// mapped read-write and can change them after the caller checked them.
+// Where the peer is not trusted, validate and use a copy (Stream.Read
+// copies).
 //
 // A BufferReader is not safe for concurrent use.
 type BufferReader interface {

@@ -299,9 +299,8 @@ func (m *SessionManager) getStreamContext(ctx context.Context, pooled bool) (*St
 }
 
 // PutBack returns a stream obtained from GetStream for reuse. It releases
-// what was read from the stream (ReleasePreviousRead), so slices returned
-// by its reads become invalid, and clears its deadlines. The caller must not
-// use st afterwards.
+// what was read from it (ReleasePreviousRead) and clears its deadlines. The
+// caller must not use st afterwards.
 //
 // Only a clean stream is pooled, one on which nothing more can arrive for
 // the request it carried, as far as the stream can tell:
@@ -385,11 +384,9 @@ func (m *SessionManager) isClosed() bool {
 func (m *SessionManager) Sessions() []*Session {
 	var out []*Session
 	for _, sl := range m.slots {
-		sl.mu.Lock()
-		if sl.sess != nil {
-			out = append(out, sl.sess)
+		if s := sl.current(); s != nil {
+			out = append(out, s)
 		}
-		sl.mu.Unlock()
 	}
 	return out
 }

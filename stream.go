@@ -98,10 +98,9 @@ func (st *Stream) notify() {
 	}
 }
 
-// Read reads up to len(p) bytes into p. It copies, so it returns the
-// shared memory it has read to the buffer region at once; that also releases
-// what earlier BufferReader calls returned, so their slices are invalid
-// afterwards.
+// Read reads up to len(p) bytes into p. It copies, and returns the shared
+// memory it has read to the buffer region at once, with what earlier
+// BufferReader calls returned: their slices become invalid.
 func (st *Stream) Read(p []byte) (int, error) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
@@ -174,16 +173,14 @@ func (st *Stream) awaitReadable(n int) error {
 		if st.failErr != nil {
 			return st.failErr
 		}
-		ended := st.peerClosed
-		var err error = io.EOF
-		if !ended && st.s.IsClosed() {
-			ended, err = true, st.s.Err()
-		}
-		if ended {
-			if r.unread > 0 && err == io.EOF {
+		if st.peerClosed {
+			if r.unread > 0 {
 				return io.ErrUnexpectedEOF
 			}
-			return err
+			return io.EOF
+		}
+		if st.s.IsClosed() {
+			return st.s.Err() // never io.EOF: it wraps ErrSessionClosed
 		}
 		deadline := st.rDeadline
 		if !deadline.IsZero() && !time.Now().Before(deadline) {
