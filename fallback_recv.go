@@ -2,6 +2,8 @@ package shmipc
 
 import (
 	"fmt"
+	"maps"
+	"slices"
 	"time"
 
 	"github.com/goshm/shmipc/internal/wire"
@@ -78,12 +80,7 @@ const (
 // most fallback data, or nil if none holds any.
 func (s *Session) largestFallbackHolder() *Stream {
 	s.mu.Lock()
-	streams := make([]*Stream, 0, len(s.streams))
-	for _, st := range s.streams {
-		if st.heldFallback.Load() > 0 {
-			streams = append(streams, st)
-		}
-	}
+	streams := slices.Collect(maps.Values(s.streams))
 	s.mu.Unlock()
 	var hog *Stream
 	var most int64

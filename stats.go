@@ -3,6 +3,8 @@ package shmipc
 import (
 	"expvar"
 	"log/slog"
+	"maps"
+	"slices"
 	"sync"
 	"sync/atomic"
 )
@@ -216,10 +218,7 @@ func unregister(s *Session) {
 func AggregateStats() Stats {
 	registry.Lock()
 	total := registry.ended
-	live := make([]*Session, 0, len(registry.live))
-	for s := range registry.live {
-		live = append(live, s)
-	}
+	live := slices.Collect(maps.Keys(registry.live))
 	registry.Unlock()
 	buffers := make(map[*bufferManager]bool)
 	for _, s := range live {
