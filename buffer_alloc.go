@@ -157,19 +157,16 @@ func (m *bufferManager) heldBit(li int, off uint32) (*atomic.Uint64, uint64) {
 }
 
 // alloc pops one slice for n more bytes: from the smallest list whose
-// slices hold n, or a larger one. With split the bytes need not be
-// contiguous, so it then takes the largest smaller slice left, of at least
-// 1/maxSplitPieces of n (or of usable). It returns li = -1 when no list can
-// give a slice.
+// slices hold n, or a larger one, or with split, the largest smaller slice
+// left of at least 1/maxSplitPieces of n (or of usable). It returns li = -1
+// when no list can give a slice.
 //
-// With leave (the writer holds no slice of the region) it leaves the
-// reserve of the lists it takes as a last resort: the largest, and the
-// smaller ones of a split. The reserve keeps room for writers that hold
-// slices, such as an echo holding the request it answers, which could
-// otherwise wait for room that only their answers would free. Only the
-// creator leaves a reserve: it alone sees the slices it parked
-// (circulation.go), and a mapper counting only the free list of a list
-// kept short on purpose could wait for ever.
+// With leave (the writer holds no slice) it leaves the reserve of the lists
+// it takes as a last resort, the largest and those of a split, to writers
+// that hold slices, such as an echo holding the request it answers, which
+// could otherwise wait for room only its answer would free. Only the
+// creator leaves one: a mapper cannot see the parked slices (circulation.go)
+// of a list kept short on purpose, and could wait for ever.
 func (m *bufferManager) alloc(n int, split, leave bool) (li int, off uint32, err error) {
 	leave = leave && m.circ != nil
 	start := m.firstFit(n)
@@ -271,15 +268,12 @@ func (m *bufferManager) linkSlice(off uint32, size int, next uint32) {
 	}
 }
 
-// readChain walks the message that starts at the slice header at root and
-// appends its slices to dst, marking them held (bufferManager.held). Every
-// header is read once and checked: the offset must be a slice of a list,
-// cap must match that list, start+size must fit in cap, and no slice may
-// be held already (published twice, or a cycle). Empty slices are freed
-// once the whole chain has been checked and are not returned. On error
-// nothing is freed (a corrupt chain may name free slices, or another
-// message's), the slices marked by this call are unmarked, and dst is
-// returned unchanged.
+// readChain appends the slices of the message whose root slice header is
+// at root to dst, marking them held. Every header is read once and checked
+// (a slice of a list with that list's cap, start+size within it, not held
+// already), and empty slices are freed once the whole chain is checked. On
+// error nothing is freed (a corrupt chain may name free slices, or another
+// message's), the marks of this call are undone and dst is returned as is.
 func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error) {
 	first := len(dst)
 	var empty [4]segment

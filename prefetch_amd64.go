@@ -2,11 +2,6 @@ package shmipc
 
 import "unsafe"
 
-// Prefetching a kept slice for the next message: the peer wrote the slice
-// (reuse.go) on another core, so each line the next message is copied into
-// is first fetched from there. Prefetching the lines for writing when the
-// slice is kept starts those transfers while the stream waits for its peer.
-
 // prefetchMax bounds how much of a slice is prefetched: a few times the
 // number of lines a core fetches at once, beyond which prefetches queue up
 // or are dropped.
@@ -21,7 +16,9 @@ const prefetchMax = 16 << 10
 func prefetchLinesW(p unsafe.Pointer, n uintptr)
 
 // prefetchForWrite starts taking the first prefetchMax bytes of p for
-// writing, without waiting for them.
+// writing, without waiting for them: a kept slice (reuse.go) was written by
+// the peer on another core, and its lines are fetched while the stream
+// waits for its peer rather than when the next message is copied in.
 func prefetchForWrite(p []byte) {
 	if len(p) > 0 {
 		prefetchLinesW(unsafe.Pointer(&p[0]), uintptr(min(len(p), prefetchMax)))

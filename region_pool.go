@@ -11,27 +11,22 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Sharing buffer regions between a client's sessions.
+// clientBuffers pools the buffer regions of a client's sessions: as in the
+// Shmipc design, a client process gives all its sessions one buffer region,
+// each with a queue region of its own, and servers recognise a region they
+// have mapped by its path (PROTOCOL.md §3, region_cache.go). Sessions share
+// a region when they have the same layout, prefix and mapping mode, and
+// talk to the same server process (the one that sends the handshake
+// frames, peekSender, not the one that listens).
 //
-// As in the Shmipc design, a client process gives all its sessions one
-// buffer region, each with a queue region of its own; servers recognise a
-// region they have mapped by its path (PROTOCOL.md §3, region_cache.go).
-// clientBuffers is that pool. Sessions share a region when they have the
-// same layout, prefix and mapping mode, and talk to the same server
-// process: the one that sends the server's handshake frames, as the kernel
-// reports it (peekSender), not the one that listens.
-//
-// Only memfd regions are shared. In file mode a server removes the buffer
-// file when its last session on it ends (PROTOCOL.md §8, trap 12), and the
-// version 2 handshake has no acknowledgement, so a client could not tell a
-// server that had already removed the file from one that had mapped it.
+// Only memfd regions are shared: in file mode a server removes the buffer
+// file when its last session on it ends (PROTOCOL.md §8, trap 12), and a
+// client cannot tell whether a server had already removed it.
 //
 // Per server process, because a killed server frees nothing, and what it
-// held cannot be told from what other servers hold (a live one frees what
-// its streams held and what it left unconsumed, reclaimUnconsumed). So when
-// the server process is gone the region is retired: new sessions get a new
-// one, and the old one goes with its last session, with what the dead
-// process held.
+// held cannot be told from what other servers hold. When the server process
+// is gone the region is retired: new sessions get a new one, and the old
+// one goes with its last session, with what the dead process held.
 var clientBuffers = struct {
 	sync.Mutex
 	m map[poolKey]*pooledBuffer

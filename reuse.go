@@ -13,11 +13,9 @@ import (
 // the root slice of a message may have been allocated by the other process.
 //
 // Only slices up to keepMaxCap are kept, used only for a message piece that
-// fits in one. A stream gets permission to keep slices of a class when it
-// first has one to keep, and holds it until it lets go of the region or
-// receives a slice of another keepable class. At most 1/keepShare of a
-// class may be kept by a process's streams, so that many open streams
-// cannot starve its list.
+// fits in one. A stream holds permission to keep slices of one class, and at
+// most 1/keepShare of a class may be kept by a process's streams, so that
+// many open streams cannot starve its list.
 //
 // A kept slice goes back when the stream lets go of the buffer region
 // (dropRef), when the peer closes the stream (peerClose), and, for a session
@@ -25,9 +23,8 @@ import (
 // may count its free lists as soon as it sees the end.
 
 const (
-	// keepShare: at most 1/keepShare of a class of a region may be kept by
-	// the streams of a process. The count is touched when a stream's
-	// permission changes, not per message.
+	// keepShare bounds the share of a class kept; its count changes with a
+	// stream's permission (mayKeep), not per message.
 	keepShare = 8
 	// keepMaxCap is the largest slice capacity a stream keeps, the
 	// reference layout's largest class: larger slices are few, and a stream
@@ -60,10 +57,10 @@ func (m *bufferManager) keepable(li int32) bool {
 	return li >= 0 && int(li) < len(m.lists) && m.lists[li].keepLimit > 0
 }
 
-// freeReceived returns the shared-memory segments among segs, which the
-// stream's reader has finished with, to the buffer region, keeping one
-// slice of a class it may keep for the stream's next message. It runs
-// inside an access, with st.mu held.
+// freeReceived frees the segments among segs, which the stream's reader has
+// finished with, keeping one slice of a keepable class for the stream's next
+// message; a slice of another class replaces the permission it held. It
+// runs inside an access, with st.mu held.
 func (st *Stream) freeReceived(segs []segment) error {
 	s := st.s
 	v := st.kept.Load()

@@ -3,16 +3,12 @@
 package shmipc
 
 // Atomic operations on words of shared memory, for race-detector builds.
-//
-// With the race detector on, sync/atomic performs the operation in the race
-// runtime's C code on the system stack, where a fault (a peer that truncated
-// the region) cannot become a panic for access (shmaccess.go) to recover:
-// the process crashes. The race detector does not track memory outside the
-// heap anyway (raceReleaseIO and raceAcquireIO model the happens-before), so
-// these are plain instructions on the goroutine's stack. For Go heap memory,
-// which tests use as a region, each operation also tells the race detector
-// what sync/atomic's would (RaceAcquire and RaceReleaseMerge ignore other
-// addresses).
+// There sync/atomic runs the operation in the race runtime's C code on the
+// system stack, where a fault (a peer that truncated the region) crashes
+// the process instead of becoming a panic for access to recover. So these
+// are plain instructions on the goroutine's stack; for Go heap memory, which
+// tests use as a region, they also tell the race detector what sync/atomic
+// would (raceReleaseIO and raceAcquireIO model shared memory).
 
 import (
 	"runtime"
