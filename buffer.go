@@ -234,9 +234,8 @@ func (m *bufferManager) i32(off uint32) *int32 {
 	return (*int32)(unsafe.Pointer(&m.mem[off]))
 }
 
-// freeCount is list li's free count. The peer writes it too, so it is
-// clamped to [0, count]: arithmetic on it cannot overflow, and a loop it
-// bounds cannot run past the number of slices the list has.
+// freeCount is list li's free count, which the peer writes too, clamped to
+// [0, count] so that arithmetic and loops it bounds stay within the list.
 func (m *bufferManager) freeCount(li int) int32 {
 	l := &m.lists[li]
 	n := shmLoadInt32(m.i32(l.header + listFreeOff))
@@ -247,11 +246,10 @@ func (m *bufferManager) u32(off uint32) *uint32 {
 	return (*uint32)(unsafe.Pointer(&m.mem[off]))
 }
 
-// The flags byte of a slice header sits in the low byte of a 4-byte word
-// whose other bytes are always zero (PROTOCOL.md §4.4). It is read and
-// written with atomic operations on that word, ordered with the atomic
-// accesses to next: a pop that sees HAS_NEXT then also sees the next that
-// the push stored before setting it, on weakly ordered CPUs too.
+// The flags byte of a slice header is the low byte of a 4-byte word whose
+// other bytes are zero (PROTOCOL.md §4.4), accessed atomically: a pop that
+// sees HAS_NEXT also sees the next the push stored before setting it, on
+// weakly ordered CPUs too.
 
 // flags returns the flags byte of the slice header at off.
 func (m *bufferManager) flags(off uint32) byte {

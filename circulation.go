@@ -133,9 +133,7 @@ func (c *circulation) observe(m *bufferManager, li int, left int32) error {
 }
 
 // noteInFlight records the slices of list li in flight, neither free nor
-// parked, when it holds free slices. The parked count is read at the same
-// moment, so that parking and refilling between two looks do not distort
-// the count.
+// parked, when it holds free slices (both counts read at the same moment).
 func (c *circulation) noteInFlight(m *bufferManager, li int, free int32) {
 	cl := &c.lists[li]
 	if n := int32(m.lists[li].count) - cl.parked.Load() - free; n > cl.high.Load() {
@@ -218,9 +216,7 @@ func (m *bufferManager) sessionEnding() {
 	}
 }
 
-// unparkAll pushes every parked slice back and parks none for parkHold,
-// when the last session using the region ends and before the region is
-// unmapped.
+// unparkAll pushes every parked slice back and parks none for parkHold.
 func (m *bufferManager) unparkAll() {
 	c := m.circ
 	if c == nil {
@@ -236,9 +232,8 @@ func (m *bufferManager) unparkAll() {
 	})
 }
 
-// look is one look at every list: it records the peak in flight, steers
-// busy lists, and gives the pages of lists quiet for giveBack back. It runs
-// inside quietly.
+// look records every list's peak in flight, steers busy lists, and gives
+// the pages of lists quiet for giveBack back. It runs inside quietly.
 func (m *bufferManager) look(period, giveBack time.Duration) {
 	c := m.circ
 	c.pos = (c.pos + 1) % circulationWindow
@@ -294,8 +289,7 @@ func (m *bufferManager) steer(li int) {
 
 // parkOne parks a slice of list li if more than keep of its slices are in
 // circulation and the list holds more than its spare; it reports whether
-// it did. The lock is held for one slice at a time, so an allocation that
-// needs a parked slice waits for one punch at most.
+// it did. Locking per slice, an allocation waits for one punch at most.
 func (c *circulation) parkOne(m *bufferManager, li int, keep int32) bool {
 	l := &m.lists[li]
 	c.mu.Lock()

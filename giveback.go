@@ -14,14 +14,11 @@ import (
 // punched. A slice handed out again faults its pages back in, zero-filled.
 
 // giveBackPeriod is how long a list must be quiet before the data pages of
-// its free slices are given back. A region takes the value when it is
-// created.
+// its free slices are given back; a region takes it when created.
 var giveBackPeriod = time.Second
 
-// listSample is what a list's header said at one look. A list that pops
-// as much as it pushes between two looks shows the same free count and
-// counters at both, but its head and tail have moved (unless by exactly a
-// multiple of the list's length).
+// listSample is what a list's header said at one look. Its head and tail
+// tell traffic that left the free count and counters where they were.
 type listSample struct {
 	free, creator, mapper int32
 	head, tail            uint32
@@ -68,10 +65,9 @@ func hasResident(resident []byte, first, end int) bool {
 }
 
 // giveBackList cycles once through list li's free slices, if any slice of
-// the list has data pages in memory, punching those. The slice at the tail
-// cannot be popped while it is the last one, so the cycle makes as many
-// pops as the list holds free slices, not one fewer: by the last pop, the
-// slices pushed back behind it have brought it to the head.
+// the list has data pages in memory, punching those. It pops as many as the
+// list holds, not one fewer: the last, unpoppable at the tail, reaches the
+// head as the others are pushed back behind it.
 func (m *bufferManager) giveBackList(li int, resident []byte) {
 	l := &m.lists[li]
 	inMemory := func(off uint32) bool {

@@ -166,14 +166,11 @@ func retireLocked(key poolKey, p *pooledBuffer) {
 // session's teardown (reclaimUnconsumed).
 var reclaimSweeps = []time.Duration{10 * time.Millisecond, 100 * time.Millisecond}
 
-// reclaimUnconsumed frees the messages the peer published on this side's
-// receive queue that were never consumed, which would otherwise stay
-// allocated in a shared buffer region that outlives the session. It runs
-// at teardown, once the receive loop, the queue's only consumer, has
-// stopped. The peer may still publish for a moment, so when other sessions
-// still use the region the queue is swept again after each of
-// reclaimSweeps (a region of this session alone goes with it; file regions
-// are not shared).
+// reclaimUnconsumed frees the messages left on this side's receive queue at
+// teardown, once the receive loop (its only consumer) has stopped: they
+// would stay allocated in a shared region that outlives the session. The
+// peer may still publish for a moment, so a shared region's queue is swept
+// again after each of reclaimSweeps.
 func (s *Session) reclaimUnconsumed() {
 	if s.recvQ == nil || s.buf == nil {
 		return
@@ -207,10 +204,9 @@ func (s *Session) sweepLater(i int) {
 	})
 }
 
-// freeUnconsumed pops the elements left on the receive queue and frees
-// the messages they name: at most as many as the queue holds, so that a
-// peer that keeps publishing cannot keep it going. It runs inside an
-// access, as the queue's only consumer.
+// freeUnconsumed frees the messages named on the receive queue: at most as
+// many as the queue holds, so that a peer that keeps publishing cannot keep
+// it going. It runs inside an access, as the queue's only consumer.
 func (s *Session) freeUnconsumed() error {
 	for range s.recvQ.cap {
 		e, ok, err := s.recvQ.pop()
