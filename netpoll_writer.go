@@ -80,48 +80,45 @@ func (w *netpollWriter) WriteByte(c byte) error { return (*bufferWriter)(w.st).W
 // Flush, so that what the caller writes into them until then is sent: they
 // cost a second copy and, until Flush, twice their shared memory. Flush
 // with this Writer.
-func (w *netpollWriter) WriteDirect(p []byte, remainCap int) (err error) {
-	st := w.st
-	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.lockWriter()
-	defer st.unlockWriter()
-	sw := &st.writer
-	if remainCap < 0 {
-		return errNegative
-	}
-	if remainCap > sw.size {
-		return fmt.Errorf("%w: WriteDirect remainCap %d, %d bytes allocated", errNetpollRange, remainCap, sw.size)
-	}
-	if len(p) == 0 {
-		return nil
-	}
-	if err := sw.usable(); err != nil {
-		return err
-	}
-	if remainCap == 0 {
-		_, err := writeTo(sw, p)
-		return err
-	}
-	at := sw.size - remainCap
-	// Where the caller sees the last remainCap bytes: the message's own
-	// memory, or the sources of earlier moves that end up there.
-	w.srcs = w.tailSources(at, w.srcs[:0])
-	w.cutMoves(at)
-	sw.truncateKeep(at)
-	_, err = writeTo(sw, p)
-	if err == nil {
-		pos := sw.size
-		err = sw.extend(remainCap)
-		for _, src := range w.srcs {
-			w.moves = append(w.moves, netpollMove{pos: pos, src: src})
-			pos += len(src)
+func (w *netpollWriter) WriteDirect(p []byte, remainCap int) error {
+	return (*bufferWriter)(w.st).locked(func(sw *streamWriter) error {
+		if remainCap < 0 {
+			return errNegative
 		}
-	}
-	clear(w.srcs)
-	if err != nil {
-		w.discardLocked()
-	}
-	return err
+		if remainCap > sw.size {
+			return fmt.Errorf("%w: WriteDirect remainCap %d, %d bytes allocated", errNetpollRange, remainCap, sw.size)
+		}
+		if len(p) == 0 {
+			return nil
+		}
+		if err := sw.usable(); err != nil {
+			return err
+		}
+		if remainCap == 0 {
+			_, err := writeTo(sw, p)
+			return err
+		}
+		at := sw.size - remainCap
+		// Where the caller sees the last remainCap bytes: the message's own
+		// memory, or the sources of earlier moves that end up there.
+		w.srcs = w.tailSources(at, w.srcs[:0])
+		w.cutMoves(at)
+		sw.truncateKeep(at)
+		_, err := writeTo(sw, p)
+		if err == nil {
+			pos := sw.size
+			err = sw.extend(remainCap)
+			for _, src := range w.srcs {
+				w.moves = append(w.moves, netpollMove{pos: pos, src: src})
+				pos += len(src)
+			}
+		}
+		clear(w.srcs)
+		if err != nil {
+			w.discardLocked()
+		}
+		return err
+	})
 }
 
 // tailSources appends to dst the memory the caller writes the message's
@@ -177,20 +174,17 @@ func (w *netpollWriter) discardLocked() {
 // MallocAck keeps the first n bytes allocated since the last flush and
 // discards the rest, shrinking the message; slices of the discarded bytes
 // must not be used any more.
-func (w *netpollWriter) MallocAck(n int) (err error) {
-	st := w.st
-	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.lockWriter()
-	defer st.unlockWriter()
-	sw := &st.writer
-	if n < 0 {
-		return errNegative
-	}
-	if n > sw.size {
-		return fmt.Errorf("%w: MallocAck(%d), %d bytes allocated", errNetpollRange, n, sw.size)
-	}
-	w.cutMoves(n)
-	return sw.truncate(n)
+func (w *netpollWriter) MallocAck(n int) error {
+	return (*bufferWriter)(w.st).locked(func(sw *streamWriter) error {
+		if n < 0 {
+			return errNegative
+		}
+		if n > sw.size {
+			return fmt.Errorf("%w: MallocAck(%d), %d bytes allocated", errNetpollRange, n, sw.size)
+		}
+		w.cutMoves(n)
+		return sw.truncate(n)
+	})
 }
 
 // Append appends a copy of the unflushed bytes of other, which may be a
@@ -209,29 +203,27 @@ func (w *netpollWriter) Append(other netpoll.Writer) error {
 	return fmt.Errorf("%w: Append of a %T", ErrNotSupported, other)
 }
 
-func (w *netpollWriter) appendLinkBuffer(lb *netpoll.LinkBuffer) (err error) {
+func (w *netpollWriter) appendLinkBuffer(lb *netpoll.LinkBuffer) error {
 	if err := lb.Flush(); err != nil {
 		return err
 	}
-	st := w.st
-	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.lockWriter()
-	defer st.unlockWriter()
-	var vs [8][]byte
-	for lb.Len() > 0 {
-		n := 0
-		for _, v := range lb.GetBytes(vs[:]) {
-			if _, err := writeTo(&st.writer, v); err != nil {
+	return (*bufferWriter)(w.st).locked(func(sw *streamWriter) error {
+		var vs [8][]byte
+		for lb.Len() > 0 {
+			n := 0
+			for _, v := range lb.GetBytes(vs[:]) {
+				if _, err := writeTo(sw, v); err != nil {
+					return err
+				}
+				n += len(v)
+			}
+			if err := lb.Skip(n); err != nil {
 				return err
 			}
-			n += len(v)
 		}
-		if err := lb.Skip(n); err != nil {
-			return err
-		}
-	}
-	clear(vs[:])
-	return lb.Release()
+		clear(vs[:])
+		return lb.Release()
+	})
 }
 
 func (w *netpollWriter) appendWriter(o *netpollWriter) (err error) {
@@ -265,22 +257,20 @@ func (w *netpollWriter) appendWriter(o *netpollWriter) (err error) {
 
 // Flush sends the message (Stream.Flush), after moving the bytes
 // WriteDirect left behind. On error the message is discarded.
-func (w *netpollWriter) Flush() (err error) {
-	st := w.st
-	defer st.s.endAccess(&err, debug.SetPanicOnFault(true)) // the whole method is one access
-	st.lockWriter()
-	defer st.unlockWriter()
-	if len(w.moves) > 0 {
-		err := st.writer.usable()
-		if err == nil {
-			err = w.applyMoves()
+func (w *netpollWriter) Flush() error {
+	return (*bufferWriter)(w.st).locked(func(sw *streamWriter) error {
+		if len(w.moves) > 0 {
+			err := sw.usable()
+			if err == nil {
+				err = w.applyMoves()
+			}
+			if err != nil {
+				w.discardLocked()
+				return err
+			}
 		}
-		if err != nil {
-			w.discardLocked()
-			return err
-		}
-	}
-	return st.flushLocked() // sendShm drops the empty segments WriteDirect leaves
+		return w.st.flushLocked() // sendShm drops the empty segments WriteDirect leaves
+	})
 }
 
 // MallocLen is the number of bytes in the message so far.

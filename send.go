@@ -6,10 +6,6 @@ import (
 	"time"
 )
 
-// Sending: publishing queue elements, waiting for room in shared memory or
-// in the queue (back-pressure), fallback data and close frames on the
-// socket, and returning slices to the buffer region.
-
 // Waiting for space (back-pressure): the first pause, and the longest.
 const (
 	minSpacePause = 20 * time.Microsecond
@@ -35,7 +31,7 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 		}
 		if ok {
 			if s.sendQ.markWorking() {
-				if err := s.wakePeer(st); err != nil {
+				if err := s.wakePeer(e.id); err != nil {
 					return true, s.sendFailed("send wake-up", err)
 				}
 			} else {
@@ -53,13 +49,8 @@ func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
 }
 
 // wakePeer sends the peer, which has stopped draining its queue (the caller
-// has just set the working flag for it), a Polling frame. st is the stream
-// that published, or nil.
-func (s *Session) wakePeer(st *Stream) error {
-	var id uint32
-	if st != nil {
-		id = st.id
-	}
+// has just set the working flag for it), a Polling frame.
+func (s *Session) wakePeer(id uint32) error {
 	s.counters.of(id).wakeupsSent.Add(1)
 	return s.ec.writePolling(s.version)
 }
@@ -169,7 +160,7 @@ func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 			defer s.queueRegion.release()
 			ok, err := s.sendQ.put(queueElem{id: id, status: statusClosed})
 			if ok && s.sendQ.markWorking() {
-				err = s.wakePeer(nil)
+				err = s.wakePeer(id)
 			}
 			return ok, err
 		}()
