@@ -204,23 +204,11 @@ type Config struct {
 	MaxSessions int
 }
 
-// Defaults.
+// Defaults that are not only DefaultConfig's.
 const (
-	defaultInitializeTimeout      = time.Second
-	defaultConnectionWriteTimeout = 10 * time.Second
-	defaultQueueCap               = 8192
-	defaultBufferCap              = 128 << 20
-	defaultPathPrefix             = "/dev/shm/shmipc"
-	defaultMaxFallbackFrame       = 64 << 20
-	defaultConsumerSpinTime       = 200 * time.Microsecond
-	defaultWriteSpaceTimeout      = 10 * time.Second
-	defaultMaxStreams             = 1 << 16
-	defaultMaxPendingAccepts      = 4096
-	defaultMaxFallbackPerStream   = 32 << 20
-	defaultMaxFallback            = 64 << 20
-	defaultFallbackStallTimeout   = 10 * time.Second
-	defaultPartialFrameTimeout    = 10 * time.Second
-	defaultMaxSessions            = 4096
+	defaultConsumerSpinTime    = 200 * time.Microsecond
+	defaultPartialFrameTimeout = 10 * time.Second
+	defaultMaxSessions         = 4096
 
 	// maxFallbackFrameSent is the largest FallbackData frame we send: the
 	// smallest MaxFallbackFrameSize Verify allows, since a peer's limit is
@@ -250,10 +238,10 @@ const (
 // created, data pages as traffic needs them).
 func DefaultConfig() *Config {
 	return &Config{
-		InitializeTimeout:      defaultInitializeTimeout,
-		ConnectionWriteTimeout: defaultConnectionWriteTimeout,
-		QueueCap:               defaultQueueCap,
-		ShareMemoryBufferCap:   defaultBufferCap,
+		InitializeTimeout:      time.Second,
+		ConnectionWriteTimeout: 10 * time.Second,
+		QueueCap:               8192,
+		ShareMemoryBufferCap:   128 << 20,
 		BufferSliceSizes: []SizePercentPair{
 			{Size: 8<<10 - sliceHeaderSize, Percent: 15},
 			{Size: 32<<10 - sliceHeaderSize, Percent: 6},
@@ -261,19 +249,19 @@ func DefaultConfig() *Config {
 			{Size: 1<<20 + 4<<10, Percent: 7},
 			{Size: 4<<20 + 4<<10, Percent: 65},
 		},
-		ShareMemoryPathPrefix: defaultPathPrefix,
+		ShareMemoryPathPrefix: "/dev/shm/shmipc",
 		MemMapType:            MemMapTypeMemFd,
-		MaxFallbackFrameSize:  defaultMaxFallbackFrame,
+		MaxFallbackFrameSize:  64 << 20,
 		ConsumerSpinTime:      defaultConsumerSpinTime,
-		WriteSpaceTimeout:     defaultWriteSpaceTimeout,
+		WriteSpaceTimeout:     10 * time.Second,
 		SocketFileMode:        0o600,
 		ShareMemoryFileMode:   0o600,
 
-		MaxStreams:                   defaultMaxStreams,
-		MaxPendingAccepts:            defaultMaxPendingAccepts,
-		MaxFallbackBufferedPerStream: defaultMaxFallbackPerStream,
-		MaxFallbackBuffered:          defaultMaxFallback,
-		FallbackStallTimeout:         defaultFallbackStallTimeout,
+		MaxStreams:                   1 << 16,
+		MaxPendingAccepts:            4096,
+		MaxFallbackBufferedPerStream: 32 << 20,
+		MaxFallbackBuffered:          64 << 20,
+		FallbackStallTimeout:         10 * time.Second,
 		PartialFrameTimeout:          defaultPartialFrameTimeout,
 		MaxSessions:                  defaultMaxSessions,
 	}

@@ -59,10 +59,9 @@ type srvHotRestart struct {
 	start time.Time
 
 	mu      sync.Mutex
-	waiting map[*Session]*func(uint64) // sessions that have not acknowledged, and their hook
-	hooked  map[*Session]*func(uint64)
-	acked   int
-	over    bool // finish ran: no session joins any more
+	waiting map[*Session]struct{}      // sessions that have not acknowledged
+	hooked  map[*Session]*func(uint64) // every session's hook
+	over    bool                       // finish ran: no session joins any more
 	// handshaking are the connections in their handshake when the restart
 	// began, whose sessions join it. Written before it is published.
 	handshaking map[net.Conn]struct{}
@@ -107,7 +106,7 @@ func (l *Listener) HotRestart(epoch uint64) error {
 	hr := &srvHotRestart{
 		epoch:   epoch,
 		start:   time.Now(),
-		waiting: make(map[*Session]*func(uint64), len(l.sessions)),
+		waiting: make(map[*Session]struct{}, len(l.sessions)),
 		hooked:  make(map[*Session]*func(uint64), len(l.sessions)),
 		done:    make(chan struct{}),
 
@@ -151,7 +150,7 @@ func (hr *srvHotRestart) hook(s *Session) bool {
 	}
 	f := func(e uint64) { hr.ack(s, e) }
 	s.onHotRestartAck.Store(&f)
-	hr.waiting[s] = &f
+	hr.waiting[s] = struct{}{}
 	hr.hooked[s] = &f
 	return true
 }
@@ -182,10 +181,7 @@ func (hr *srvHotRestart) ack(s *Session, epoch uint64) {
 		return
 	}
 	hr.mu.Lock()
-	if _, ok := hr.waiting[s]; ok {
-		delete(hr.waiting, s)
-		hr.acked++
-	}
+	delete(hr.waiting, s)
 	hr.mu.Unlock()
 }
 

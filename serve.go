@@ -59,17 +59,7 @@ type StreamHandler interface {
 // closes the stream. Like Serve, it runs until l is closed, returns
 // ErrListenerClosed, and does not wait for the streams' goroutines.
 func (l *Listener) ServeHandler(h StreamHandler) error {
-	return l.Serve(func(st *Stream) { serveStream(st, h) })
-}
-
-// serveStream handles st with h on the calling goroutine: it calls h.OnData
-// each time data is available, as OnData does, then h.OnClose with the
-// reason the stream ended, then closes st. It returns that reason.
-func serveStream(st *Stream, h StreamHandler) error {
-	err := dataLoop(st, h.OnData)
-	h.OnClose(st, err)
-	st.Close()
-	return err
+	return l.Serve(func(st *Stream) { h.OnClose(st, dataLoop(st, h.OnData)) }) // Serve closes st
 }
 
 // OnData starts a goroutine that calls fn each time unread data is
