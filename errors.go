@@ -38,17 +38,16 @@ var (
 	// under errors.Is, as the error of a closed net.Conn does.
 	ErrStreamClosed error = &closedError{"shmipc: stream closed"}
 
-	// ErrStreamPeerClosed is returned by writes (Write, Flush, BufferWriter
-	// and netpoll writes) on a stream the peer has closed while this side
-	// has not. It does not match ErrStreamClosed or net.ErrClosed: the
-	// stream is still open here and must still be closed. Reads of such a
+	// ErrStreamPeerClosed is returned by writes on a stream the peer has
+	// closed while this side has not. It does not match ErrStreamClosed or
+	// net.ErrClosed: the stream must still be closed here. Reads of such a
 	// stream return what had arrived, then io.EOF.
 	ErrStreamPeerClosed = errors.New("shmipc: stream closed by the peer")
 
 	// ErrStreamIDsExhausted is returned (wrapped) by OpenStream on a session
-	// that has opened every stream id (2 to 2^32-1, PROTOCOL.md §6.1). Ids
-	// are never reused, as the peer may still know a stream by an old one:
-	// open streams on a new session. A SessionManager does so by itself.
+	// that has opened every stream id (2 to 2^32-1, PROTOCOL.md §6.1; ids
+	// are never reused): open streams on a new session, as a SessionManager
+	// does by itself.
 	ErrStreamIDsExhausted = errors.New("shmipc: stream ids exhausted")
 
 	// ErrQueueFull is wrapped by the timeout error of a Flush (or Write)
@@ -57,11 +56,9 @@ var (
 	ErrQueueFull = errors.New("shmipc: IO queue full")
 
 	// ErrLimitExceeded is wrapped by the error of a session that ended, or
-	// an operation that failed, because a bound set in Config was reached:
-	// streams open at once (MaxStreams), streams not yet accepted
-	// (MaxPendingAccepts), or fallback data not yet read
-	// (MaxFallbackBuffered, MaxFallbackBufferedPerStream); or a Reserve
-	// beyond MaxReserve. The message names the bound.
+	// an operation that failed, because a bound was reached: MaxStreams,
+	// MaxPendingAccepts, MaxFallbackBuffered, MaxFallbackBufferedPerStream
+	// (see Config), or MaxReserve. The message names the bound.
 	ErrLimitExceeded = errors.New("shmipc: limit exceeded")
 
 	// ErrNotSupported is returned for operations the protocol does not allow
@@ -117,9 +114,8 @@ func (*timeoutError) Timeout() bool        { return true }
 func (*timeoutError) Temporary() bool      { return true }
 func (*timeoutError) Is(target error) bool { return target == os.ErrDeadlineExceeded }
 
-// spaceTimeout is the error of a write that waited for room in shared memory
-// or in the IO queue in vain. It is a net.Error with Timeout() == true and
-// wraps ErrTimeout and, for a full queue, ErrQueueFull.
+// spaceTimeout is the error of a write that waited for room in vain: a
+// timeout net.Error wrapping ErrTimeout and, for a full queue, ErrQueueFull.
 type spaceTimeout struct {
 	msg   string
 	cause error // ErrQueueFull or nil

@@ -37,7 +37,7 @@ const minHotRestartInterval = time.Second
 func (m *SessionManager) onHotRestart(s *Session, epoch uint64) {
 	m.hr.mu.Lock()
 	defer m.hr.mu.Unlock()
-	if !m.hr.ready || m.hr.running || !m.isCurrent(s) {
+	if !m.hr.ready || m.hr.running || m.slotOf(s) == nil { // s is parked
 		return
 	}
 	if !m.hr.started.IsZero() && time.Since(m.hr.started) < minHotRestartInterval {
@@ -62,9 +62,6 @@ func (m *SessionManager) hotRestarting() bool {
 	defer m.hr.mu.Unlock()
 	return m.hr.running
 }
-
-// isCurrent reports whether s is the session of one of the slots.
-func (m *SessionManager) isCurrent(s *Session) bool { return m.slotOf(s) != nil }
 
 // hotRestartConfig is the session configuration after a hot restart with
 // epoch and randID: region names become

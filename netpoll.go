@@ -154,31 +154,19 @@ func (b *netpollReader) ReadByte() (byte, error) { return (*bufferReader)(b).Rea
 // this Reader, as netpoll specifies. The bytes cannot stay in shared memory
 // beyond the release, so they are copied into a new netpoll.LinkBuffer,
 // which the caller owns.
-func (b *netpollReader) Slice(n int) (_ netpoll.Reader, err error) {
-	st := (*Stream)(b)
-	if n < 0 {
-		return nil, errNegative
-	}
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if err := st.waitReadable(n); err != nil {
+func (b *netpollReader) Slice(n int) (netpoll.Reader, error) {
+	p, err := b.readCopy(n)
+	if err != nil {
 		return nil, err
 	}
 	lb := netpoll.NewLinkBuffer(n)
-	if n > 0 {
-		p, err := lb.Malloc(n)
-		if err != nil {
-			return nil, err
-		}
-		if err := st.s.access(func() error { st.reader.copyOut(p); return nil }); err != nil {
-			return nil, err
-		}
-		st.reader.advance(n)
-		if err := lb.Flush(); err != nil {
-			return nil, err
-		}
+	if _, err := lb.WriteBinary(p); err != nil {
+		return nil, err
 	}
-	if err := st.s.access(st.reader.release); err != nil {
+	if err := lb.Flush(); err != nil {
+		return nil, err
+	}
+	if err := b.Release(); err != nil {
 		return nil, err
 	}
 	return lb, nil

@@ -1,6 +1,7 @@
 package shmipc
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -123,21 +124,13 @@ func NewSessionManager(conf SessionManagerConfig) (*SessionManager, error) {
 		conf.MinReconnectBackoff < 0 || conf.MaxReconnectBackoff < 0 {
 		return nil, fmt.Errorf("%w: negative SessionManagerConfig field", ErrInvalidConfig)
 	}
-	if conf.SessionNum == 0 {
-		conf.SessionNum = defaultSessionNum
-	}
+	conf.SessionNum = cmp.Or(conf.SessionNum, defaultSessionNum)
 	if conf.SessionNum > maxSessionNum {
 		return nil, fmt.Errorf("%w: SessionNum %d is above %d", ErrInvalidConfig, conf.SessionNum, maxSessionNum)
 	}
-	if conf.MaxIdleStreams == 0 {
-		conf.MaxIdleStreams = defaultMaxIdleStreams
-	}
-	if conf.MinReconnectBackoff == 0 {
-		conf.MinReconnectBackoff = defaultMinReconnectBackoff
-	}
-	if conf.MaxReconnectBackoff == 0 {
-		conf.MaxReconnectBackoff = max(defaultMaxReconnectBackoff, conf.MinReconnectBackoff)
-	}
+	conf.MaxIdleStreams = cmp.Or(conf.MaxIdleStreams, defaultMaxIdleStreams)
+	conf.MinReconnectBackoff = cmp.Or(conf.MinReconnectBackoff, defaultMinReconnectBackoff)
+	conf.MaxReconnectBackoff = cmp.Or(conf.MaxReconnectBackoff, max(defaultMaxReconnectBackoff, conf.MinReconnectBackoff))
 	if conf.MaxReconnectBackoff < conf.MinReconnectBackoff {
 		return nil, fmt.Errorf("%w: MaxReconnectBackoff %v is below MinReconnectBackoff %v",
 			ErrInvalidConfig, conf.MaxReconnectBackoff, conf.MinReconnectBackoff)
