@@ -20,20 +20,18 @@ import (
 // never goes back to the manager's pool.
 
 // DialContext opens a new stream on one of the manager's sessions and returns
-// it as a net.Conn (a *Stream). Its signature is the one
-// grpc.WithContextDialer takes; addr is ignored, since the manager dials the
-// address it was configured with (a gRPC target such as
+// it as a net.Conn (a *Stream), for grpc.WithContextDialer. addr is ignored:
+// the manager dials its configured address (a gRPC target such as
 // "passthrough:///shmipc" is fine).
 //
 // The stream is always new, never one from the pool: a protocol such as
 // HTTP/2 must start at its beginning, which a pooled stream has passed. The
 // caller owns the stream and must Close it, not give it to PutBack.
 //
-// While every session of the manager is down (the server is restarting) it
-// waits for one to be re-dialed, until ctx is done, and then fails with an
-// error wrapping ErrNoHealthySession and ctx.Err(). With ctx already done
-// it fails with ctx.Err(), as net.Dialer.DialContext does. After Close it
-// fails with ErrSessionManagerClosed.
+// While every session is down it waits, as GetStreamContext does, for one
+// to be re-dialed until ctx is done, and then fails with an error wrapping
+// ErrNoHealthySession and ctx.Err(); with ctx already done, with ctx.Err().
+// After Close it fails with ErrSessionManagerClosed.
 func (m *SessionManager) DialContext(ctx context.Context, addr string) (net.Conn, error) {
 	st, err := m.getStreamContext(ctx, false)
 	if err != nil {

@@ -252,11 +252,9 @@ func (l *Listener) WaitHotRestart(ctx context.Context) error {
 // Listen("unix", address, conf), except that a socket already bound there
 // (the old server of a hot restart) is replaced atomically: the new socket
 // is bound under a temporary name in the same directory and renamed over
-// address. Connections made before the rename still reach the old server.
-// Abstract addresses ("@...") cannot be taken over.
-//
-// Close removes the socket file only if it is still this listener's (not
-// taken over by yet another server since).
+// address. Connections made before still reach the old server. Abstract
+// addresses ("@...") cannot be taken over. Close removes the socket file
+// only if it is still this listener's.
 func ListenTakeover(address string, conf *Config) (*Listener, error) {
 	conf, err := verified(conf)
 	if err != nil {
@@ -287,10 +285,8 @@ func ListenTakeover(address string, conf *Config) (*Listener, error) {
 }
 
 // listenUnixAt listens on a new Unix socket file at path, which the caller
-// removes. A path too long for a socket address (108 bytes with its NUL)
-// is bound through /proc/self/fd and a descriptor of its directory, so
-// that a temporary name longer than the final one cannot fail where the
-// final one would not.
+// removes. A path too long for a socket address (108 bytes with its NUL) is
+// bound through /proc/self/fd and a descriptor of its directory.
 func listenUnixAt(path string) (*net.UnixListener, error) {
 	name := path
 	if len(path) >= len(syscall.RawSockaddrUnix{}.Path) {

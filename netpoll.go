@@ -41,10 +41,9 @@ var (
 // when the peer is not trusted.
 //
 // Reads block until enough bytes have arrived, the read deadline passes
-// (the error satisfies net.Error with Timeout() true and matches
-// os.ErrDeadlineExceeded), the peer closes the stream (io.EOF, or
-// io.ErrUnexpectedEOF when some but not enough bytes are left), the stream
-// is closed (ErrStreamClosed) or the session ends (its Err).
+// (ErrTimeout), the peer closes the stream (io.EOF, or io.ErrUnexpectedEOF
+// when some but not enough bytes are left), the stream is closed
+// (ErrStreamClosed) or the session ends (its Err).
 //
 // Like BufferReader, the Reader is not safe for concurrent use.
 func (st *Stream) NetpollReader() netpoll.Reader { return (*netpollReader)(st) }

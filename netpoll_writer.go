@@ -75,8 +75,7 @@ func (w *netpollWriter) WriteByte(c byte) error { return (*bufferWriter)(w.st).W
 // the message holds buf[:nA], then p, then buf[nA:], and the caller may go
 // on filling all of buf until Flush.
 //
-// p is copied into the message at once (shared memory cannot take a slice
-// of private memory), and the last remainCap bytes are moved behind it at
+// p is copied at once, and the last remainCap bytes are moved behind it at
 // Flush, so that what the caller writes into them until then is sent: they
 // cost a second copy and, until Flush, twice their shared memory. Flush
 // with this Writer.

@@ -13,15 +13,14 @@ import (
 // callbacks of one stream never run concurrently.
 
 // Serve accepts streams on l and calls handler for each one in a new
-// goroutine, until l is closed; it then returns ErrListenerClosed (it always
-// returns a non-nil error, as http.Serve does). It does not wait for running
-// handlers: after Close they go on serving their streams until those end
-// (each session ends with its last stream); after CloseAll their reads and
-// writes fail and they return.
+// goroutine, until l is closed; it then returns ErrListenerClosed (never
+// nil, as http.Serve). It does not wait for running handlers: after Close
+// they serve their streams until those end; after CloseAll their reads and
+// writes fail.
 //
-// The handler owns its stream while it runs and may read and write it as it
-// likes. Serve closes the stream when the handler returns, so the handler
-// must not keep it (nor slices read from it) beyond that.
+// The handler owns its stream while it runs. Serve closes the stream when
+// the handler returns: the handler must not keep it, nor slices read from
+// it.
 func (l *Listener) Serve(handler func(st *Stream)) error {
 	for {
 		st, err := l.AcceptStream()

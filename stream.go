@@ -8,22 +8,19 @@ import (
 	"time"
 )
 
-// Stream is one bidirectional byte stream of a session. It implements
-// net.Conn and adds zero-copy access to shared memory through BufferReader
-// and BufferWriter.
+// Stream is one bidirectional byte stream of a session (the boundaries of
+// writes are not preserved). It implements net.Conn and adds zero-copy
+// access to shared memory through BufferReader and BufferWriter. Data
+// written is sent by Flush (Write flushes by itself).
 //
-// A stream is a byte stream: the boundaries of writes are not preserved.
-// Data written is sent by Flush (Write flushes by itself).
-//
-// Closing a stream closes both directions. After its own Close, its
-// methods return ErrStreamClosed, which matches net.ErrClosed. When the
-// peer closes its side, data already received stays readable, then reads
-// return io.EOF, and writes return ErrStreamPeerClosed (which does not
-// match net.ErrClosed: the stream must still be closed here).
+// Closing a stream closes both directions; its methods then return
+// ErrStreamClosed, which matches net.ErrClosed. When the peer closes its
+// side, data already received stays readable, then reads return io.EOF and
+// writes ErrStreamPeerClosed (which does not match net.ErrClosed: the
+// stream must still be closed here).
 //
 // Every stream obtained from OpenStream, AcceptStream or a Listener must be
-// closed: until then it may keep slices of shared memory, and with them the
-// mapping, alive.
+// closed: until then it may keep the shared memory mapped.
 type Stream struct {
 	s  *Session
 	id uint32

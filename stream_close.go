@@ -81,10 +81,16 @@ func (st *Stream) closeReader() (first, tellPeer bool, err error) {
 }
 
 // sessionEnded is called for each stream when its session ends. Unread data
-// stays readable unless the session was closed locally. The stream lets go
-// of the mapping now if it holds nothing of it (letGo), else at Close.
+// stays readable unless the session was closed locally and nothing of it
+// was handed out. The stream lets go of the mapping now if it holds nothing
+// of it (letGo), else at Close.
 func (st *Stream) sessionEnded(local bool) {
-	st.releaseUnexposed(local)
+	st.mu.Lock()
+	st.life.Or(lifeEnded) // before letGo's look at the writer: see unlockWriter
+	if local && !st.reader.exposed() {
+		_ = st.s.access(st.reader.releaseAll)
+	}
+	st.mu.Unlock()
 	st.writeClosed.Store(true)
 	st.notify()
 	st.letGo()
@@ -127,17 +133,6 @@ func (st *Stream) unlockWriter() {
 	}
 	if st.isEnded() {
 		st.letGo()
-	}
-}
-
-// releaseUnexposed marks the stream ended, and frees the received data if
-// the session was closed locally and nothing of it has been handed out.
-func (st *Stream) releaseUnexposed(local bool) {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	st.life.Or(lifeEnded) // before letGo's look at the writer: see unlockWriter
-	if local && !st.reader.exposed() {
-		_ = st.s.access(st.reader.releaseAll)
 	}
 }
 

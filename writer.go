@@ -25,9 +25,7 @@ type BufferWriter interface {
 	// over MaxReserve, is an error (not a panic, as make's would be).
 	Reserve(n int) ([]byte, error)
 
-	// WriteBytes appends a copy of p to the message. It copies through
-	// the caches, where the runtime's copy of a MiB or more writes around
-	// them and leaves the peer to read the message from memory.
+	// WriteBytes appends a copy of p to the message.
 	WriteBytes(p []byte) (int, error)
 
 	// Len is the number of bytes in the message so far.

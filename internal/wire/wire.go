@@ -70,7 +70,6 @@ func (t Type) String() string {
 
 // Fixed frame lengths (header included).
 const (
-	PollingSize       = HeaderSize
 	StreamCloseSize   = HeaderSize + 4
 	HotRestartSize    = HeaderSize + 8
 	FallbackHeadSize  = HeaderSize + 8 // header, stream id, status
