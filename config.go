@@ -137,8 +137,8 @@ type Config struct {
 	SocketFileMode os.FileMode
 
 	// ShareMemoryFileMode is the permission of region files a client
-	// creates in file mode. The default, 0600, keeps other users out; a
-	// server running as another user needs more (and a matching umask).
+	// creates in file mode (default 0600; a server running as another user
+	// needs more, and a matching umask).
 	ShareMemoryFileMode os.FileMode
 
 	// Logger receives the library's log records: sessions starting and
@@ -159,13 +159,11 @@ type Config struct {
 	// affected.
 
 	// MaxStreams bounds the streams a client holds open at once in a
-	// session (default 65,536; a stream costs a few hundred bytes):
-	// OpenStream fails beyond it. A stream counts from its opening until the
-	// client closes it, whether or not the server has. A server ends a
-	// session whose client has more than twice as many open as far as it
-	// can tell. Streams the client has closed and the server's application
-	// has not are the application's to bound: those not yet accepted by
-	// MaxPendingAccepts, the others by how it accepts them.
+	// session (default 65,536): OpenStream fails beyond it. A stream counts
+	// until the client closes it, whether or not the server has. A server
+	// ends a session whose client has more than twice as many open as far
+	// as it can tell. Streams the client has closed and the server's
+	// application has not are bounded by MaxPendingAccepts until accepted.
 	MaxStreams int
 
 	// MaxPendingAccepts bounds the streams of one session that have been
@@ -199,8 +197,7 @@ type Config struct {
 
 	// MaxSessions bounds the sessions a Listener serves at once, handshakes
 	// in progress included (default 4,096); a connection beyond it is
-	// closed at once. Each session holds a socket, a goroutine and the
-	// mappings of its regions. Zero means the default.
+	// closed at once. Zero means the default.
 	MaxSessions int
 }
 

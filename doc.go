@@ -60,8 +60,8 @@
 //
 // Config holds every size and timeout, DefaultConfig its defaults. When
 // shared memory or the peer's queue is full, writers wait for room (bounded
-// by their write deadline and Config.WriteSpaceTimeout) rather than degrade
-// silently; see Config.FallbackWhenFull for the alternative.
+// by their write deadline and Config.WriteSpaceTimeout), unless
+// Config.FallbackWhenFull is set.
 //
 // # Errors
 //

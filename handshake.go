@@ -12,10 +12,9 @@ import (
 )
 
 // Client runs the client side of the handshake on conn (a *net.UnixConn, or
-// a *net.TCPConn in file mode): it creates the session's buffer and queue
-// regions, hands them to the server, and returns the running session. A nil
-// conf means DefaultConfig(). On error conn is closed and everything created
-// is released.
+// a *net.TCPConn in file mode): it creates the session's regions, hands them
+// to the server, and returns the running session. A nil conf means
+// DefaultConfig(). On error conn is closed and everything created released.
 func Client(conn net.Conn, conf *Config) (*Session, error) {
 	return handshake(conn, conf, true, nil)
 }

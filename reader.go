@@ -57,9 +57,8 @@ type streamReader struct {
 	unread   int
 	consumed uint64 // bytes read from the stream so far
 	inPlace  bool   // a read handed out slices in place (contiguous) since the last release
-	// arena holds copies of reads that span segments. Its bytes stay valid
-	// until the next release, so it is only reset then; a read that does not
-	// fit gets a new, larger arena and leaves the old one to its users.
+	// arena holds copies of reads that span segments, valid until the next
+	// release; a read that does not fit gets a new, larger arena.
 	arena []byte
 }
 

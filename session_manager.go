@@ -71,28 +71,26 @@ type SessionManagerConfig struct {
 // session fail with errors wrapping ErrSessionClosed.
 //
 // A server stopping gracefully (Listener.Close) keeps its sessions while
-// streams are open on them and closes every new stream as it arrives (its
-// user reads io.EOF). When the server closes a stream the manager opened
-// without having sent anything on it, on a session older than a second,
-// the manager dials a new session to the address, where a new server may
-// listen by now, and retires the old one: its pooled streams are closed,
-// those handed out are closed when put back, and the session ends with the
-// last of them. If the dial fails the old session stays, and the next
-// refusal tries again a second later at the earliest; while new sessions
-// reach the same server process as the old one, that wait doubles, up to
-// about a minute. Close also ends the retired sessions still open.
+// streams are open on them and closes every new stream (its user reads
+// io.EOF). When the server closes a stream the manager opened before
+// sending anything on it, on a session older than a second, the manager
+// dials a new session, where a new server may listen by now, and retires
+// the old one: its pooled streams are closed, those handed out when put
+// back, and it ends with the last of them. A failed dial leaves the old
+// session; the next refusal retries a second later at the earliest (the
+// wait doubles, up to about a minute, while new sessions reach the same
+// server process). Close also ends the retired sessions still open.
 //
 // Hot restart (docs/protocol.md §10): the first HotRestart frame from the
 // server, unless a restart began less than a second before, makes the
-// manager dial SessionNum new sessions to the same address (where the new
-// server now answers), with regions named
-// <prefix>_epoch_<epoch>_<randID>_<pid>_<random>_buffer and _queue_0. Each
-// replaces one old session, whose pooled streams are closed; streams
-// already handed out on it keep working. Once every session is replaced
-// the manager sends HotRestartAck on every old session and closes each
-// when no stream is open on it (within 2 s). If the new sessions cannot
-// all be dialed within 2 s, the old sessions already replaced are closed
-// without an acknowledgement.
+// manager dial SessionNum new sessions (regions named
+// <prefix>_epoch_<epoch>_<randID>_<pid>_<random>_buffer and _queue_0),
+// each replacing an old session whose pooled streams are closed; streams
+// already handed out keep working. Once every session is replaced the
+// manager sends HotRestartAck on every old session and closes each when no
+// stream is open on it (within 2 s). If the new sessions cannot all be
+// dialed within 2 s, the old sessions already replaced are closed without
+// an acknowledgement.
 type SessionManager struct {
 	conf   SessionManagerConfig
 	slots  []*smSlot
