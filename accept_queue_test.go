@@ -168,7 +168,7 @@ func TestListenerStreamAfterClose(t *testing.T) {
 	}
 	ch := make(chan result, 1)
 	go func() {
-		s, err := handshakeServer(serverConn, conf, func(s *Session) { ln.adopt(s, serverConn) })
+		s, err := handshake(serverConn, conf, false, func(s *Session) { ln.adopt(s, serverConn) })
 		ch <- result{s, err}
 	}()
 	client, err := Client(clientConn, conf)

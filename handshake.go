@@ -27,12 +27,8 @@ func Server(conn net.Conn, conf *Config) (*Session, error) {
 	return handshake(conn, conf, false, nil)
 }
 
-// handshakeServer is Server with a hook that configures the session before
-// its receive loop starts.
-func handshakeServer(conn net.Conn, conf *Config, setup func(*Session)) (*Session, error) {
-	return handshake(conn, conf, false, setup)
-}
-
+// handshake runs the client or server handshake on conn; setup, if not nil,
+// configures the session before its receive loop starts.
 func handshake(conn net.Conn, conf *Config, client bool, setup func(*Session)) (*Session, error) {
 	conf, err := verified(conf)
 	if err != nil {

@@ -203,7 +203,7 @@ func (l *Listener) acceptLoop() {
 // serve runs the handshake of one connection and registers its session.
 // A failed handshake closes the connection and nothing else.
 func (l *Listener) serve(conn net.Conn) {
-	s, err := handshakeServer(conn, l.conf, func(s *Session) { l.adopt(s, conn) })
+	s, err := handshake(conn, l.conf, false, func(s *Session) { l.adopt(s, conn) })
 	l.mu.Lock()
 	delete(l.pending, conn)
 	closed := l.isClosed()

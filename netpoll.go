@@ -61,17 +61,8 @@ func (b *netpollReader) Peek(n int) ([]byte, error) { return (*Stream)(b).next(n
 // Skip consumes the next n bytes, blocking until they have arrived. On
 // error nothing is consumed.
 func (b *netpollReader) Skip(n int) error {
-	st := (*Stream)(b)
-	if n < 0 {
-		return errNegative
-	}
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if err := st.waitReadable(n); err != nil {
-		return err
-	}
-	st.reader.advance(n)
-	return nil
+	_, err := (*Stream)(b).skip(n, false)
+	return err
 }
 
 // Until returns the bytes up to and including the next delim, blocking

@@ -239,20 +239,25 @@ func (st *Stream) next(n int, consume bool) (p []byte, err error) {
 }
 
 // Discard skips bytes without looking at them: it touches no shared memory.
-func (b *bufferReader) Discard(n int) (int, error) {
-	st := (*Stream)(b)
+func (b *bufferReader) Discard(n int) (int, error) { return (*Stream)(b).skip(n, true) }
+
+// skip consumes the next n bytes once they have arrived. If they do not,
+// it consumes what is left if partial is set, else nothing.
+func (st *Stream) skip(n int, partial bool) (int, error) {
 	if n < 0 {
 		return 0, errNegative
 	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if err := st.waitReadable(n); err != nil {
-		m := st.reader.unread
-		st.reader.advance(m)
-		return m, err
+	err := st.waitReadable(n)
+	if err != nil {
+		n = 0
+		if partial {
+			n = st.reader.unread
+		}
 	}
 	st.reader.advance(n)
-	return n, nil
+	return n, err
 }
 
 func (b *bufferReader) ReadByte() (c byte, err error) {
@@ -281,12 +286,7 @@ func (b *bufferReader) Len() int {
 	return st.reader.unread
 }
 
-func (b *bufferReader) ReleasePreviousRead() {
-	st := (*Stream)(b)
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	_ = st.s.access(st.reader.release)
-}
+func (b *bufferReader) ReleasePreviousRead() { _ = (*netpollReader)(b).Release() }
 
 var errNegative = errors.New("shmipc: negative count")
 

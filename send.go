@@ -1,6 +1,7 @@
 package shmipc
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"time"
@@ -63,7 +64,6 @@ var errSpaceTimeout = errors.New("no space in time")
 type spaceWait struct {
 	start time.Time
 	delay time.Duration
-	limit time.Time
 	max   time.Duration // the longest pause; maxSpacePause if zero
 }
 
@@ -76,11 +76,11 @@ func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 		s.counters.of(0).spaceWaits.Add(1)
 		w.start, w.delay = now, minSpacePause
 	}
-	w.limit = w.start.Add(s.conf.WriteSpaceTimeout)
+	limit := w.start.Add(s.conf.WriteSpaceTimeout)
 	if st != nil {
 		// The deadline as it is now: moving it applies to a waiting writer.
-		if d := st.wDeadline.Load(); d != nil && !d.IsZero() && d.Before(w.limit) {
-			w.limit = *d
+		if d := st.wDeadline.Load(); d != nil && !d.IsZero() && d.Before(limit) {
+			limit = *d
 		}
 		if err := st.writer.usable(); err != nil { // closed meanwhile
 			return err
@@ -89,10 +89,10 @@ func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 			return err
 		}
 	}
-	if !now.Before(w.limit) {
+	if !now.Before(limit) {
 		return errSpaceTimeout
 	}
-	d := min(w.delay, w.limit.Sub(now))
+	d := min(w.delay, limit.Sub(now))
 	var t *time.Timer
 	if st != nil {
 		// Only the stream's writer uses its timer: waiting allocates once.
@@ -113,11 +113,7 @@ func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 		t.Stop()
 		return s.closedErr()
 	}
-	longest := w.max
-	if longest == 0 {
-		longest = maxSpacePause
-	}
-	w.delay = min(2*w.delay, longest)
+	w.delay = min(2*w.delay, cmp.Or(w.max, maxSpacePause))
 	return nil
 }
 

@@ -242,15 +242,12 @@ func (st *Stream) deliver(slices []segment, heap []byte) bool {
 	return true
 }
 
-// failure is why this side ended the stream (fail), or nil.
-func (st *Stream) failure() error {
+// failed reports whether this side ended the stream (fail).
+func (st *Stream) failed() bool {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	return st.failErr
+	return st.failErr != nil
 }
-
-// failed reports whether this side ended the stream (fail).
-func (st *Stream) failed() bool { return st.failure() != nil }
 
 // takesData reports whether the stream still takes data it receives.
 func (st *Stream) takesData() bool {

@@ -139,22 +139,36 @@ func writeTo[T string | []byte](w *streamWriter, p T) (int, error) {
 	if err := w.usable(); err != nil {
 		return 0, err
 	}
-	written := 0
-	for written < len(p) {
+	return w.fill(len(p), func(dst []byte, done int) { copyCached(dst, p[done:]) })
+}
+
+// extend adds n bytes to the message without writing them.
+func (w *streamWriter) extend(n int) error {
+	_, err := w.fill(n, func([]byte, int) {})
+	return err
+}
+
+// fill adds n bytes to the message, taking slices as it goes, and lets put
+// write each piece dst of them, done bytes in. On error it keeps what it
+// added and returns how much that is.
+func (w *streamWriter) fill(n int, put func(dst []byte, done int)) (int, error) {
+	done := 0
+	for done < n {
 		l := w.last()
 		if l == nil || l.n == len(l.data) {
-			if err := w.grow(len(p)-written, false); err != nil {
-				w.size += written
-				return written, err
+			if err := w.grow(n-done, false); err != nil {
+				w.size += done
+				return done, err
 			}
 			l = w.last()
 		}
-		c := copyCached(l.data[l.n:], p[written:])
+		c := min(len(l.data)-l.n, n-done)
+		put(l.data[l.n:l.n+c], done)
 		l.n += c
-		written += c
+		done += c
 	}
-	w.size += written
-	return written, nil
+	w.size += done
+	return done, nil
 }
 
 // reset forgets the message after it was sent or its slices freed.
@@ -286,26 +300,6 @@ func (w *streamWriter) dropEmpty() error {
 	clear(w.segs[len(kept):])
 	w.segs = kept
 	return w.st.s.freeSegments(empty)
-}
-
-// extend adds n bytes to the message without writing them.
-func (w *streamWriter) extend(n int) error {
-	added := 0
-	for added < n {
-		l := w.last()
-		if l == nil || l.n == len(l.data) {
-			if err := w.grow(n-added, false); err != nil {
-				w.size += added
-				return err
-			}
-			l = w.last()
-		}
-		c := min(len(l.data)-l.n, n-added)
-		l.n += c
-		added += c
-	}
-	w.size += added
-	return nil
 }
 
 // bufferWriter is the BufferWriter of a stream.
