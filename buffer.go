@@ -69,8 +69,6 @@ type sliceList struct {
 	keepLimit int32
 }
 
-func (l *sliceList) end() uint32 { return l.area + l.count*l.stride }
-
 // validRelative reports whether rel is the relative offset of a slice of l.
 func (l *sliceList) validRelative(rel uint32) bool {
 	return rel%l.stride == 0 && rel/l.stride < l.count
@@ -109,33 +107,25 @@ type bufferManager struct {
 	keepers []atomic.Int32 // per list, streams of this process that may keep a slice of it (reuse.go)
 }
 
-// initBufferRegion lays out a new region exactly as PROTOCOL.md §4.5 says.
-// mem must be zero-filled.
+// initBufferRegion lays out a new region as PROTOCOL.md §4.5 says. mem must
+// be zero-filled: the fields that start at zero are not written.
 func initBufferRegion(mem []byte, plans []listPlan) {
 	binary.LittleEndian.PutUint16(mem[0:], uint16(len(plans)))
-	binary.LittleEndian.PutUint16(mem[2:], 0)
 	cur := uint32(managerHeaderSize)
 	for _, p := range plans {
 		stride := p.sliceCap + sliceHeaderSize
 		h := mem[cur:]
 		binary.LittleEndian.PutUint32(h[listFreeOff:], p.count)
 		binary.LittleEndian.PutUint32(h[listCountOff:], p.count)
-		binary.LittleEndian.PutUint32(h[listHeadOff:], 0)
 		binary.LittleEndian.PutUint32(h[listTailOff:], (p.count-1)*stride)
 		binary.LittleEndian.PutUint32(h[listCapOff:], p.sliceCap)
-		clear(h[creatorCounter:listHeaderSize])
 		area := cur + listHeaderSize
 		for k := uint32(0); k < p.count; k++ {
 			s := mem[area+k*stride:]
 			binary.LittleEndian.PutUint32(s[sliceCapOff:], p.sliceCap)
-			binary.LittleEndian.PutUint32(s[sliceSizeOff:], 0)
-			binary.LittleEndian.PutUint32(s[sliceStartOff:], 0)
 			if k < p.count-1 {
 				binary.LittleEndian.PutUint32(s[sliceNextOff:], (k+1)*stride)
 				s[sliceFlagsOff] = flagHasNext
-			} else {
-				binary.LittleEndian.PutUint32(s[sliceNextOff:], 0)
-				s[sliceFlagsOff] = 0
 			}
 		}
 		cur = area + p.count*stride

@@ -3,6 +3,7 @@ package shmipc
 import (
 	"encoding/binary"
 	"fmt"
+	"slices"
 	"sort"
 	"sync/atomic"
 )
@@ -39,18 +40,19 @@ func (m *bufferManager) popList(li int, keep int32) (uint32, int32, error) {
 		shmAddInt32(free, 1)
 		return 0, 0, nil
 	}
+	var err error
 	for range popAttempts {
 		if !l.validRelative(h) {
-			shmAddInt32(free, 1)
-			return 0, 0, corrupt("list of %d-byte slices: head %d is not a slice", l.sliceCap, h)
+			err = corrupt("list of %d-byte slices: head %d is not a slice", l.sliceCap, h)
+			break
 		}
 		hdr := l.area + h
 		if m.flags(hdr)&flagHasNext != 0 {
 			next := shmLoadUint32(m.u32(hdr + sliceNextOff))
 			if !l.validRelative(next) {
 				if shmLoadUint32(head) == h {
-					shmAddInt32(free, 1)
-					return 0, 0, corrupt("list of %d-byte slices: free slice %d links to %d, not a slice", l.sliceCap, h, next)
+					err = corrupt("list of %d-byte slices: free slice %d links to %d, not a slice", l.sliceCap, h, next)
+					break
 				}
 			} else if shmCASUint32(head, h, next) {
 				if w, bit := m.heldBit(li, hdr); w.Load()&bit != 0 {
@@ -65,13 +67,12 @@ func (m *bufferManager) popList(li int, keep int32) (uint32, int32, error) {
 			// h is the last slice on the list. A head that moved on means
 			// h was taken meanwhile (its flags no longer say a slice
 			// follows): try the new head.
-			shmAddInt32(free, 1)
-			return 0, 0, nil
+			break
 		}
 		h = shmLoadUint32(head)
 	}
-	shmAddInt32(free, 1)
-	return 0, 0, nil
+	shmAddInt32(free, 1) // nothing taken
+	return 0, 0, err
 }
 
 // push returns the slice at absolute offset off, which belongs to list li, to
@@ -123,7 +124,7 @@ func (m *bufferManager) locate(off uint32) (int, error) {
 		return 0, corrupt("offset %d lies before the first slice", off)
 	}
 	l := &m.lists[i]
-	if off >= l.end() || (off-l.area)%l.stride != 0 {
+	if off >= l.area+l.count*l.stride || (off-l.area)%l.stride != 0 {
 		return 0, corrupt("offset %d is not the start of a slice", off)
 	}
 	return i, nil
@@ -279,10 +280,7 @@ func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error)
 	var empty [4]segment
 	empties := empty[:0]
 	fail := func(err error) ([]segment, error) {
-		for _, sl := range dst[first:] {
-			m.unhold(int(sl.list), sl.off)
-		}
-		for _, sl := range empties {
+		for _, sl := range slices.Concat(dst[first:], empties) {
 			m.unhold(int(sl.list), sl.off)
 		}
 		return dst[:first], err
@@ -337,14 +335,9 @@ func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error)
 	return dst, nil
 }
 
-// seen reports whether a slice at off is among slices, to word an error.
-func seen(slices []segment, off uint32) bool {
-	for i := range slices {
-		if slices[i].off == off {
-			return true
-		}
-	}
-	return false
+// seen reports whether a slice at off is among segs, to word an error.
+func seen(segs []segment, off uint32) bool {
+	return slices.ContainsFunc(segs, func(s segment) bool { return s.off == off })
 }
 
 // segment is one piece of a received or outgoing message: a slice of the

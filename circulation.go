@@ -1,41 +1,34 @@
 package shmipc
 
 import (
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 )
 
 // Circulation control: committed memory that follows the bytes in flight.
-//
-// The free lists are FIFO queues (PROTOCOL.md §4.8, §4.9), so under steady
-// traffic every slice of a class takes its turn and has its data pages
-// committed, even when only a few messages are in flight.
+// The free lists are FIFO (PROTOCOL.md §4.8, §4.9), so under steady traffic
+// every slice of a class takes its turn and has its data pages committed,
+// however few messages are in flight.
 //
 // So the process that created a region looks at each of its lists every
-// circulationPeriod and tracks the most slices in flight, count − parked −
-// free (both counts taken at the same moment), over the last
-// circulationWindow looks: the peak. A busy list keeps peak + spare slices
-// in circulation (spareFor); the others are parked: popped, their data
-// pages punched (giveback.go), and kept in this process, where nobody can
-// write them. Within one period the FIFO order can touch every slice that
-// is not parked, so from the first look after traffic changes a class
-// commits at most min(count, peak + spare) slices besides its headers.
+// circulationPeriod and keeps the peak in flight (count − parked − free)
+// over the last circulationWindow looks. A busy list keeps peak + spare
+// slices in circulation (spareFor); the others are parked: popped, their
+// data pages punched (giveback.go), and kept in this process, where nobody
+// can write them. As the FIFO order can touch every slice not parked within
+// one period, a class commits at most min(count, peak + spare) slices
+// besides its headers from the first look after traffic changes.
 //
-// Parked slices go back as soon as they may be needed:
-//   - this process's own allocation takes one when the list has none to
-//     spare (bufferManager.take);
-//   - when a pop or push of this process, or a look, finds the free count
-//     below half the spare (at least 2), parked slices are pushed until the
-//     list holds its spare again: a peer finds a list short for at most one
-//     period;
-//   - when the last session using the region ends, all go back before its
-//     connection closes (the peer may check that its lists are full), and
-//     none is parked for parkHold after that;
-//   - when a list has been quiet for giveBackPeriod (giveback.go), and
-//     before the region is unmapped.
-//
-// Parked slices count as free in Stats and freeCounts.
+// Parked slices go back as soon as they may be needed: to this process's
+// own allocation when the list has none to spare (take); when the free
+// count falls below half the spare (observe, steer), so that a peer finds a
+// list short for at most one period; all of them before the connection of
+// the region's last session closes, as the peer may check that its lists
+// are full (sessionEnding); and when a list has been quiet for
+// giveBackPeriod, or the region is unmapped. Parked slices count as free
+// in Stats and freeCounts.
 
 // circulationPeriod is how often a region's lists are looked at. A region
 // takes the value when it is created.
@@ -211,7 +204,7 @@ func (c *circulation) unparkListLocked(m *bufferManager, li int) {
 // connection closes: if no other session of this process uses the region,
 // every parked slice goes back, so that the peer finds its lists full.
 func (m *bufferManager) sessionEnding() {
-	if m.circ != nil && m.sessions.Load() <= 1 {
+	if m.sessions.Load() <= 1 {
 		m.unparkAll()
 	}
 }
@@ -269,10 +262,7 @@ func (m *bufferManager) look(period, giveBack time.Duration) {
 // spare, or refills it if it is short.
 func (m *bufferManager) steer(li int) {
 	c := m.circ
-	var peak int32
-	for _, p := range c.peaks[li] {
-		peak = max(peak, p)
-	}
+	peak := slices.Max(c.peaks[li][:])
 	spare := m.spareFor(li, peak)
 	c.mu.Lock()
 	c.spare[li] = spare

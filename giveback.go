@@ -1,6 +1,7 @@
 package shmipc
 
 import (
+	"slices"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -39,10 +40,8 @@ func (m *bufferManager) sample(li int) listSample {
 // dataPages returns the range of whole pages inside the data of the slice
 // whose header is at off in list li: [first, end) in bytes, empty if none.
 func (m *bufferManager) dataPages(li int, off uint32) (first, end int) {
-	ps := pageSize
-	start := int(off) + sliceHeaderSize
-	first = (start + ps - 1) / ps * ps
-	end = (int(off) + int(m.lists[li].stride)) / ps * ps
+	first = (int(off) + sliceHeaderSize + pageSize - 1) / pageSize * pageSize
+	end = (int(off) + int(m.lists[li].stride)) / pageSize * pageSize
 	return first, max(first, end)
 }
 
@@ -54,16 +53,6 @@ func (m *bufferManager) punch(li int, off uint32) {
 	}
 }
 
-// hasResident reports whether any page of [first, end) is in memory.
-func hasResident(resident []byte, first, end int) bool {
-	for p := first / pageSize; p < end/pageSize; p++ {
-		if resident[p]&1 != 0 {
-			return true
-		}
-	}
-	return false
-}
-
 // giveBackList cycles once through list li's free slices, if any slice of
 // the list has data pages in memory, punching those. It pops as many as the
 // list holds, not one fewer: the last, unpoppable at the tail, reaches the
@@ -72,7 +61,7 @@ func (m *bufferManager) giveBackList(li int, resident []byte) {
 	l := &m.lists[li]
 	inMemory := func(off uint32) bool {
 		first, end := m.dataPages(li, off)
-		return first < end && hasResident(resident, first, end)
+		return slices.ContainsFunc(resident[first/pageSize:end/pageSize], func(v byte) bool { return v&1 != 0 })
 	}
 	found := false
 	for k := uint32(0); k < l.count && !found; k++ {

@@ -33,7 +33,6 @@ func queueRegionSize(cap uint32) int {
 	return 2 * (queueHeaderSize + queueElemSize*int(cap))
 }
 
-// queueElem is one element of an IO queue.
 type queueElem struct {
 	id     uint32
 	offset uint32
@@ -139,19 +138,10 @@ func (q *ioQueue) put(e queueElem) (bool, error) {
 	return true, nil
 }
 
-// pop removes the oldest element. It reports false when the queue is empty.
-// Only one goroutine at a time may consume.
-func (q *ioQueue) pop() (queueElem, bool, error) {
-	e, ok, err := q.peek()
-	if ok {
-		q.skip()
-	}
-	return e, ok, err
-}
-
-// peek returns the oldest element without removing it; skip then removes
-// it. The element is read once: what skip removes is what peek returned,
-// whatever the peer writes into the slot meanwhile.
+// peek returns the oldest element without removing it, or false when the
+// queue is empty; skip then removes it. Only one goroutine at a time may
+// consume. The element is read once: what skip removes is what peek
+// returned, whatever the peer writes into the slot meanwhile.
 func (q *ioQueue) peek() (queueElem, bool, error) {
 	h := q.chead.Load()
 	t := shmLoadInt64(q.tail)
@@ -196,11 +186,10 @@ func (q *ioQueue) looksEmpty() bool {
 	return shmLoadInt64(q.tail) == h
 }
 
-// markWorking sets the working flag if it was clear. The producer sends a
-// wake-up only when this succeeds (PROTOCOL.md §5.5). The load first keeps
-// a consumer that is already awake free of a write to the shared line; it
-// is still ordered after the tail store, as both are sequentially
-// consistent.
+// markWorking sets the working flag if it was clear; the producer sends a
+// wake-up only then (PROTOCOL.md §5.5). Loading first spares an awake
+// consumer a write to the shared line; the load is still ordered after the
+// tail store, as both are sequentially consistent.
 func (q *ioQueue) markWorking() bool {
 	return shmLoadUint32(q.flag) == 0 && shmCASUint32(q.flag, 0, 1)
 }

@@ -31,7 +31,7 @@ type bufferKey struct {
 // mapped this file under this path, otherwise a new mapping (cached if the
 // peer's pid is known). file says whether the region is a file the server
 // removes on the last release.
-func mapServerBuffer(path string, fd int, file bool, peer peerID) (*bufferManager, error) {
+func mapServerBuffer(path string, fd int, file bool, peer peerID) (m *bufferManager, err error) {
 	st, err := statRegular(fd)
 	if err != nil {
 		return nil, fmt.Errorf("buffer region %s: %w", path, err)
@@ -47,22 +47,19 @@ func mapServerBuffer(path string, fd int, file bool, peer peerID) (*bufferManage
 	if err != nil {
 		return nil, err
 	}
-	mapped := false
 	// Deferred: a fault in the headers (a client shrinking its file), which
 	// the handshake recovers, must not keep the mapping and descriptor.
 	defer func() {
-		if !mapped {
+		if m == nil {
 			r.release()
 		}
 	}()
 	if err := r.keepFd(fd); err != nil {
 		return nil, err
 	}
-	m, err := newBufferManager(r, false)
-	if err != nil {
+	if m, err = newBufferManager(r, false); err != nil {
 		return nil, fmt.Errorf("buffer region %s: %w", path, err)
 	}
-	mapped = true
 	if file {
 		r.file = path
 	}

@@ -81,7 +81,7 @@ func newRegionPrefix(conf *Config) string {
 // createBuffer creates and lays out a buffer region named bufPath and
 // returns its manager, holding one reference. The region keeps its
 // descriptor open (region.fd), to be handed to servers.
-func createBuffer(conf *Config, bufPath string) (*bufferManager, error) {
+func createBuffer(conf *Config, bufPath string) (m *bufferManager, err error) {
 	plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
 	if err != nil {
 		return nil, err
@@ -91,9 +91,8 @@ func createBuffer(conf *Config, bufPath string) (*bufferManager, error) {
 		return nil, err
 	}
 	defer closeFds(fd)
-	made := false
 	defer func() { // deferred: a fault unwinding from here must not keep the region
-		if !made {
+		if m == nil {
 			r.release()
 		}
 	}()
@@ -101,11 +100,9 @@ func createBuffer(conf *Config, bufPath string) (*bufferManager, error) {
 		return nil, err
 	}
 	initBufferRegion(r.mem, plans)
-	m, err := newBufferManager(r, true)
-	if err != nil {
+	if m, err = newBufferManager(r, true); err != nil {
 		return nil, err
 	}
-	made = true
 	r.onLastRelease = m.unparkAll
 	m.startCirculation()
 	return m, nil
@@ -209,10 +206,11 @@ func (s *Session) sweepLater(i int) {
 // it going. It runs inside an access, as the queue's only consumer.
 func (s *Session) freeUnconsumed() error {
 	for range s.recvQ.cap {
-		e, ok, err := s.recvQ.pop()
+		e, ok, err := s.recvQ.peek()
 		if err != nil || !ok {
 			return err
 		}
+		s.recvQ.skip()
 		if e.status&statusMask != statusOpened || e.offset == 0 {
 			continue
 		}

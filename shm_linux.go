@@ -105,6 +105,13 @@ func (r *region) committed() uint64 {
 func createRegionPerm(mode MemMapType, path string, size int, perm uint32) (*region, int, error) {
 	var fd int
 	var err error
+	fail := func(err error) (*region, int, error) {
+		unix.Close(fd)
+		if mode == MemMapTypeDevShmFile {
+			_ = unix.Unlink(path)
+		}
+		return nil, -1, err
+	}
 	if mode == MemMapTypeMemFd {
 		name := memfdNamePrefix + path
 		if len(name) > maxMemfdName {
@@ -119,15 +126,6 @@ func createRegionPerm(mode MemMapType, path string, size int, perm uint32) (*reg
 		if err != nil {
 			return nil, -1, fmt.Errorf("create %s: %w", path, err)
 		}
-	}
-	fail := func(err error) (*region, int, error) {
-		unix.Close(fd)
-		if mode == MemMapTypeDevShmFile {
-			_ = unix.Unlink(path)
-		}
-		return nil, -1, err
-	}
-	if mode == MemMapTypeDevShmFile {
 		if err := unix.Fchmod(fd, perm); err != nil { // exactly perm, whatever the umask
 			return fail(fmt.Errorf("chmod %s: %w", path, err))
 		}

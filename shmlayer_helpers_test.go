@@ -27,3 +27,15 @@ func (m *bufferManager) maxSliceCap() uint32 {
 func (m *bufferManager) pop(li int) (uint32, error) {
 	return m.popLeaving(li, 0)
 }
+
+// pop removes the oldest element of q. It reports false when q is empty.
+func (q *ioQueue) pop() (queueElem, bool, error) {
+	e, ok, err := q.peek()
+	if ok {
+		q.skip()
+	}
+	return e, ok, err
+}
+
+// end is the offset just past the last slice of l.
+func (l *sliceList) end() uint32 { return l.area + l.count*l.stride }
