@@ -23,11 +23,8 @@ import (
 // After a drain that found work the loop keeps looking at the queue for a
 // while (spin): the next message of a request-reply exchange usually
 // follows within microseconds, and then costs no system call on either
-// side. Spinning is rationed: a wake-up that finds nothing is answered
-// without spinning, each session adapts its spin to how often spinning
-// found something (consumer), the process spins on at most half the CPUs
-// it may use (cpubudget.go), and a spinner that was descheduled for long
-// switches spinning off process-wide for a while (spinGovernor.pressure).
+// side. Each session adapts its spin to how often it paid (consumer); the
+// process rations spinning (spin.go, cpubudget.go).
 
 // consumer is the receive loop's state for consuming; only the loop uses it.
 type consumer struct {
@@ -188,19 +185,16 @@ func (s *Session) drain(pause bool, limit int) (n int, paused bool, err error) {
 	return n, false, nil
 }
 
-// consumeHook, when set (by tests), is called by every drain and every
-// frame read.
+// consumeHook, set by tests, is called by every drain and frame read.
 var consumeHook atomic.Pointer[func(*Session)]
 
 // drainBefore dispatches what the queue holds when it begins, closes
-// included, without pausing behind a pending close. A FallbackData or
-// StreamClose frame must not overtake what the peer published before
-// sending it (a pending close is another stream's: a stream's own close is
-// published after its last data), and what a peer published before it
-// closed its end is delivered before the session ends, so that a stream it
-// wrote to and closed ends with all its data and io.EOF. Taking no more than
-// the queue held keeps a peer that goes on publishing from holding up the
-// socket or the end of the loop.
+// included, without pausing behind a pending close (another stream's: a
+// stream's own close is published after its last data). It runs before a
+// frame that must not overtake what the peer published before sending it
+// (handleFrame), and at the peer's end, so that a stream it wrote to and
+// closed ends with all its data and io.EOF. Taking no more than the queue
+// held keeps a peer that goes on publishing from holding up the loop.
 func (s *Session) drainBefore() error {
 	_, _, err := s.drain(false, int(min(s.recvQ.depth(), int64(s.recvQ.cap))))
 	return err

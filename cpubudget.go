@@ -19,10 +19,8 @@ import (
 // GOMAXPROCS, since a spinner holds a processor. A cgroup CPU quota (v2
 // cpu.max, v1 cpu.cfs_quota_us over cpu.cfs_period_us) counts, not the
 // host's CPUs: in a container limited to 2 CPUs of a 64-core host, half is
-// 1 spinner, not 32. Both can change while the process runs: GOMAXPROCS is
-// read again every procsRefresh (procsCache), or every starvedLooks refused
-// slots by a process that may not spin at all; the quota, a few file reads,
-// at most every quotaRefresh, on a goroutine of its own.
+// 1 spinner, not 32. The quota, a few file reads, is read again at most
+// every quotaRefresh, on a goroutine of its own; GOMAXPROCS, see procs.
 
 const (
 	quotaRefresh = time.Second

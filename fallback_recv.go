@@ -16,9 +16,9 @@ import (
 // while the receive loop serves the queue for the other streams. If no
 // room comes within FallbackStallTimeout, that stream fails with
 // ErrLimitExceeded (its data dropped, the peer told it is closed) and the
-// session goes on. A frame is always taken while
-// its stream (or, for the session's bound, the session) holds none, so a
-// bound below the largest frame cannot wedge a stream.
+// session goes on. A frame is always taken while its stream (or, for the
+// session's bound, the session) holds none, so a bound below the largest
+// frame cannot wedge a stream.
 
 // stalledFrame is a FallbackData frame waiting for room.
 type stalledFrame struct {

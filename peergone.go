@@ -42,8 +42,5 @@ func (s *Session) sendFailed(what string, err error) error {
 	if s.sendErr.CompareAndSwap(nil, &e) {
 		time.AfterFunc(peerGoneGrace, func() { s.closeWithError(fmt.Errorf("%w (%w)", ErrPeerClosed, cause)) })
 	}
-	if err := s.Err(); err != nil {
-		return err
-	}
-	return *s.sendErr.Load()
+	return s.sendable() // sendErr is set now
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"syscall"
 
 	"github.com/goshm/shmipc/internal/wire"
@@ -107,20 +108,18 @@ func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 			return err
 		}
 		return s.handleFallback(payload)
-	case wire.TypeHotRestart:
+	case wire.TypeHotRestart, wire.TypeHotRestartAck:
+		if (h.Type() == wire.TypeHotRestart) != s.isClient {
+			break // a client receives HotRestart, a server HotRestartAck
+		}
+		hook := &s.onHotRestartAck
 		if s.isClient {
-			if f := s.onHotRestart.Load(); f != nil {
-				(*f)(binary.BigEndian.Uint64(payload))
-			}
-			return nil // without a handler: keep using this session
+			hook = &s.onHotRestart
 		}
-	case wire.TypeHotRestartAck:
-		if !s.isClient {
-			if f := s.onHotRestartAck.Load(); f != nil {
-				(*f)(binary.BigEndian.Uint64(payload))
-			}
-			return nil
+		if f := hook.Load(); f != nil {
+			(*f)(binary.BigEndian.Uint64(payload))
 		}
+		return nil // without a handler: keep using this session
 	}
 	return fmt.Errorf("%w: unexpected %v frame in the running phase (%s side)", ErrProtocol, h.Type(), s.role())
 }
@@ -135,13 +134,13 @@ func (s *Session) role() string {
 // handleData hands the message whose first slice is at offset to stream
 // id, opening the stream if it is new (server).
 func (s *Session) handleData(id, offset uint32) error {
-	slices, err := s.buf.readChain(s.scratch[:0], offset)
+	segs, err := s.buf.readChain(s.scratch[:0], offset)
 	if err != nil {
 		return fmt.Errorf("stream %d: %w", id, err)
 	}
-	s.scratch = slices
+	s.scratch = segs
 	n := 0
-	for _, sl := range slices {
+	for _, sl := range segs {
 		n += len(sl.data)
 	}
 	c := s.counters.of(id)
@@ -151,13 +150,13 @@ func (s *Session) handleData(id, offset uint32) error {
 	if err != nil {
 		// A limit ends the session: the slices go back, or they are
 		// lost to the other sessions on a shared region.
-		if ferr := s.freeSegments(slices); ferr != nil {
+		if ferr := s.freeSegments(segs); ferr != nil {
 			return ferr
 		}
 		return err
 	}
-	if st == nil || !st.deliver(slices, nil) {
-		return s.freeSegments(slices)
+	if st == nil || !st.deliver(segs, nil) {
+		return s.freeSegments(segs)
 	}
 	return nil
 }
@@ -238,8 +237,7 @@ func (s *Session) closeDue(at uint64, busy uint32) {
 			s.peerClosed(c.id)
 			n++
 		}
-		k := copy(s.closing, s.closing[n:])
-		s.closing = s.closing[:k]
+		s.closing = slices.Delete(s.closing, 0, n)
 	}
 }
 

@@ -72,9 +72,8 @@ type Session struct {
 	// They must not block.
 	onHotRestart atomic.Pointer[func(epoch uint64)]
 	// onRefused, set before the receive loop starts, runs on it when the
-	// server closes a stream this client opened without having sent
-	// anything on it: a stopping server's Listener refuses new streams so
-	// (SessionManager.refused). It must not block.
+	// server closes a stream this client opened and sent nothing on: how a
+	// stopping server refuses streams (SessionManager.refused). Must not block.
 	onRefused       func()
 	counters        stripedCounters
 	onHotRestartAck atomic.Pointer[func(epoch uint64)]
@@ -126,10 +125,9 @@ func (s *Session) start() {
 	go s.recvLoop()
 }
 
-// peerPid returns the pid of the peer process, or 0 when it is unknown: for
-// a client that learnt it in a memfd handshake, the process that answered
-// (exchangeVersion); otherwise the one SO_PEERCRED names, which for a client
-// is the process that listens.
+// peerPid returns the peer's pid, 0 if unknown: for a memfd client the
+// process that answered the handshake (exchangeVersion), otherwise the one
+// SO_PEERCRED names (for a client, the process that listens).
 func (s *Session) peerPid() int {
 	if s.isClient && s.version == wire.VersionMemfd {
 		return int(s.serverPid)
@@ -163,10 +161,9 @@ func (s *Session) OpenStream() (*Stream, error) {
 	if len(s.streams) >= s.conf.MaxStreams {
 		return nil, fmt.Errorf("%w: %d streams are open, the limit set by Config.MaxStreams", ErrLimitExceeded, len(s.streams))
 	}
-	// Ids are never reused: the server may still know a stream by an id
-	// long after this side closed it (a close in flight, or one it keeps
-	// to drop late data by), so a stream opened with it again would lose
-	// its data there.
+	// Ids are never reused: the server may know a closed stream's id long
+	// after (a close in flight, or closedIDs), and would drop a new
+	// stream's data as late.
 	if s.nextID == math.MaxUint32 {
 		return nil, fmt.Errorf("%w: this session gave out its last stream id, %d; open streams on a new session", ErrStreamIDsExhausted, s.nextID)
 	}
@@ -235,7 +232,7 @@ func (s *Session) Err() error {
 }
 
 // closeWithError ends the session; cause nil means a local Close. The
-// receive loop notices the closed connection and tears the session down.
+// receive loop then sees the connection closed and tears down.
 func (s *Session) closeWithError(cause error) {
 	s.closeOnce.Do(func() {
 		if cause == nil {
@@ -297,8 +294,8 @@ func (s *Session) indexed(id uint32) *Stream {
 	return nil
 }
 
-// lookupLocked returns the open stream with id, or nil, with s.mu held. It
-// puts a stream it finds in the index if its slot is free.
+// lookupLocked is lookup with s.mu held; it indexes a stream it finds if
+// the slot is free.
 func (s *Session) lookupLocked(id uint32) *Stream {
 	st := s.streams[id]
 	if st != nil {
@@ -392,8 +389,7 @@ func (s *Session) forgetStream(st *Stream, open bool) {
 	}
 }
 
-// teardown runs on the receive loop once it has stopped reading: it ends
-// every stream and drops the session's references on its regions.
+// teardown runs on the receive loop once it has stopped reading.
 func (s *Session) teardown() {
 	defer s.finishTeardown()
 	s.mu.Lock()
@@ -406,10 +402,9 @@ func (s *Session) teardown() {
 	s.reclaimUnconsumed()
 }
 
-// finishTeardown ends the session's bookkeeping: it unmaps the regions,
-// moves the counters to the ended total and tells the listener. teardown
-// defers it, so that it runs even when a memory fault in a shared region
-// cuts teardown short (it runs inside an access).
+// finishTeardown unmaps the regions, moves the counters to the ended total
+// and tells the listener. Deferred, it runs even when a memory fault in a
+// shared region cuts teardown short (teardown runs inside an access).
 func (s *Session) finishTeardown() {
 	s.releaseRegions()
 	unregister(s)

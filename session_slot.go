@@ -24,10 +24,8 @@ type smSlot struct {
 }
 
 // refusedMinAge is how long a session serves, and how long after the last
-// attempt, before a refused stream makes its slot dial a replacement; a
-// refusal that comes sooner is acted on once the wait is over. When the
-// replacement reaches the same server process, the wait doubles, up to
-// refusedMaxWait (refusals.replace).
+// attempt, before a refused stream makes its slot dial a replacement; the
+// wait grows up to refusedMaxWait (refusals.replace).
 const (
 	refusedMinAge  = time.Second
 	refusedMaxWait = 16 * time.Second
@@ -38,7 +36,7 @@ type idleStream struct {
 	since time.Time
 }
 
-// popIdle takes the newest usable idle stream of the slot, or returns nil.
+// popIdle takes the newest usable idle stream of the slot, or nil.
 func (sl *smSlot) popIdle() *Stream {
 	var dead []*Stream
 	defer func() {
@@ -267,12 +265,11 @@ func (r *refusals) stop() {
 
 // replace acts on a refusal on s, the slot's session since born, and
 // returns the slot's session and its birth time. Until s has served long
-// enough (due), or while a hot restart runs, it only comes back to the
-// refusal later. Then it replaces s (replaceRefused). A replacement that
-// reaches the same server process as s, or one that cannot be told apart
-// (pid 0), is not a stopping server but one whose application closes new
-// streams unanswered, as far as the manager can tell: the wait doubles, up
-// to refusedMaxWait. Another process resets it.
+// enough (due), or while a hot restart runs, it comes back to it later.
+// Then it replaces s (replaceRefused). A replacement that reaches the same
+// server process (or pid 0) means an application that closes new streams
+// unanswered, not a stopping server: the wait doubles, up to
+// refusedMaxWait. Another process resets it.
 func (r *refusals) replace(sl *smSlot, s *Session, born time.Time) (*Session, time.Time) {
 	if wait := r.due(born); wait > 0 || sl.m.hotRestarting() {
 		r.later(s, max(wait, refusedMinAge/4))
@@ -292,14 +289,12 @@ func (r *refusals) replace(sl *smSlot, s *Session, born time.Time) (*Session, ti
 	return ns, time.Now()
 }
 
-// replaceRefused handles a stream refused on the slot's session s, healthy
-// otherwise. A server refuses new streams when its Listener has been
-// closed to stop gracefully: its sessions then end only once their last
-// stream is closed, so a pool that goes on reusing its streams would keep
-// it from ever stopping, while every stream the pool opens fails. So the
-// slot dials a new session, to the server that now listens at the address,
-// and installs it. When the dial fails (nobody listens yet), s stays, and
-// the next refusal tries again. It returns the new session, or nil.
+// replaceRefused replaces the slot's session s, whose server refused a
+// stream: a server stopping gracefully (Listener.Close) ends its sessions
+// only once their last stream is closed, so a pool that kept reusing its
+// streams would keep it from stopping. It dials the server that now listens
+// at the address and installs the new session, which it returns; nil when
+// the dial fails (s stays, and the next refusal tries again).
 func (sl *smSlot) replaceRefused(s *Session) *Session {
 	ns, err := sl.m.dial()
 	if err != nil {

@@ -19,7 +19,6 @@ type spinWatch struct {
 	alone bool
 }
 
-// start begins a spin.
 func (w *spinWatch) start() {
 	w.begin = time.Now()
 	w.alone = procs.get(w.begin) == 1
@@ -27,10 +26,8 @@ func (w *spinWatch) start() {
 }
 
 // procs caches GOMAXPROCS for spinners: runtime.GOMAXPROCS takes the
-// scheduler's lock. It can change while the process runs (the runtime
-// follows the cgroup's CPU limit), so a spin that starts more than
-// procsRefresh after the last read reads it again, and resizes the
-// governor.
+// scheduler's lock. The runtime may change it (it follows the cgroup's CPU
+// limit), so a spin reads it again once procsRefresh has passed.
 var procs procsCache
 
 type procsCache struct {

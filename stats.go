@@ -1,6 +1,7 @@
 package shmipc
 
 import (
+	"cmp"
 	"expvar"
 	"log/slog"
 	"maps"
@@ -254,12 +255,7 @@ func PublishExpvar(name string) {
 // discardLogger is the logger of a Config without one: silent.
 var discardLogger = slog.New(slog.DiscardHandler)
 
-func (c *Config) logger() *slog.Logger {
-	if c.Logger != nil {
-		return c.Logger
-	}
-	return discardLogger
-}
+func (c *Config) logger() *slog.Logger { return cmp.Or(c.Logger, discardLogger) }
 
 // counts returns the free slices of each list (parked ones included) and,
 // of those, how many this process has parked.

@@ -12,38 +12,36 @@ import (
 
 // Close ordering over TCP loopback (closeAfterSocket). Over TCP, bytes of
 // a write that has returned may still sit in the peer's send queue (this
-// side's window is full) or in the loopback path, so "read so far +
+// side's window is full) or on the loopback path, so "read so far +
 // SIOCINQ" does not bound them. Instead the kernel is asked (sock_diag,
 // tcp_diag.go) how many bytes the peer's application has written in all,
 // tcpi_bytes_acked + idiag_wqueue, and the close applies once this side has
-// acted on that many. This side's count comes from its socket too:
-// tcpi_bytes_received − SIOCINQ is everything it has read, the handshake
-// included, and eventConn.read is the running phase's part of it.
+// acted on that many. This side's count is tcpi_bytes_received − SIOCINQ,
+// the handshake included; eventConn.read is the running phase's part of it.
 //
-// Three details of the counts, checked by experiment (Linux 6.18) and in
-// the kernel's sources:
+// Three details of the counts (checked by experiment on Linux 6.18, and in
+// the kernel's sources):
 //   - The connecting side's tcpi_bytes_acked counts its SYN; the accepting
 //     side's does not. A sent FIN counts in write_seq, a received one in
-//     tcpi_bytes_received. The target is therefore taken tcpCountSlack (2)
-//     bytes low, 0 to 3 bytes below the exact one: every frame is at least
+//     tcpi_bytes_received. So the target is taken tcpCountSlack (2) bytes
+//     low, 0 to 3 below the exact one: every frame is at least
 //     wire.HeaderSize (8) bytes, so the same frame reaches both.
-//   - idiag_wqueue is read without the socket lock that tcp_info is read
-//     under: an acknowledgement in between makes the sum too large, never
-//     too small. Two consecutive answers that agree are exact; until then
-//     the smallest sum is a safe target that may never be reached, looked
-//     at again whenever the socket is drained (settleTCPClose).
+//   - idiag_wqueue is read without the socket lock tcp_info is read under:
+//     an acknowledgement in between makes the sum too large, never too
+//     small. Two consecutive answers that agree are exact; until then the
+//     smallest sum is a safe target that may never be reached, looked at
+//     again whenever the socket is drained (settleTCPClose).
 //   - This side's two counts come from two calls, and are used only when
 //     tcpi_bytes_received was the same before and after SIOCINQ.
 //
 // Without sock_diag (no NETLINK_SOCK_DIAG, the peer in another network
 // namespace, behind a proxy, or on another host) closes follow the quiet
-// rule, with a warning on the session's logger: a close applies once
-// everything received when it was seen has been acted on and then no byte
-// has arrived for tcpQuiet, at most tcpQuietRounds times over. With
-// everything read, this side's window is open and the peer's kernel sends
-// what it holds without the peer's process running; tcpQuiet bounds how
-// late that may arrive. That bound is a choice, not a proof: hence the
-// warning.
+// rule, with a warning: a close applies once everything received when it
+// was seen has been acted on and then no byte has arrived for tcpQuiet, at
+// most tcpQuietRounds times over. With everything read, this side's window
+// is open and the peer's kernel sends what it holds without the peer's
+// process running; tcpQuiet bounds how late that may arrive. That bound is
+// a choice, not a proof: hence the warning.
 
 // Modes of a pending close.
 const (
@@ -141,7 +139,7 @@ func (c *eventConn) tcpTarget(upper uint64) (at uint64, exact bool, err error) {
 }
 
 // tcpConsumed returns how many bytes this side has read from the socket
-// since it was connected: tcpi_bytes_received less what the kernel holds.
+// since it was connected.
 func (c *eventConn) tcpConsumed() (uint64, error) {
 	var n uint64
 	var cerr error
@@ -199,9 +197,8 @@ func (s *Session) settleTCPClose() {
 	}
 }
 
-// quietAfter reports whether a close that follows the quiet rule applies
-// now that everything received when it was seen has been acted on: no byte
-// arrives for tcpQuiet. If some do, its target moves past them.
+// quietAfter reports whether a close under the quiet rule applies now: no
+// byte arrives for tcpQuiet. If some do, its target moves past them.
 func (s *Session) quietAfter(c *pendingClose) bool {
 	if c.rounds >= tcpQuietRounds {
 		return true

@@ -63,10 +63,9 @@ type eventConn struct {
 
 // Frames go through the socket with raw system calls (readOnce, writeOnce)
 // rather than the net package's Read and Write: the socket is non-blocking,
-// so the runtime need not be told of a call, and told, it would wake its
-// monitor thread for nearly every frame of a process that waits for its
-// peer. Waiting for the socket to be readable or writable still goes
-// through the runtime's network poller (syscall.RawConn), with the
+// and a call the runtime is told of would wake its monitor thread for
+// nearly every frame of a process that waits for its peer. Waiting for the
+// socket still goes through the network poller (syscall.RawConn), with the
 // connection's deadlines.
 
 // readBufSize is the initial receive buffer: many wake-up frames per read.
@@ -154,15 +153,10 @@ func (c *eventConn) writeOnce(fd uintptr) bool {
 	}
 }
 
-// writeEvent sends a frame without payload.
+// writeEvent sends a frame without payload (handshake frames only: it
+// allocates).
 func (c *eventConn) writeEvent(version uint8, t wire.Type) error {
-	c.wmu.Lock()
-	defer c.unlockW()
-	if err := c.payPolling(); err != nil {
-		return err
-	}
-	c.wbuf = wire.AppendEvent(c.wbuf[:0], version, t)
-	return c.writeLocked(c.wbuf)
+	return c.write(wire.AppendEvent(nil, version, t))
 }
 
 // writeStreamClose sends a StreamClose frame.

@@ -20,10 +20,8 @@ import (
 //     for want of bytes: it has a socket buffer's worth to read first.
 
 // writePolling sends a Polling frame, or leaves it to the writer of the
-// frame being written, which can take as long as ConnectionWriteTimeout.
-// The frame goes out right after that one, as early as it could anyway, and
-// one frame answers every wake-up owed meanwhile, as it follows every
-// element they announce.
+// frame being written (flushPolling): it goes out right after that one, as
+// early as it could anyway, and answers every wake-up owed meanwhile.
 func (c *eventConn) writePolling(version uint8) error {
 	c.pollVersion.Store(uint32(version))
 	c.pollOwed.Store(true)
@@ -31,9 +29,8 @@ func (c *eventConn) writePolling(version uint8) error {
 }
 
 // flushPolling writes the owed Polling frame unless another goroutine holds
-// wmu; that one writes it when it lets go (handoverMutex). What does not fit
-// in the socket now goes from finishPolling. An error is that of a write
-// that failed at once.
+// wmu, which then writes it when it lets go (handoverMutex). An error is
+// that of a write that failed at once.
 func (c *eventConn) flushPolling() error {
 	for c.pollOwed.Load() {
 		if !c.wmu.tryLockOrLeave() {
