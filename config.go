@@ -1,11 +1,12 @@
 package shmipc
 
 import (
+	"cmp"
 	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
-	"sort"
+	"slices"
 	"time"
 )
 
@@ -272,12 +273,10 @@ func verified(conf *Config) (*Config, error) {
 	return conf, conf.Verify()
 }
 
-// partialFrameTimeout is PartialFrameTimeout, or its default.
+// partialFrameTimeout is PartialFrameTimeout, or its default if zero (a
+// session's config is verified: never negative).
 func (c *Config) partialFrameTimeout() time.Duration {
-	if c.PartialFrameTimeout > 0 {
-		return c.PartialFrameTimeout
-	}
-	return defaultPartialFrameTimeout
+	return cmp.Or(c.PartialFrameTimeout, defaultPartialFrameTimeout)
 }
 
 // maxSessions is MaxSessions, or its default.
@@ -403,8 +402,7 @@ func planLists(size uint32, pairs []SizePercentPair) ([]listPlan, error) {
 	if len(pairs) > 0xFFFF {
 		return nil, fmt.Errorf("too many BufferSliceSizes")
 	}
-	sorted := append([]SizePercentPair(nil), pairs...)
-	sort.Slice(sorted, func(i, j int) bool { return sorted[i].Size < sorted[j].Size })
+	sorted := slices.SortedFunc(slices.Values(pairs), func(a, b SizePercentPair) int { return cmp.Compare(a.Size, b.Size) })
 	var total uint64
 	for i, p := range sorted {
 		if p.Size == 0 || p.Size%4 != 0 {
@@ -433,11 +431,7 @@ func planLists(size uint32, pairs []SizePercentPair) ([]listPlan, error) {
 	}
 	// A free list never hands out its last slice (bufferManager.alloc): a
 	// layout of one-slice classes would send everything over the socket.
-	usable := false
-	for _, p := range plans {
-		usable = usable || p.count >= 2
-	}
-	if !usable {
+	if !slices.ContainsFunc(plans, func(p listPlan) bool { return p.count >= 2 }) {
 		return nil, fmt.Errorf("no slice size gets the 2 slices a size class needs to hand one out (a list keeps its last) in %d bytes: use smaller BufferSliceSizes, e.g. ReferenceSliceSizes()", size)
 	}
 	return plans, nil

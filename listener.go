@@ -75,7 +75,8 @@ func Listen(network, address string, conf *Config) (*Listener, error) {
 		return nil, err
 	}
 	ln, err := net.Listen(network, address)
-	if err != nil && errors.Is(err, syscall.EADDRINUSE) && isUnixPath(network, address) {
+	if errors.Is(err, syscall.EADDRINUSE) && strings.HasPrefix(network, "unix") && address != "" && address[0] != '@' {
+		// A socket file (not an abstract socket) in use: stale, maybe.
 		ln, err = listenOverStale(network, address, err, conf.ConnectionWriteTimeout)
 	}
 	if err != nil {
@@ -90,12 +91,6 @@ func Listen(network, address string, conf *Config) (*Listener, error) {
 		}
 	}
 	return NewListener(ln, conf), nil
-}
-
-// isUnixPath reports whether address names a Unix socket file (not an
-// abstract socket).
-func isUnixPath(network, address string) bool {
-	return strings.HasPrefix(network, "unix") && address != "" && address[0] != '@'
 }
 
 // listenOverStale handles a bind to the socket file address that failed

@@ -165,8 +165,7 @@ func (w *netpollWriter) cutMoves(at int) {
 }
 
 func (w *netpollWriter) discardLocked() {
-	clear(w.moves)
-	w.moves = w.moves[:0]
+	w.cutMoves(0)
 	_ = w.st.writer.discard()
 }
 
@@ -281,10 +280,7 @@ var errNetpollStaleMove = errors.New("shmipc: WriteDirect of a message discarded
 // stream's wmu is held.
 func (w *netpollWriter) applyMoves() error {
 	sw := &w.st.writer
-	defer func() {
-		clear(w.moves)
-		w.moves = w.moves[:0]
-	}()
+	defer w.cutMoves(0)
 	for _, m := range w.moves {
 		if m.pos+len(m.src) > sw.size || !sw.owns(m.src) {
 			return errNetpollStaleMove

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -413,10 +414,8 @@ func (m *SessionManager) evictLoop() {
 			for n < len(sl.idle) && sl.idle[n].since.Before(cutoff) {
 				n++
 			}
-			stale := append([]idleStream(nil), sl.idle[:n]...)
-			rest := copy(sl.idle, sl.idle[n:])
-			clear(sl.idle[rest:])
-			sl.idle = sl.idle[:rest]
+			stale := slices.Clone(sl.idle[:n])
+			sl.idle = slices.Delete(sl.idle, 0, n)
 			sl.mu.Unlock()
 			for _, is := range stale {
 				is.st.Close()
