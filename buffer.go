@@ -39,12 +39,9 @@ const (
 	// its request.
 	maxReserve = 2
 
-	// maxSplitPieces bounds how finely alloc splits the bytes a writer
-	// asks for when the lists that hold them in one slice are empty: into
-	// slices of at least 1/maxSplitPieces of them (or of the largest
-	// slice). Unbounded, a large message takes the slices small messages
-	// live on, and its writer holds part of it while it waits for the rest;
-	// a writer that finds no slice big enough waits for one instead.
+	// maxSplitPieces bounds how finely alloc splits a message. Unbounded, a
+	// large message takes the slices small messages live on, and its writer
+	// holds part of it while it waits for the rest.
 	maxSplitPieces = 8
 
 	// popAttempts bounds the retries of one pop (PROTOCOL.md §4.8).
@@ -236,17 +233,14 @@ func (m *bufferManager) u32(off uint32) *uint32 {
 	return (*uint32)(unsafe.Pointer(&m.mem[off]))
 }
 
-// The flags byte of a slice header is the low byte of a 4-byte word whose
-// other bytes are zero (PROTOCOL.md §4.4), accessed atomically: a pop that
-// sees HAS_NEXT also sees the next the push stored before setting it, on
-// weakly ordered CPUs too.
-
-// flags returns the flags byte of the slice header at off.
+// flags reads the flags byte of the slice header at off, the low byte of a
+// 4-byte word whose other bytes are zero (PROTOCOL.md §4.4). It and setFlags
+// are atomic: a pop that sees HAS_NEXT also sees the next the push stored
+// before setting it, on weakly ordered CPUs too.
 func (m *bufferManager) flags(off uint32) byte {
 	return byte(shmLoadUint32(m.u32(off + sliceFlagsOff)))
 }
 
-// setFlags sets the flags byte of the slice header at off.
 func (m *bufferManager) setFlags(off uint32, f byte) {
 	shmStoreUint32(m.u32(off+sliceFlagsOff), uint32(f))
 }

@@ -18,8 +18,7 @@ var serverBuffers = struct {
 	m map[bufferKey]*bufferManager
 }{m: make(map[bufferKey]*bufferManager)}
 
-// bufferKey identifies a cached buffer mapping: the path a peer process
-// named.
+// bufferKey identifies a cached buffer mapping.
 type bufferKey struct {
 	path string
 	uid  uint32
@@ -27,10 +26,8 @@ type bufferKey struct {
 }
 
 // mapServerBuffer returns the buffer manager for the region open at fd,
-// which peer named path: the cached one if the same peer process already
-// mapped this file under this path, otherwise a new mapping (cached if the
-// peer's pid is known). file says whether the region is a file the server
-// removes on the last release.
+// which peer named path, from serverBuffers if it may. file says whether
+// the region is a file the server removes on the last release.
 func mapServerBuffer(path string, fd int, file bool, peer peerID) (m *bufferManager, err error) {
 	st, err := statRegular(fd)
 	if err != nil {

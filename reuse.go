@@ -152,11 +152,8 @@ func (st *Stream) shutKept() (li int, off uint32, ok bool) {
 		return 0, 0, false
 	}
 	st.s.buf.keepers[v>>32].Add(-1)
-	if !holdsSlice(v) {
-		return 0, 0, false
-	}
 	li, off = keptSlice(v)
-	return li, off, true
+	return li, off, holdsSlice(v)
 }
 
 // dropAllKept returns the slices kept by the session's streams to their
