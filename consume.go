@@ -218,8 +218,8 @@ func (s *Session) spin() int {
 	}
 	defer spinning.exit()
 	runtime.Gosched()
-	var w spinWatch
-	w.start()
+	now := time.Now()
+	w := spinWatch{begin: now, last: now, lastYield: now, lastSocket: now, alone: procs.get(now) == 1}
 	for {
 		for range pollCheckEvery {
 			if !s.recvQ.looksEmpty() {

@@ -25,7 +25,6 @@ type stalledFrame struct {
 	st    *Stream
 	data  []byte // the frame's data, copied
 	since time.Time
-	timer *time.Timer
 }
 
 // How often the receive loop looks at the queue while a frame waits: the
@@ -116,10 +115,8 @@ func (s *Session) serveStalled() error {
 		s.cons.consuming = true
 		s.recvQ.setWorking(true)
 	}
-	if f.timer == nil {
-		f.timer = time.NewTimer(minStallPause)
-	}
-	defer f.timer.Stop()
+	timer := time.NewTimer(minStallPause)
+	defer timer.Stop()
 	pause := minStallPause
 	for {
 		bound, limit := s.fallbackBound(f.st, len(f.data))
@@ -152,10 +149,10 @@ func (s *Session) serveStalled() error {
 		} else {
 			pause = min(2*pause, maxStallPause)
 		}
-		f.timer.Reset(pause)
+		timer.Reset(pause)
 		select {
 		case <-s.fallbackRoom:
-		case <-f.timer.C:
+		case <-timer.C:
 		case <-s.closed:
 			return s.closedErr()
 		}

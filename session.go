@@ -55,7 +55,7 @@ type Session struct {
 	// a new stream.
 	closedIDs recentIDs
 	accepted  streamQueue
-	onAccept  func(st *Stream, limit int) error // where new streams go (streamQueue.push); set before start
+	onAccept  func(st *Stream, limit int) error // where new streams go (a streamQueue's push); set before start
 	retiring  bool                              // end the session once its last stream is closed (Listener.Close)
 
 	closeOnce sync.Once
@@ -113,6 +113,7 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 	}
 	s.cons.init(conf.ConsumerSpinTime)
 	s.accepted.init()
+	s.onAccept = s.accepted.push
 	s.ec.onAsyncErr = func(err error) { _ = s.sendFailed("send wake-up", err) }
 	return s
 }
@@ -343,11 +344,7 @@ func (s *Session) streamFor(id uint32) (*Stream, error) {
 	if err != nil {
 		return nil, nil
 	}
-	accept := s.onAccept
-	if accept == nil {
-		accept = s.accepted.push
-	}
-	if err := accept(st, s.conf.MaxPendingAccepts); err != nil {
+	if err := s.onAccept(st, s.conf.MaxPendingAccepts); err != nil {
 		if errors.Is(err, errTooManyPending) {
 			return nil, fmt.Errorf("%w: %w, the limit set by Config.MaxPendingAccepts", ErrLimitExceeded, err)
 		}

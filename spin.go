@@ -19,12 +19,6 @@ type spinWatch struct {
 	alone bool
 }
 
-func (w *spinWatch) start() {
-	w.begin = time.Now()
-	w.alone = procs.get(w.begin) == 1
-	w.last, w.lastYield, w.lastSocket = w.begin, w.begin, w.begin
-}
-
 // procs caches GOMAXPROCS for spinners: runtime.GOMAXPROCS takes the
 // scheduler's lock. The runtime may change it (it follows the cgroup's CPU
 // limit), so a spin reads it again once procsRefresh has passed.
