@@ -338,24 +338,13 @@ func (m *SessionManager) closeRetired(s *Session) {
 	}()
 }
 
-// attach installs a re-dialed session and returns it, unless the manager
-// has closed (nil) or a hot restart installed a session in the meantime
-// (that session is returned instead).
+// attach installs a re-dialed session in the empty slot and returns it,
+// unless the manager has closed (nil) or a hot restart installed a session
+// in the meantime (that session is returned instead).
 func (sl *smSlot) attach(s *Session) *Session {
-	m := sl.m
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.closed {
-		return nil
+	var cur *Session // not set if the manager has closed
+	if _, _, ok := sl.swap(s, func(c *Session) bool { cur = c; return c == nil }); ok {
+		return s
 	}
-	sl.mu.Lock()
-	if cur := sl.sess; cur != nil {
-		sl.mu.Unlock()
-		return cur
-	}
-	sl.sess, sl.lastErr = s, nil
-	sl.mu.Unlock()
-	close(m.healthy)
-	m.healthy = make(chan struct{})
-	return s
+	return cur
 }
