@@ -14,10 +14,6 @@ import (
 //
 //	ln, err := shmipc.Listen("unix", sock, nil)
 //	err = grpcServer.Serve(ln)
-//
-// Each connection is a stream of one of the manager's sessions, which
-// several connections share; the framework owns it and closes it, so it
-// never goes back to the manager's pool.
 
 // DialContext opens a new stream on one of the manager's sessions and returns
 // it as a net.Conn (a *Stream), for grpc.WithContextDialer. addr is ignored:

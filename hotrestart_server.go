@@ -17,11 +17,9 @@ package shmipc
 //
 // Close lets the requests in progress finish (CloseAll does not).
 //
-// The new server binds a socket under a temporary name in the same
-// directory and renames it over the path (rename(2) is atomic): a client
-// sees the old or the new server, never none, and no listener fd travels
-// between the processes. HotRestart makes sure the old listener's Close
-// does not remove the path, which belongs to the new server.
+// ListenTakeover renames its socket over the path (rename(2) is atomic): a
+// client sees the old or the new server, never none, and no listener fd
+// travels between the processes.
 //
 // Client side (hotrestart_client.go): a SessionManager reacts to HotRestart
 // on its own. A plain Session (Dial, Client) ignores it and ends when the
@@ -163,15 +161,6 @@ func (hr *srvHotRestart) tell(s *Session) {
 	frame := wire.AppendHotRestart(nil, s.version, wire.TypeHotRestart, hr.epoch)
 	if err := s.ec.write(frame); err != nil {
 		_ = s.sendFailed("send HotRestart", err)
-	}
-}
-
-// join makes a session whose handshake was running when the restart began
-// part of it (Listener.adopt): its client would otherwise stay on this
-// server.
-func (hr *srvHotRestart) join(s *Session) {
-	if hr.hook(s) {
-		hr.tell(s)
 	}
 }
 

@@ -235,8 +235,10 @@ func (l *Listener) adopt(s *Session, conn net.Conn) {
 		_, joins = hr.handshaking[conn]
 	}
 	l.mu.Unlock()
-	if joins {
-		hr.join(s) // a hot restart began during the handshake
+	// A hot restart begun during the handshake takes the session in, or its
+	// client would stay on this server.
+	if joins && hr.hook(s) {
+		hr.tell(s)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"slices"
 )
 
 // BufferReader reads a stream's received bytes, zero-copy where it can.
@@ -85,15 +86,8 @@ func (r *streamReader) append(segs []segment) {
 // and not released. Data read by copying (Read) or not read yet does not
 // count: the stream's reader will copy and free it.
 func (r *streamReader) holdsShared() bool {
-	if !r.inPlace {
-		return false
-	}
-	for _, seg := range r.segs[:min(r.done+1, len(r.segs))] {
-		if seg.list != heapSegment {
-			return true
-		}
-	}
-	return false
+	return r.inPlace && slices.ContainsFunc(r.segs[:min(r.done+1, len(r.segs))],
+		func(seg segment) bool { return seg.list != heapSegment })
 }
 
 func (r *streamReader) appendHeap(data []byte) {
@@ -175,33 +169,24 @@ func (r *streamReader) release() error {
 	}
 	// Forgotten even when a fault unwinds from a free: freeing them again
 	// could hand one slice to two writers.
-	defer r.forgetDone()
+	defer func() {
+		r.segs, r.done = slices.Delete(r.segs, 0, r.done), 0
+	}()
 	r.freeHeap(r.segs[:r.done])
 	return r.st.freeReceived(r.segs[:r.done])
-}
-
-// forgetDone drops the segments read completely from the reader.
-func (r *streamReader) forgetDone() {
-	n := copy(r.segs, r.segs[r.done:])
-	clear(r.segs[n:])
-	r.segs = r.segs[:n]
-	r.done = 0
 }
 
 // releaseAll frees every segment, read or not, forgetting them as release
 // does.
 func (r *streamReader) releaseAll() error {
 	r.arena = r.arena[:0]
-	defer r.forgetAll()
+	defer func() {
+		clear(r.segs)
+		r.segs, r.done, r.pos, r.unread = r.segs[:0], 0, 0, 0
+		r.inPlace = false
+	}()
 	r.freeHeap(r.segs)
 	return r.st.s.freeSegments(r.segs)
-}
-
-// forgetAll drops every segment from the reader.
-func (r *streamReader) forgetAll() {
-	clear(r.segs)
-	r.segs, r.done, r.pos, r.unread = r.segs[:0], 0, 0, 0
-	r.inPlace = false
 }
 
 // bufferReader is the BufferReader of a stream.

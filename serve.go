@@ -5,13 +5,6 @@ import (
 	"io"
 )
 
-// The callback-style server API, in two styles: Listener.Serve runs a
-// function per stream that reads requests and writes responses in a loop
-// (like a net/http handler); Listener.ServeHandler and OnData call back
-// when data has arrived on a stream (like the StreamCallbacks of other
-// Shmipc libraries). Either way each stream has one goroutine, so the
-// callbacks of one stream never run concurrently.
-
 // Serve accepts streams on l and calls handler for each one in a new
 // goroutine, until l is closed; it then returns ErrListenerClosed (never
 // nil, as http.Serve). It does not wait for running handlers: after Close

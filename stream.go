@@ -137,9 +137,7 @@ func (st *Stream) waitReadable(n int) error {
 	return err
 }
 
-// closedErr is the error of a read of nothing: nil, unless the stream is
-// closed (ErrStreamClosed) or its session has ended with nothing left to
-// read (the session's error). st.mu is held.
+// closedErr is the error of a read of nothing; st.mu is held.
 func (st *Stream) closedErr() error {
 	if st.closed {
 		return ErrStreamClosed
