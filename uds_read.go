@@ -94,9 +94,6 @@ func (c *eventConn) readFrame(limit uint32, partial time.Duration) (wire.Header,
 		return nil, nil, err
 	}
 	if err := c.fill(n, partial); err != nil {
-		if errors.Is(err, io.EOF) {
-			err = fmt.Errorf("%w: connection closed inside a %d-byte %v frame", io.ErrUnexpectedEOF, n, h.Type())
-		}
 		return nil, nil, err
 	}
 	f := c.rbuf[c.r : c.r+n]
@@ -110,7 +107,8 @@ var errPartialFrame = errors.New("frame not completed in time")
 // fill makes at least n unread bytes available in rbuf. The buffer grows
 // as bytes arrive, at most doubling each time it is full, so that what a
 // frame announces costs nothing until it is sent. Once some of the n bytes
-// are unread, the rest must come within partial.
+// are unread, the rest must come within partial, and the end of the
+// connection is io.ErrUnexpectedEOF.
 func (c *eventConn) fill(n int, partial time.Duration) error {
 	if c.w-c.r >= n {
 		return nil
@@ -142,7 +140,7 @@ func (c *eventConn) fill(n int, partial time.Duration) error {
 				return fmt.Errorf("%w: %d of %d bytes arrived within %v", errPartialFrame, c.w-c.r, n, partial)
 			}
 			if errors.Is(err, io.EOF) && c.w > c.r {
-				return fmt.Errorf("%w: connection closed inside a frame", io.ErrUnexpectedEOF)
+				return fmt.Errorf("%w: connection closed inside a frame (%d of %d bytes arrived)", io.ErrUnexpectedEOF, c.w-c.r, n)
 			}
 			return err
 		}
