@@ -10,8 +10,7 @@ import (
 
 // Every error of this package starts with "shmipc: ", and many wrap another
 // of them, so joined naively the prefix would come back at each level:
-// errorf says it once, at the start. Errors of package net and os name
-// their operation and address already, so netError adds only the prefix.
+// errorf says it once, at the start.
 
 const errPrefix = "shmipc: "
 

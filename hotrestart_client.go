@@ -10,10 +10,8 @@ import (
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// Hot restart, client side (PROTOCOL.md §7; the server side is in
-// hotrestart_server.go): a SessionManager that gets a HotRestart frame dials
-// the new server, parks the old sessions until their streams are idle,
-// acknowledges, and moves its pool over.
+// Hot restart, client side (PROTOCOL.md §7, SessionManager's doc; the
+// server side is in hotrestart_server.go).
 
 // smHotRestart is the hot-restart state of a SessionManager.
 type smHotRestart struct {
@@ -63,32 +61,27 @@ func (m *SessionManager) hotRestarting() bool {
 	return m.hr.running
 }
 
-// hotRestartConfig is the session configuration after a hot restart with
-// epoch and randID: region names become
-// <prefix>_epoch_<epoch>_<randID>_<pid>_<random>_buffer (and _queue_0).
-func (m *SessionManager) hotRestartConfig(epoch, randID uint64) *Config {
-	c := *m.conf.Config
-	c.ShareMemoryPathPrefix = fmt.Sprintf("%s_epoch_%d_%d", c.ShareMemoryPathPrefix, epoch, randID)
-	if c.Verify() != nil { // too long for file mode: keep the plain names
-		c.ShareMemoryPathPrefix = m.conf.Config.ShareMemoryPathPrefix
-	}
-	return &c
-}
-
 // runHotRestart dials a new session for every slot, parks the old ones, and
 // once all are replaced acknowledges on every old session and closes each
 // when its streams are done. At the deadline it gives up: parked sessions
 // are closed without acknowledging.
 func (m *SessionManager) runHotRestart(epoch, randID uint64, deadline time.Time) {
 	defer m.wg.Done()
-	var parked []*Session
 	ctx, cancel := context.WithDeadline(m.ctx, deadline)
 	defer cancel()
-	conf := m.hotRestartConfig(epoch, randID)
 
+	// Region names become <prefix>_epoch_<epoch>_<randID>_<pid>_<random>_buffer
+	// (and _queue_0).
+	conf := *m.conf.Config
+	conf.ShareMemoryPathPrefix = fmt.Sprintf("%s_epoch_%d_%d", conf.ShareMemoryPathPrefix, epoch, randID)
+	if conf.Verify() != nil { // too long for file mode: keep the plain names
+		conf.ShareMemoryPathPrefix = m.conf.Config.ShareMemoryPathPrefix
+	}
+
+	var parked []*Session
 	replaced := 0
 	for _, sl := range m.slots {
-		ns := m.dialUntil(ctx, conf)
+		ns := m.dialUntil(ctx, &conf)
 		if ns == nil {
 			break
 		}

@@ -203,17 +203,12 @@ func (l *Listener) serve(conn net.Conn) {
 	delete(l.pending, conn)
 	closed := l.isClosed()
 	l.mu.Unlock()
-	if err == nil && closed {
+	if err != nil {
+		l.conf.logger().Warn("shmipc: handshake failed", "remote", conn.RemoteAddr(), "err", err)
+	} else if closed {
 		// Its streams may have been accepted before Close: it ends with
 		// its last stream, as Close has it.
 		s.retire()
-		return
-	}
-	if err != nil {
-		l.conf.logger().Warn("shmipc: handshake failed", "remote", conn.RemoteAddr(), "err", err)
-		if s != nil {
-			s.Close()
-		}
 	}
 }
 

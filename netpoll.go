@@ -109,7 +109,7 @@ func (b *netpollReader) Until(delim byte) (line []byte, err error) {
 
 // ReadString returns the next n bytes as a string (a copy).
 func (b *netpollReader) ReadString(n int) (string, error) {
-	p, err := b.readCopy(n)
+	p, err := b.ReadBinary(n)
 	if err != nil || n == 0 {
 		return "", err
 	}
@@ -117,9 +117,7 @@ func (b *netpollReader) ReadString(n int) (string, error) {
 }
 
 // ReadBinary returns a copy of the next n bytes that the caller owns.
-func (b *netpollReader) ReadBinary(n int) ([]byte, error) { return b.readCopy(n) }
-
-func (b *netpollReader) readCopy(n int) ([]byte, error) {
+func (b *netpollReader) ReadBinary(n int) ([]byte, error) {
 	st := (*Stream)(b)
 	if n < 0 {
 		return nil, errNegative
@@ -145,7 +143,7 @@ func (b *netpollReader) ReadByte() (byte, error) { return (*bufferReader)(b).Rea
 // beyond the release, so they are copied into a new netpoll.LinkBuffer,
 // which the caller owns.
 func (b *netpollReader) Slice(n int) (netpoll.Reader, error) {
-	p, err := b.readCopy(n)
+	p, err := b.ReadBinary(n)
 	if err != nil {
 		return nil, err
 	}

@@ -69,11 +69,11 @@ func (st *Stream) flushLocked() error {
 	}
 	raceReleaseIO()
 	st.reuse.Or(replyOwed)
-	if err := w.usable(); err != nil {
-		_ = w.discard()
-		return err
+	err := w.usable()
+	if err == nil {
+		err = st.writeDeadlineErr()
 	}
-	if err := st.writeDeadlineErr(); err != nil {
+	if err != nil {
 		_ = w.discard()
 		return err
 	}
