@@ -422,10 +422,8 @@ func (s *Session) finishTeardown() {
 // streams a client can close in the time its late data takes to arrive.
 const recentIDsKept = 256
 
-// recentIDs remembers the last recentIDsKept ids added, allocated on first
-// use. Clients never reuse an id (they count ids up, PROTOCOL.md §6.1), so
-// forgetting the oldest ones is safe. has scans the ring: it runs only for
-// ids no open stream has.
+// recentIDs remembers the last recentIDsKept ids added, in a ring allocated
+// on first use; has scans it, which it does only for ids no stream has.
 type recentIDs struct {
 	ring []uint32
 	next int

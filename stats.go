@@ -160,14 +160,17 @@ func (s *Session) Stats() Stats {
 	err := s.access(func() error {
 		st.SendQueueDepth = s.sendQ.depth()
 		st.RecvQueueDepth = s.recvQ.depth()
-		if s.buf.region.acquire() {
-			defer s.buf.region.release()
-			free, parked := s.buf.counts()
-			st.Lists = make([]ListStats, len(s.buf.lists))
-			for i, l := range s.buf.lists {
+		if m := s.buf; m.region.acquire() {
+			defer m.region.release()
+			free, parked := m.counts()
+			st.Lists = make([]ListStats, len(m.lists))
+			st.Buffer = RegionStats{Size: uint64(len(m.mem)), Committed: m.region.committed(), Sessions: int(m.sessions.Load())}
+			for i, l := range m.lists {
 				st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i], Parked: parked[i]}
+				if held := int64(l.count) - int64(free[i]); held > 0 {
+					st.Buffer.InUse += uint64(held) * uint64(l.sliceCap)
+				}
 			}
-			st.Buffer = s.buf.regionStats(free)
 		}
 		st.Queue = RegionStats{Size: uint64(len(s.queueRegion.mem)), Committed: s.queueRegion.committed(), Sessions: 1}
 		return nil
@@ -176,18 +179,6 @@ func (s *Session) Stats() Stats {
 		return counts // a fault ended the session: its gauges are zero
 	}
 	return st
-}
-
-// regionStats describes the buffer region, given the free counts of its
-// lists.
-func (m *bufferManager) regionStats(free []int32) RegionStats {
-	rs := RegionStats{Size: uint64(len(m.mem)), Committed: m.region.committed(), Sessions: int(m.sessions.Load())}
-	for i, l := range m.lists {
-		if held := int64(l.count) - int64(free[i]); held > 0 {
-			rs.InUse += uint64(held) * uint64(l.sliceCap)
-		}
-	}
-	return rs
 }
 
 // registry holds the live sessions, and the counts of ended ones, for
