@@ -1,6 +1,6 @@
 package shmipc
 
-// Helpers of the shared-memory layer that only tests use.
+// Library helpers that only tests use.
 
 // createRegion is createRegionPerm with permissions 0o600.
 func createRegion(mode MemMapType, path string, size int) (*region, int, error) {
@@ -39,3 +39,22 @@ func (q *ioQueue) pop() (queueElem, bool, error) {
 
 // end is the offset just past the last slice of l.
 func (l *sliceList) end() uint32 { return l.area + l.count*l.stride }
+
+// free reports whether enter would find a slot now.
+func (g *spinGovernor) free() bool {
+	return g.active.Load() < g.slots.Load() && g.offUntil.Load() == 0
+}
+
+// freeCounts returns the free slices of each list: those on the free list
+// and those this process has parked (circulation.go).
+func (m *bufferManager) freeCounts() []int32 {
+	free, _ := m.counts()
+	return free
+}
+
+// failure is why this side ended the stream (fail), or nil.
+func (st *Stream) failure() error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.failErr
+}
