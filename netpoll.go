@@ -118,21 +118,28 @@ func (b *netpollReader) ReadString(n int) (string, error) {
 
 // ReadBinary returns a copy of the next n bytes that the caller owns.
 func (b *netpollReader) ReadBinary(n int) ([]byte, error) {
-	st := (*Stream)(b)
 	if n < 0 {
 		return nil, errNegative
 	}
+	p := make([]byte, n)
+	if err := (*Stream)(b).readInto(p); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// readInto waits for len(p) bytes, copies them into p and consumes them.
+func (st *Stream) readInto(p []byte) error {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if err := st.waitReadable(n); err != nil {
-		return nil, err
+	if err := st.waitReadable(len(p)); err != nil {
+		return err
 	}
-	p := make([]byte, n)
 	if err := st.s.access(func() error { st.reader.copyOut(p); return nil }); err != nil {
-		return nil, err
+		return err
 	}
-	st.reader.advance(n)
-	return p, nil
+	st.reader.advance(len(p))
+	return nil
 }
 
 // ReadByte returns the next byte.
@@ -143,18 +150,21 @@ func (b *netpollReader) ReadByte() (byte, error) { return (*bufferReader)(b).Rea
 // beyond the release, so they are copied into a new netpoll.LinkBuffer,
 // which the caller owns.
 func (b *netpollReader) Slice(n int) (netpoll.Reader, error) {
-	p, err := b.ReadBinary(n)
-	if err != nil {
-		return nil, err
+	if n < 0 {
+		return nil, errNegative
 	}
 	lb := netpoll.NewLinkBuffer(n)
-	if _, err := lb.WriteBinary(p); err != nil {
-		return nil, err
+	p, err := lb.Malloc(n) // the bytes are copied once, straight into lb
+	if err == nil {
+		err = (*Stream)(b).readInto(p)
 	}
-	if err := lb.Flush(); err != nil {
-		return nil, err
+	if err == nil {
+		err = lb.Flush()
 	}
-	if err := b.Release(); err != nil {
+	if err == nil {
+		err = b.Release()
+	}
+	if err != nil {
 		return nil, err
 	}
 	return lb, nil
