@@ -249,7 +249,7 @@ func TestLoopRestsWhileReaderBusy(t *testing.T) {
 		t.Fatal(err)
 	}
 	st.SetDeadline(time.Now().Add(5 * peerTimeout))
-	idle := spinning.active.Load()
+	const idle = 0 // spinningClient
 	for range 50 {
 		if _, err := st.Write([]byte("ping")); err != nil {
 			t.Fatal(err)
@@ -275,7 +275,11 @@ func TestLoopRestsWhileReaderBusy(t *testing.T) {
 
 // spinningClient dials an echo server with conf, whose receive loop spins
 // for 10 s (ConsumerSpinTime) and leaves the process's spinning slots to
-// the client; it skips the test where nothing spins.
+// the client; it skips the test where nothing spins. It returns once no
+// receive loop of the process spins (sessions of earlier tests may, for
+// their last spin budget), so that the caller can tell the client's spin
+// by spinning.active; on one processor the client's loop needs the only
+// slot.
 func spinningClient(t *testing.T, conf *Config) *Session {
 	t.Helper()
 	if procs.read(time.Now()); spinning.slots.Load() == 0 {
@@ -295,6 +299,7 @@ func spinningClient(t *testing.T, conf *Config) *Session {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { s.Close() })
+	waitUntil(t, "the spinners of earlier sessions stop", peerTimeout, func() bool { return spinning.active.Load() == 0 })
 	return s
 }
 
