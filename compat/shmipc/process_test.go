@@ -136,6 +136,12 @@ func TestCallbackServerProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The global manager lives as long as the process; a later run of this
+	// test (-count) starts without one.
+	t.Cleanup(func() {
+		sm.Close()
+		global.sm.Store(nil)
+	})
 	if again, err := InitGlobalSessionManager(conf); again != sm || err != nil || GlobalSessionManager() != sm {
 		t.Fatalf("a second InitGlobalSessionManager gave %p, %v; GlobalSessionManager %p; want %p", again, err, GlobalSessionManager(), sm)
 	}
