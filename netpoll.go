@@ -121,25 +121,27 @@ func (b *netpollReader) ReadBinary(n int) ([]byte, error) {
 	if n < 0 {
 		return nil, errNegative
 	}
-	p := make([]byte, n)
-	if err := (*Stream)(b).readInto(p); err != nil {
-		return nil, err
-	}
-	return p, nil
+	return (*Stream)(b).readInto(n, func(n int) ([]byte, error) { return make([]byte, n), nil })
 }
 
-// readInto waits for len(p) bytes, copies them into p and consumes them.
-func (st *Stream) readInto(p []byte) error {
+// readInto waits for n bytes, copies them into the buffer get returns and
+// consumes them. get runs only once the bytes are there: n is often a
+// length the peer announced, and memory must grow with bytes received.
+func (st *Stream) readInto(n int, get func(int) ([]byte, error)) ([]byte, error) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if err := st.waitReadable(len(p)); err != nil {
-		return err
+	if err := st.waitReadable(n); err != nil {
+		return nil, err
+	}
+	p, err := get(n)
+	if err != nil {
+		return nil, err
 	}
 	if err := st.s.access(func() error { st.reader.copyOut(p); return nil }); err != nil {
-		return err
+		return nil, err
 	}
-	st.reader.advance(len(p))
-	return nil
+	st.reader.advance(n)
+	return p, nil
 }
 
 // ReadByte returns the next byte.
@@ -153,11 +155,11 @@ func (b *netpollReader) Slice(n int) (netpoll.Reader, error) {
 	if n < 0 {
 		return nil, errNegative
 	}
-	lb := netpoll.NewLinkBuffer(n)
-	p, err := lb.Malloc(n) // the bytes are copied once, straight into lb
-	if err == nil {
-		err = (*Stream)(b).readInto(p)
-	}
+	var lb *netpoll.LinkBuffer
+	_, err := (*Stream)(b).readInto(n, func(n int) ([]byte, error) {
+		lb = netpoll.NewLinkBuffer(n)
+		return lb.Malloc(n) // the bytes are copied once, straight into lb
+	})
 	if err == nil {
 		err = lb.Flush()
 	}

@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"testing"
 	"time"
 
@@ -287,6 +288,31 @@ func TestNetpollReadDeadline(t *testing.T) {
 		}
 		if d := time.Since(start); d < 30*time.Millisecond {
 			t.Errorf("%s returned after %v, before the deadline", what, d)
+		}
+	}
+}
+
+// TestNetpollAnnouncedLengthCostsNothing: reads of a length no bytes back
+// yet (in a codec, a length prefix the peer sent) allocate nothing while
+// they wait, however large the length.
+func TestNetpollAnnouncedLengthCostsNothing(t *testing.T) {
+	_, server := npSessions(t, nil)
+	r := server.NetpollReader()
+	for what, f := range map[string]func() error{
+		"ReadBinary": func() error { _, err := r.ReadBinary(1 << 50); return err },
+		"ReadString": func() error { _, err := r.ReadString(1 << 30); return err },
+		"Slice":      func() error { _, err := r.Slice(1 << 30); return err },
+	} {
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		server.SetReadDeadline(time.Now().Add(30 * time.Millisecond))
+		err := f()
+		runtime.ReadMemStats(&after)
+		if !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Errorf("%s with no data: %v, want a timeout", what, err)
+		}
+		if n := after.TotalAlloc - before.TotalAlloc; n > 1<<20 {
+			t.Errorf("%s allocated %d bytes while it waited", what, n)
 		}
 	}
 }
