@@ -8,7 +8,7 @@ import (
 	"unsafe"
 )
 
-// Buffer region layout (PROTOCOL.md §4). All integers are little-endian.
+// Buffer region layout (docs/protocol.md §6). All integers are little-endian.
 const (
 	managerHeaderSize = 8 // u16 list count, u16 reserved, u32 used
 	listHeaderSize    = 36
@@ -44,7 +44,7 @@ const (
 	// holds part of it while it waits for the rest.
 	maxSplitPieces = 8
 
-	// popAttempts bounds the retries of one pop (PROTOCOL.md §4.8).
+	// popAttempts bounds the retries of one pop (docs/protocol.md §6.8).
 	popAttempts = 200
 	// pushAttempts bounds the retries of one push. The protocol sets no
 	// limit; a peer that keeps the tail moving this long is broken.
@@ -104,7 +104,7 @@ type bufferManager struct {
 	keepers []atomic.Int32 // per list, streams of this process that may keep a slice of it (reuse.go)
 }
 
-// initBufferRegion lays out a new region as PROTOCOL.md §4.5 says. mem must
+// initBufferRegion lays out a new region as docs/protocol.md §6.5 says. mem must
 // be zero-filled: the fields that start at zero are not written.
 func initBufferRegion(mem []byte, plans []listPlan) {
 	binary.LittleEndian.PutUint16(mem[0:], uint16(len(plans)))
@@ -131,7 +131,7 @@ func initBufferRegion(mem []byte, plans []listPlan) {
 }
 
 // newBufferManager reads and checks the layout of a mapped buffer region
-// (PROTOCOL.md §4.6): every list must lie inside the mapping and hold a
+// (docs/protocol.md §6.6): every list must lie inside the mapping and hold a
 // slice, and slice sizes must be distinct non-zero multiples of 4. The
 // values are copied; the manager never reads those header fields again.
 func newBufferManager(r *region, creator bool) (*bufferManager, error) {
@@ -189,7 +189,7 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 		}
 		m.bySize[i] = i
 		total += count
-		// The last slice of a list is never handed out (PROTOCOL.md §4.8).
+		// The last slice of a list is never handed out (docs/protocol.md §6.8).
 		m.capacity += (count - 1) * sliceCap
 		if count >= 2 {
 			m.usable = max(m.usable, uint32(sliceCap))
@@ -234,7 +234,7 @@ func (m *bufferManager) u32(off uint32) *uint32 {
 }
 
 // flags reads the flags byte of the slice header at off, the low byte of a
-// 4-byte word whose other bytes are zero (PROTOCOL.md §4.4). It and setFlags
+// 4-byte word whose other bytes are zero (docs/protocol.md §6.4). It and setFlags
 // are atomic: a pop that sees HAS_NEXT also sees the next the push stored
 // before setting it, on weakly ordered CPUs too.
 func (m *bufferManager) flags(off uint32) byte {

@@ -17,7 +17,7 @@ func corrupt(format string, args ...any) error {
 	return fmt.Errorf("%w: buffer region: %s", ErrProtocol, fmt.Sprintf(format, args...))
 }
 
-// popLeaving takes one free slice from list li (PROTOCOL.md §4.8), unless
+// popLeaving takes one free slice from list li (docs/protocol.md §6.8), unless
 // that would leave the list with fewer than keep free slices. It returns the
 // absolute offset of the slice header, or 0 when the list has no slice to
 // spare. An error means the list is corrupt.
@@ -76,7 +76,7 @@ func (m *bufferManager) popList(li int, keep int32) (uint32, int32, error) {
 }
 
 // push returns the slice at absolute offset off, which belongs to list li, to
-// its free list (PROTOCOL.md §4.9).
+// its free list (docs/protocol.md §6.9).
 func (m *bufferManager) push(li int, off uint32) error {
 	left, err := m.pushList(li, off)
 	if err == nil && m.circ != nil {

@@ -8,7 +8,7 @@ import (
 )
 
 // Circulation control: committed memory that follows the bytes in flight.
-// The free lists are FIFO (PROTOCOL.md §4.8, §4.9), so under steady traffic
+// The free lists are FIFO (docs/protocol.md §6.8, §6.9), so under steady traffic
 // every slice of a class takes its turn and has its data pages committed,
 // however few messages are in flight.
 //

@@ -392,7 +392,7 @@ type listPlan struct {
 	count    uint32
 }
 
-// planLists computes the lists of a new region exactly as PROTOCOL.md §4.5
+// planLists computes the lists of a new region exactly as docs/protocol.md §6.5
 // does: sorted by size, each taking its percentage of the space left after
 // the headers.
 func planLists(size uint32, pairs []SizePercentPair) ([]listPlan, error) {

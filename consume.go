@@ -14,7 +14,7 @@ import (
 // (Stream.awaitReadable).
 //
 // The working flag tells the peer whether to send a wake-up after it
-// publishes (PROTOCOL.md §5.5, in docs/protocol.md). The loop clears it
+// publishes (docs/protocol.md §7.5). The loop clears it
 // before it sleeps on the socket, then looks at the queue once more: the
 // peer publishes and then looks at the flag, the loop clears the flag and
 // then looks at the queue (both sequentially consistent), so an element is

@@ -28,7 +28,7 @@ type pollPeer struct {
 
 // newPollSession returns a client session with only what receiving needs:
 // its receive queue and buffer region, and no streams, so that every data
-// element it takes is freed (PROTOCOL.md §6.2).
+// element it takes is freed (docs/protocol.md §9.2).
 func newPollSession(t *testing.T) (*Session, *pollPeer) {
 	t.Helper()
 	mem, client, server := newHeapQueues(t, 16)

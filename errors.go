@@ -47,7 +47,7 @@ var (
 	ErrStreamPeerClosed = errors.New("shmipc: stream closed by the peer")
 
 	// ErrStreamIDsExhausted is returned (wrapped) by OpenStream on a session
-	// that has opened every stream id (2 to 2^32-1, PROTOCOL.md §6.1; ids
+	// that has opened every stream id (2 to 2^32-1, docs/protocol.md §9.1; ids
 	// are never reused): open streams on a new session, as a SessionManager
 	// does by itself.
 	ErrStreamIDsExhausted = errors.New("shmipc: stream ids exhausted")

@@ -1,6 +1,6 @@
 package shmipc
 
-// The size of the FallbackData frames sent and taken (PROTOCOL.md §6.5).
+// The size of the FallbackData frames sent and taken (docs/protocol.md §9.5).
 
 import (
 	"bytes"

@@ -9,7 +9,7 @@ import (
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// Fallback data received (PROTOCOL.md §6.5, in docs/protocol.md) is copied
+// Fallback data received (docs/protocol.md §9.5) is copied
 // into process memory, bounded per stream (MaxFallbackBufferedPerStream)
 // and per session (MaxFallbackBuffered). A frame that would pass a bound
 // waits, and the socket with it, until the stream's reader makes room,

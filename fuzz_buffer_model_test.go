@@ -16,7 +16,7 @@ import (
 
 // fzBufModel drives a buffer manager with an op script and checks every
 // result. While pristine is set the region has only been used through the
-// API, so every operation must succeed exactly as PROTOCOL.md §4 says;
+// API, so every operation must succeed exactly as docs/protocol.md §6 says;
 // afterwards only memory safety and error classification are checked.
 type fzBufModel struct {
 	t        *testing.T

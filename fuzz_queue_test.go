@@ -23,8 +23,8 @@ type fzQueueModel struct {
 }
 
 // fzCountersSafe reports whether counters starting at c cannot cross from -1
-// to 0 in the ops of one input, where slot numbering restarts (PROTOCOL.md
-// §5.4 counters are monotonic and never get there in practice).
+// to 0 in the ops of one input, where slot numbering restarts (docs/protocol.md
+// §7.4 counters are monotonic and never get there in practice).
 func fzCountersSafe(c int64) bool { return c >= 0 || c < -(1<<40) }
 
 func fzQueueSize(data []byte, sizeSel uint8) int {
@@ -96,7 +96,7 @@ func FuzzQueue(f *testing.F) {
 			binary.LittleEndian.PutUint32(mem[half+queueCapOff:], c)
 		}
 
-		// Independent check of the mapping rules (PROTOCOL.md §5.1, §5.2).
+		// Independent check of the mapping rules (docs/protocol.md §7.1, §7.2).
 		mapOK := func() bool {
 			if size%2 != 0 {
 				return false
@@ -315,7 +315,7 @@ func FuzzQueue(f *testing.F) {
 }
 
 // fzReadElem reads the element for counter c of the queue half hm, as
-// PROTOCOL.md §5.3 places it.
+// docs/protocol.md §7.3 places it.
 func fzReadElem(hm []byte, cap uint32, c int64) queueElem {
 	off := queueHeaderSize + int(uint64(c)%uint64(cap))*queueElemSize
 	return queueElem{

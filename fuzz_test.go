@@ -114,7 +114,7 @@ func fzValidQueueFile(cap uint32) []byte {
 // ---------------------------------------------------------------------------
 // 1. FuzzReadFrame
 
-// fzWantFrameLen is the frame length rule of PROTOCOL.md §2.2 as this
+// fzWantFrameLen is the frame length rule of docs/protocol.md §3.2 as this
 // implementation enforces it, written independently of frameLength: the
 // length a frame with this header must have, or ok false.
 func fzWantFrameLen(typ uint8, length, limit uint32) bool {
@@ -225,7 +225,7 @@ func FuzzReadFrame(f *testing.F) {
 			h, payload, err := c.readFrame(limit, 0)
 			rest := data[pos:]
 
-			// What an independent reading of PROTOCOL.md §2 expects.
+			// What an independent reading of docs/protocol.md §3 expects.
 			var want error
 			n := 0
 			switch {

@@ -45,6 +45,11 @@ func TestGoDocReferences(t *testing.T) {
 	values := func(vs []*doc.Value) {
 		for _, v := range vs {
 			add(strings.Join(v.Names, ", "), v.Doc)
+			for _, spec := range v.Decl.Specs { // each entry of a block has its own
+				if vs := spec.(*ast.ValueSpec); vs.Doc != nil {
+					add(vs.Names[0].Name, vs.Doc.Text())
+				}
+			}
 		}
 	}
 	funcs := func(fs []*doc.Func) {

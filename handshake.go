@@ -100,8 +100,8 @@ func isTimeout(err error) bool {
 	return false
 }
 
-// clientHandshake creates the regions and runs PROTOCOL.md §1.4 (file mode,
-// version 2) or §1.5 (memfd, version 3).
+// clientHandshake creates the regions and runs docs/protocol.md §4.1 (file mode,
+// version 2) or §4.2 (memfd, version 3).
 func (s *Session) clientHandshake() error {
 	conf := s.conf
 	memfd := conf.MemMapType == MemMapTypeMemFd
@@ -236,7 +236,7 @@ func (s *Session) expect(t wire.Type) (wire.Header, error) {
 }
 
 // serverHandshake answers the client's handshake and maps its regions. The
-// version byte of the first header decides the version (PROTOCOL.md §1.3).
+// version byte of the first header decides the version (docs/protocol.md §2.2).
 func (s *Session) serverHandshake() error {
 	h, err := s.ec.readHeader()
 	if err != nil {

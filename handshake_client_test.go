@@ -21,7 +21,7 @@ import (
 )
 
 // TestClientHandshakeBytesMemfd plays the server by hand and checks every
-// byte the client sends in a version-3 memfd handshake (PROTOCOL.md §1.5).
+// byte the client sends in a version-3 memfd handshake (docs/protocol.md §4.2).
 func TestClientHandshakeBytesMemfd(t *testing.T) {
 	for _, replyVersion := range []uint8{3, 4} {
 		t.Run(fmt.Sprintf("server replies version %d", replyVersion), func(t *testing.T) {
@@ -128,7 +128,7 @@ func TestClientHandshakeBytesMemfd(t *testing.T) {
 
 // TestClientHandshakeBytesFileMode checks that a file-mode client sends one
 // version-2 ShareMemoryByFilePath frame naming files it created, and does not
-// wait for any reply (PROTOCOL.md §1.4).
+// wait for any reply (docs/protocol.md §4.1).
 func TestClientHandshakeBytesFileMode(t *testing.T) {
 	waitsInParallel(t)
 	conf := hsConfig(t, MemMapTypeDevShmFile)
@@ -178,7 +178,7 @@ func TestClientHandshakeBytesFileMode(t *testing.T) {
 }
 
 // TestClientHandshakeFailureRemovesFiles: a file-mode client whose
-// handshake fails removes the region files it created (PROTOCOL.md §1.6).
+// handshake fails removes the region files it created (docs/protocol.md §4.5).
 func TestClientHandshakeFailureRemovesFiles(t *testing.T) {
 	conf := hsConfig(t, MemMapTypeDevShmFile)
 	cc, raw := unixPair(t)

@@ -118,7 +118,7 @@ func TestServerRejectsBadPaths(t *testing.T) {
 }
 
 // TestServerHandshakeBytes plays the client by hand and checks every byte
-// the server answers (PROTOCOL.md §1.4, §1.5).
+// the server answers (docs/protocol.md §4.1, §4.2).
 func TestServerHandshakeBytes(t *testing.T) {
 	waitsInParallel(t)
 	t.Run("v3 memfd", func(t *testing.T) {
@@ -197,7 +197,7 @@ func TestServerHandshakeBytes(t *testing.T) {
 		}
 		hsExpectNothing(t, raw, 100*time.Millisecond)
 		// The client going away ends the session with EOF, not a protocol
-		// error, and the server removes the region files (PROTOCOL.md §1.6).
+		// error, and the server removes the region files (docs/protocol.md §4.5).
 		raw.Close()
 		waitSessionClosed(t, r.s, 2*time.Second)
 		if err := r.s.Err(); !errors.Is(err, ErrSessionClosed) || !errors.Is(err, ErrPeerClosed) || errors.Is(err, io.EOF) || errors.Is(err, ErrProtocol) {
@@ -351,7 +351,7 @@ func TestListenerSurvivesRejectedHandshakes(t *testing.T) {
 
 // TestServerRunningPhaseBadFrames: after a good version-2 handshake done by
 // a raw client, a bad frame ends the server session with ErrProtocol and an
-// error that names the problem (PROTOCOL.md §2).
+// error that names the problem (docs/protocol.md §3).
 func TestServerRunningPhaseBadFrames(t *testing.T) {
 	cases := []struct {
 		name  string
@@ -391,7 +391,7 @@ func TestServerRunningPhaseBadFrames(t *testing.T) {
 					t.Fatalf("Server: %v", r.err)
 				}
 				// Valid frames first: they must not end the session. A server
-				// accepts HotRestartAck (PROTOCOL.md §2.2).
+				// accepts HotRestartAck (docs/protocol.md §3.2).
 				// A second Polling frame ends them: once the server has
 				// counted two, it has acted on them all.
 				good := append(append([]byte(nil), hsPollingV2...), hsStreamCloseV2...)

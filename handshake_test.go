@@ -16,7 +16,7 @@ import (
 )
 
 // Frames a raw peer sends or expects, written out byte by byte
-// (PROTOCOL.md §2) rather than built with package wire.
+// (docs/protocol.md §3) rather than built with package wire.
 var (
 	hsExchangeV3    = []byte{0x00, 0x00, 0x00, 0x08, 0x77, 0x58, 0x03, 0x04}
 	hsAckShmV3      = []byte{0x00, 0x00, 0x00, 0x08, 0x77, 0x58, 0x03, 0x06}
@@ -126,7 +126,7 @@ func hsReadPathFrame(t *testing.T, c net.Conn) (h []byte, queuePath, bufPath str
 	return h, queuePath, bufPath
 }
 
-// hsCheckClientPaths checks the names a client chose (PROTOCOL.md §3, with the
+// hsCheckClientPaths checks the names a client chose (docs/protocol.md §5, with the
 // random part this implementation adds).
 func hsCheckClientPaths(t *testing.T, conf *Config, queuePath, bufPath string) {
 	t.Helper()

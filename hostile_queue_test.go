@@ -46,7 +46,7 @@ func hpQueueCases() []hpCase {
 		// overwritten by the next pop.
 		{name: "receive queue head rewritten past tail", survive: hpSurviveRoundTrip,
 			do: func(c *hpCtx) { c.p.send.setHead(c.p.send.tail() + 100) }},
-		// Receivers mask the status with 0xFF (PROTOCOL.md §6.3).
+		// Receivers mask the status with 0xFF (docs/protocol.md §9.3).
 		{name: "status 0x100 is data", survive: func(c *hpCtx) error { return c.roundTrip("upper bits", 0x100) },
 			do: func(c *hpCtx) {}},
 	}
@@ -77,7 +77,7 @@ func TestHostileServerQueue(t *testing.T) {
 }
 
 // TestHostileServerStrayData: data for a stream the client never opened is
-// freed and dropped (PROTOCOL.md §6.2).
+// freed and dropped (docs/protocol.md §9.2).
 func TestHostileServerStrayData(t *testing.T) {
 	env := startTestServer(t, defaultConsumerSpinTime)
 	for _, mode := range bothModes {

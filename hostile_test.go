@@ -7,7 +7,7 @@ package shmipc
 // session with an error that wraps ErrProtocol (ErrHandshake for damage seen
 // in the handshake) and names the problem, and another session in the same
 // process must keep working. Cases where the protocol makes the damage
-// harmless (PROTOCOL.md §6.2, §6.3; fields the library reads once) assert
+// harmless (docs/protocol.md §9.2, §9.3; fields the library reads once) assert
 // that the session survives instead.
 
 import (

@@ -10,7 +10,7 @@ import (
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// Hot restart, client side (PROTOCOL.md §7, SessionManager's doc; the
+// Hot restart, client side (docs/protocol.md §10, SessionManager's doc; the
 // server side is in hotrestart_server.go).
 
 // smHotRestart is the hot-restart state of a SessionManager.

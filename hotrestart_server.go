@@ -1,6 +1,6 @@
 package shmipc
 
-// Hot restart (PROTOCOL.md §7): a new server process takes over the socket
+// Hot restart (docs/protocol.md §10): a new server process takes over the socket
 // path of a running one, the old server tells its clients with a HotRestart
 // frame, and session managers move to the new server and acknowledge.
 //
@@ -43,7 +43,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// hotRestartTimeout bounds a hot restart on both sides (PROTOCOL.md §7):
+// hotRestartTimeout bounds a hot restart on both sides (docs/protocol.md §10):
 // the old server's wait for the acknowledgements, and a client's for its
 // old sessions to become idle.
 const hotRestartTimeout = 2 * time.Second

@@ -1,6 +1,6 @@
 package shmipc
 
-// Hot restart (PROTOCOL.md §7, hotrestart.go).
+// Hot restart (docs/protocol.md §10, hotrestart.go).
 
 import (
 	"bytes"

@@ -10,7 +10,7 @@ import (
 
 // Data a client sends on a stream before it sees that the server closed the
 // stream is dropped: it must not reach the server application as a new
-// stream (implicit open, PROTOCOL.md §6.2, is for ids the server has not
+// stream (implicit open, docs/protocol.md §9.2, is for ids the server has not
 // closed), and the session goes on.
 func TestLateDataAfterServerClose(t *testing.T) {
 	conf := DefaultConfig()

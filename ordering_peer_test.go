@@ -251,7 +251,7 @@ func orderClient(t *testing.T) {
 	served := make(chan error, 1)
 	go func() { served <- p.serve(func(uint32, []byte) {}) }()
 	for k := 0; k < count; k++ {
-		id := uint32(k + 2) // a client's streams: 2, 3, ... (PROTOCOL.md §6.1)
+		id := uint32(k + 2) // a client's streams: 2, 3, ... (docs/protocol.md §9.1)
 		if err := p.sendThenClose(id, orderingPattern(id, size+37*k)); err != nil {
 			t.Fatal(err)
 		}

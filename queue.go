@@ -8,7 +8,7 @@ import (
 	"unsafe"
 )
 
-// IO queue layout (PROTOCOL.md §5). The queue region holds two queues: the
+// IO queue layout (docs/protocol.md §7). The queue region holds two queues: the
 // first half carries client→server elements, the second server→client.
 const (
 	queueHeaderSize = 24
@@ -20,7 +20,7 @@ const (
 	elemStatusOff = 8
 )
 
-// Stream states carried in the status field (PROTOCOL.md §6.3).
+// Stream states carried in the status field (docs/protocol.md §9.3).
 const (
 	statusOpened = 0
 	statusClosed = 1
@@ -187,7 +187,7 @@ func (q *ioQueue) looksEmpty() bool {
 }
 
 // markWorking sets the working flag if it was clear; the producer sends a
-// wake-up only then (PROTOCOL.md §5.5). Loading first spares an awake
+// wake-up only then (docs/protocol.md §7.5). Loading first spares an awake
 // consumer a write to the shared line; the load is still ordered after the
 // tail store, as both are sequentially consistent.
 func (q *ioQueue) markWorking() bool {

@@ -1,6 +1,6 @@
 package shmipc
 
-// Queue header field offsets on arm64 (PROTOCOL.md §5.2), where the 64-bit
+// Queue header field offsets on arm64 (docs/protocol.md §7.2), where the 64-bit
 // counters must be 8-byte aligned.
 const (
 	queueCapOff  = 0

@@ -2,7 +2,7 @@
 
 package shmipc
 
-// Queue header field offsets on x86-64 (PROTOCOL.md §5.2). The 64-bit
+// Queue header field offsets on x86-64 (docs/protocol.md §7.2). The 64-bit
 // counters are only 4-byte aligned, which LOCK-prefixed instructions allow.
 const (
 	queueCapOff  = 0

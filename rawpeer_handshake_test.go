@@ -82,7 +82,7 @@ func createRawRegions(t *testing.T, conf *Config, mode MemMapType, lay rawLayout
 }
 
 // handshake runs the client side: version 2 with file paths, or version 3
-// with memfds (PROTOCOL.md §1.4, §1.5), which needs a Unix connection. It
+// with memfds (docs/protocol.md §4.1, §4.2), which needs a Unix connection. It
 // returns the version in use.
 func (r *rawRegions) handshake(c net.Conn, mode MemMapType) (byte, error) {
 	c.SetDeadline(time.Now().Add(peerTimeout))

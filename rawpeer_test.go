@@ -1,8 +1,8 @@
 package shmipc
 
 // The raw peer: the far side of a session played by hand. It writes frames
-// byte by byte (PROTOCOL.md §2), reads and writes its own mapping of the IO
-// queues (§5) and of the buffer region (§4), and so can both behave like a
+// byte by byte (docs/protocol.md §3), reads and writes its own mapping of the IO
+// queues (§7) and of the buffer region (§6), and so can both behave like a
 // correct peer and break any rule of the protocol.
 
 import (
@@ -16,12 +16,12 @@ import (
 	"unsafe"
 )
 
-// ---- frames, written by hand (PROTOCOL.md §2) ----
+// ---- frames, written by hand (docs/protocol.md §3) ----
 
 // rawMagic is the magic field of every frame header.
 const rawMagic = 0x7758
 
-// rawFrame builds a header (PROTOCOL.md §2.1) followed by payload.
+// rawFrame builds a header (docs/protocol.md §3.1) followed by payload.
 func rawFrame(length uint32, magic uint16, version, typ byte, payload ...byte) []byte {
 	b := binary.BigEndian.AppendUint32(nil, length)
 	b = binary.BigEndian.AppendUint16(b, magic)
@@ -72,7 +72,7 @@ func readN(c net.Conn, n int) ([]byte, error) {
 	return b, err
 }
 
-// ---- raw access to one queue half (PROTOCOL.md §5) ----
+// ---- raw access to one queue half (docs/protocol.md §7) ----
 
 type rawQueue struct {
 	mem []byte

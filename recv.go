@@ -85,7 +85,7 @@ func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 	return nil
 }
 
-// handleFrame acts on one running-phase frame (PROTOCOL.md §2.2).
+// handleFrame acts on one running-phase frame (docs/protocol.md §3.2).
 // StreamClose and FallbackData frames follow everything the peer published
 // before sending them, whose wake-up may not have arrived yet: the queue is
 // drained first.

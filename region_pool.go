@@ -14,13 +14,13 @@ import (
 // clientBuffers pools the buffer regions of a client's sessions: as in the
 // Shmipc design, a client process gives all its sessions one buffer region
 // (each has a queue region of its own), and servers recognise a region they
-// have mapped by its path (PROTOCOL.md §3, region_cache.go). Sessions share
+// have mapped by its path (docs/protocol.md §5, region_cache.go). Sessions share
 // a region when they have the same layout, prefix and mapping mode, and
 // talk to the same server process (the one that sends the handshake
 // frames, peekSender, not the one that listens).
 //
 // Only memfd regions are shared: in file mode a server removes the buffer
-// file when its last session on it ends (PROTOCOL.md §8, trap 12), and a
+// file when its last session on it ends (docs/protocol.md §11.3, pitfall 12), and a
 // client cannot tell whether it has. Per server process, because a killed
 // server frees nothing, and what it held cannot be told from what others
 // hold: once it is gone the region is retired, to go with its last session.

@@ -9,7 +9,7 @@ import (
 // Slice reuse: a stream keeps one slice it received, once read, for the
 // next message it sends, so that a request-reply exchange passes one slice
 // back and forth instead of pushing and popping on free lists both
-// processes write. PROTOCOL.md §6.6 allows it: a peer may hold slices, and
+// processes write. docs/protocol.md §9.6 allows it: a peer may hold slices, and
 // the root slice of a message may have been allocated by the other process.
 //
 // Only slices up to keepMaxCap are kept, used only for a message piece that

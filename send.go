@@ -14,7 +14,7 @@ const (
 )
 
 // putElem publishes e on the send queue and wakes the peer if it is not
-// already draining. While the queue is full it waits (PROTOCOL.md §5.6 lets
+// already draining. While the queue is full it waits (docs/protocol.md §7.6 lets
 // a sender retry), until the stream st (if any) is closed or past its write
 // deadline, or Config.WriteSpaceTimeout passes. It reports whether e was
 // published. It runs inside an access, with st's writer lock held, which

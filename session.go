@@ -67,7 +67,7 @@ type Session struct {
 	loopDone   chan struct{}
 	onTeardown func(*Session)
 
-	// Hot restart (PROTOCOL.md §7): called on the receive loop with the
+	// Hot restart (docs/protocol.md §10): called on the receive loop with the
 	// epoch of a HotRestart frame (client) or HotRestartAck frame (server).
 	// They must not block.
 	onHotRestart atomic.Pointer[func(epoch uint64)]
@@ -319,7 +319,7 @@ func (s *Session) lookup(id uint32) *Stream {
 }
 
 // streamFor returns the stream data for id goes to. On a server an unknown
-// id opens a stream (PROTOCOL.md §6.2), unless the peer already has
+// id opens a stream (docs/protocol.md §9.2), unless the peer already has
 // Config.MaxStreams open, which ends the session, or the server closed a
 // stream of that id recently (late data; nil); on a client it returns nil.
 func (s *Session) streamFor(id uint32) (*Stream, error) {

@@ -199,8 +199,8 @@ func TestSessionManagerConcurrent(t *testing.T) {
 	if opened > 2*workers || opened >= workers*rounds {
 		t.Errorf("%d streams opened for %d requests by %d workers: streams are not reused", opened, workers*rounds, workers)
 	}
-	// A stream that fell back to the socket is closed, not pooled (PROTOCOL.md
-	// §6.5): under load, a region short of slices sends some messages that
+	// A stream that fell back to the socket is closed, not pooled (docs/protocol.md
+	// §9.5): under load, a region short of slices sends some messages that
 	// way. Every other stream must be back in the pool.
 	var fallbacks uint64
 	for _, s := range m.Sessions() {

@@ -84,7 +84,7 @@ func (st *Stream) flushLocked() error {
 }
 
 // sendShm links the message's slices into a chain and publishes it on the
-// queue, retrying while the queue is full (PROTOCOL.md §5.6).
+// queue, retrying while the queue is full (docs/protocol.md §7.6).
 func (st *Stream) sendShm() error {
 	s, w := st.s, &st.writer
 	if err := w.dropEmpty(); err != nil {
@@ -117,7 +117,7 @@ func (st *Stream) sendShm() error {
 
 // sendFallback copies the message into FallbackData frames and frees its
 // slices. From then on the stream always sends fallback data, so its bytes
-// cannot be overtaken by shared-memory messages (PROTOCOL.md §6.5).
+// cannot be overtaken by shared-memory messages (docs/protocol.md §9.5).
 func (st *Stream) sendFallback() error {
 	s, w := st.s, &st.writer
 	st.fallback.Store(true)

@@ -21,7 +21,7 @@ func (m *bufferManager) maxSliceCap() uint32 {
 	return m.lists[m.bySize[len(m.bySize)-1]].sliceCap
 }
 
-// pop takes one free slice from list li (PROTOCOL.md §4.8). It returns the
+// pop takes one free slice from list li (docs/protocol.md §6.8). It returns the
 // absolute offset of the slice header, or 0 when the list has no slice to
 // spare. An error means the list is corrupt.
 func (m *bufferManager) pop(li int) (uint32, error) {

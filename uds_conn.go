@@ -221,7 +221,7 @@ func (c *eventConn) writeFallback(version uint8, id uint32, data [][]byte, deadl
 }
 
 // sendFds sends the single 0x00 byte carrying fds in one SCM_RIGHTS message
-// (PROTOCOL.md §1.5).
+// (docs/protocol.md §4.2).
 func (c *eventConn) sendFds(fds ...int) error {
 	if c.unix == nil {
 		return errors.New("file descriptors need a Unix socket")

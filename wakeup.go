@@ -7,7 +7,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Wake-ups (PROTOCOL.md §5.5): a producer that sets the peer's working flag
+// Wake-ups (docs/protocol.md §7.5): a producer that sets the peer's working flag
 // owes it a Polling frame. The frame must reach the peer, or the elements it
 // announces wait for ever (no other producer sends one while the flag is
 // set); it need not be in the socket when the producer's Write returns, only

@@ -1,4 +1,4 @@
-// Command hotrestart shows a hot restart (PROTOCOL.md §7): a client keeps
+// Command hotrestart shows a hot restart (docs/protocol.md §10): a client keeps
 // sending echo requests through a SessionManager while server v1 hands its
 // socket over to server v2, and not one request fails.
 //

@@ -105,7 +105,7 @@ func TestTypeString(t *testing.T) {
 	}
 }
 
-// The type numbers are the wire values of PROTOCOL.md §2.2.
+// The type numbers are the wire values of docs/protocol.md §3.2.
 func TestTypeValues(t *testing.T) {
 	got := []Type{TypeShareMemoryByFilePath, TypePolling, TypeStreamClose, TypeFallbackData,
 		TypeExchangeProtoVersion, TypeShareMemoryByMemfd, TypeAckShareMemory, TypeAckReadyRecvFD,
