@@ -34,7 +34,7 @@ const (
 	flagInUse   = 0x02
 
 	// maxReserve is how many free slices a list keeps for writers that
-	// hold slices (bufferManager.alloc), or a quarter of a shorter list. It
+	// hold slices (bufferManager.alloc): min(maxReserve, count/4). It
 	// is about liveness, not room: one slice lets an answer go out and free
 	// its request.
 	maxReserve = 2

@@ -28,7 +28,7 @@ import (
 // the region's last session closes, as the peer may check that its lists
 // are full (sessionEnding); and when a list has been quiet for
 // giveBackPeriod, or the region is unmapped. Parked slices count as free
-// in Stats and freeCounts.
+// in Stats (bufferManager.counts).
 
 // circulationPeriod is how often a region's lists are looked at. A region
 // takes the value when it is created.

@@ -183,8 +183,8 @@ type Config struct {
 	// FallbackStallTimeout (default 10 s), that stream fails: its reads and
 	// writes return an error that wraps ErrLimitExceeded and names the
 	// bound, the peer is told the stream is closed, and the session goes
-	// on. So does a ReadBytes or Peek of more fallback data than a stream's
-	// bound. Shared-memory messages are bounded by the buffer region itself.
+	// on. A ReadBytes or Peek of more fallback data than a stream's bound
+	// fails the same way. Shared-memory messages are bounded by the buffer region itself.
 	MaxFallbackBufferedPerStream int
 	MaxFallbackBuffered          int
 	FallbackStallTimeout         time.Duration

@@ -193,7 +193,7 @@ func (hr *srvHotRestart) monitor(l *Listener) {
 				delete(hr.waiting, s)
 			}
 		}
-		left := len(hr.waiting)
+		left, total := len(hr.waiting), len(hr.hooked)
 		hr.mu.Unlock()
 		if left == 0 {
 			hr.finish(nil)
@@ -201,7 +201,7 @@ func (hr *srvHotRestart) monitor(l *Listener) {
 		}
 		if !time.Now().Before(deadline) {
 			hr.finish(fmt.Errorf("%w: %d of %d sessions did not acknowledge epoch %d within %v",
-				ErrHotRestartTimeout, left, len(hr.hooked), hr.epoch, hotRestartTimeout))
+				ErrHotRestartTimeout, left, total, hr.epoch, hotRestartTimeout))
 			return
 		}
 	}

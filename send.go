@@ -15,7 +15,7 @@ const (
 
 // putElem publishes e on the send queue and wakes the peer if it is not
 // already draining. While the queue is full it waits (docs/protocol.md §7.6 lets
-// a sender retry), until the stream st (if any) is closed or past its write
+// a sender retry), until the stream st is closed or past its write
 // deadline, or Config.WriteSpaceTimeout passes. It reports whether e was
 // published. It runs inside an access, with st's writer lock held, which
 // keeps st's reference on the queue region.
@@ -67,9 +67,9 @@ type spaceWait struct {
 	max   time.Duration // the longest pause; maxSpacePause if zero
 }
 
-// pause sleeps once, or until wake (if not nil) is signalled. It returns
-// errSpaceTimeout when the time is up, or the error that stops the writer
-// (stream or session closed).
+// pause sleeps once, for the writer of st, or until wake (if not nil) is
+// signalled. It returns errSpaceTimeout when the time is up, or the error
+// that stops the writer (stream or session closed).
 func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 	now := time.Now()
 	if w.start.IsZero() {
@@ -77,34 +77,28 @@ func (w *spaceWait) pause(s *Session, st *Stream, wake <-chan struct{}) error {
 		w.start, w.delay = now, minSpacePause
 	}
 	limit := w.start.Add(s.conf.WriteSpaceTimeout)
-	if st != nil {
-		// The deadline as it is now: moving it applies to a waiting writer.
-		if d := st.wDeadline.Load(); d != nil && !d.IsZero() && d.Before(limit) {
-			limit = *d
-		}
-		if err := st.writer.usable(); err != nil { // closed meanwhile
-			return err
-		}
-		if err := st.writeDeadlineErr(); err != nil {
-			return err
-		}
+	// The deadline as it is now: moving it applies to a waiting writer.
+	if d := st.wDeadline.Load(); d != nil && !d.IsZero() && d.Before(limit) {
+		limit = *d
+	}
+	if err := st.writer.usable(); err != nil { // closed meanwhile
+		return err
+	}
+	if err := st.writeDeadlineErr(); err != nil {
+		return err
 	}
 	if !now.Before(limit) {
 		return errSpaceTimeout
 	}
 	d := min(w.delay, limit.Sub(now))
-	var t *time.Timer
-	if st != nil {
-		// Only the stream's writer uses its timer: waiting allocates once.
-		if st.spaceTimer == nil {
-			st.spaceTimer = time.NewTimer(d)
-		} else {
-			st.spaceTimer.Reset(d)
-		}
-		t = st.spaceTimer
+	// Only the stream's writer (it holds the writer lock) uses its timer:
+	// waiting allocates once.
+	if st.spaceTimer == nil {
+		st.spaceTimer = time.NewTimer(d)
 	} else {
-		t = time.NewTimer(d)
+		st.spaceTimer.Reset(d)
 	}
+	t := st.spaceTimer
 	select {
 	case <-t.C:
 	case <-wake:

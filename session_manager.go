@@ -79,7 +79,7 @@ type SessionManagerConfig struct {
 // the old one: its pooled streams are closed, those handed out when put
 // back, and it ends with the last of them. A failed dial leaves the old
 // session; the next refusal retries a second later at the earliest (the
-// wait doubles, up to about a minute, while new sessions reach the same
+// wait doubles, up to 16 s, while new sessions reach the same
 // server process). Close also ends the retired sessions still open.
 //
 // Hot restart (docs/protocol.md §10): the first HotRestart frame from the
@@ -291,8 +291,9 @@ func (m *SessionManager) getStreamContext(ctx context.Context, pooled bool) (*St
 }
 
 // PutBack returns a stream obtained from GetStream for reuse. It releases
-// what was read from it (ReleasePreviousRead) and clears its deadlines. The
-// caller must not use st afterwards.
+// what was read from it (ReleasePreviousRead), so slices returned by its
+// reads become invalid, and clears its deadlines. The caller must not use
+// st afterwards.
 //
 // Only a clean stream is pooled, one on which nothing more can arrive for
 // the request it carried, as far as the stream can tell:

@@ -343,6 +343,8 @@ func (m *SessionManager) closeRetired(s *Session) {
 // in the meantime (that session is returned instead).
 func (sl *smSlot) attach(s *Session) *Session {
 	var cur *Session // not set if the manager has closed
+	// An empty slot pools no streams (putBack pools only on the slot's
+	// session), so swap hands back none to close.
 	if _, _, ok := sl.swap(s, func(c *Session) bool { cur = c; return c == nil }); ok {
 		return s
 	}

@@ -12,7 +12,8 @@ import (
 // SIGSEGV. Values read from the regions are checked where they are read;
 // faults are caught here.
 //
-// Every code path that touches a region runs inside access (or begins with
+// Every code path that touches a region runs inside access (or, in a method
+// that is one access from its first line to its last, begins with
 // `defer s.endAccess(&err, debug.SetPanicOnFault(true))`), which turns a
 // fault into an ErrProtocol error that ends the session. The fault is
 // recovered inside access, so a caller may hold locks around an access;

@@ -6,9 +6,11 @@ package shmipc
 // There sync/atomic runs the operation in the race runtime's C code on the
 // system stack, where a fault (a peer that truncated the region) crashes
 // the process instead of becoming a panic for access to recover. So these
-// are plain instructions on the goroutine's stack; for Go heap memory, which
+// are plain instructions on the goroutine's stack. For Go heap memory, which
 // tests use as a region, they also tell the race detector what sync/atomic
-// would (raceReleaseIO and raceAcquireIO model shared memory).
+// would (runtime.RaceAcquire and RaceReleaseMerge ignore other addresses);
+// happens-before through mapped memory is modelled by raceReleaseIO and
+// raceAcquireIO.
 
 import (
 	"runtime"

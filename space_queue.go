@@ -11,7 +11,7 @@ import (
 // whoever looks first after a slice is freed, which favours the streams
 // just served and starves the others. So there is one queue per class of
 // slice asked for (bufferManager.class): only its head looks for room, at
-// the usual back-pressure intervals and at once whenever this process frees
+// short intervals (headSpacePause) and at once whenever this process frees
 // a slice, and a writer that finds others queued joins the end. A writer
 // that leaves the queue (it got its room, or gave up) passes the turn on if
 // it was the head.

@@ -54,7 +54,8 @@ type eventConn struct {
 	wn   int
 	wErr error
 
-	// One read (readSome); receive loop only.
+	// One read (readSome) at a time, by whoever holds the socket: the
+	// handshake, then the receive loop.
 	rfn  func(fd uintptr) bool
 	rb   []byte
 	rn   int
