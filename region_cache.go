@@ -37,8 +37,8 @@ func mapServerBuffer(path string, fd int, file bool, peer peerID) (m *bufferMana
 	shared := peer.pid != 0
 	serverBuffers.Lock()
 	defer serverBuffers.Unlock()
-	if m := serverBuffers.m[key]; shared && m != nil && m.region.dev == st.Dev && m.region.ino == st.Ino && m.region.acquire() {
-		return m, nil
+	if c := serverBuffers.m[key]; shared && c != nil && c.region.dev == st.Dev && c.region.ino == st.Ino && c.region.acquire() {
+		return c, nil
 	}
 	r, err := mapRegion(fd, path, minPeerBufferSize, maxPeerBufferSize)
 	if err != nil {
