@@ -20,17 +20,7 @@ func TestSessionManagerReconnect(t *testing.T) {
 	defer m.Close()
 
 	// One stream on each session.
-	var held []*Stream
-	for range 2 {
-		st, err := m.GetStream()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := smRoundTrip(st, []byte("hello")); err != nil {
-			t.Fatal(err)
-		}
-		held = append(held, st)
-	}
+	held := smUsedStreams(t, m, 2)
 	if held[0].Session() == held[1].Session() {
 		t.Fatal("two GetStream calls used the same session, want round-robin")
 	}

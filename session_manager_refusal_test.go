@@ -31,18 +31,7 @@ func TestSessionManagerServerStopsGracefully(t *testing.T) {
 	t.Cleanup(func() { old.ln.CloseAll() })
 	m := smNewManager(t, sock, 1)
 	defer m.Close()
-	var pooled []*Stream
-	for range 2 {
-		st, err := m.GetStream()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := smRoundTrip(st, []byte("hello")); err != nil {
-			t.Fatal(err)
-		}
-		pooled = append(pooled, st)
-	}
-	for _, st := range pooled {
+	for _, st := range smUsedStreams(t, m, 2) {
 		m.PutBack(st)
 	}
 	time.Sleep(refusedMinAge) // a younger session ignores refusals
@@ -124,18 +113,7 @@ func TestSessionManagerStopsGracefullyAfterHotRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Streams of the second server in the pool, old enough to be refused.
-	var pooled []*Stream
-	for range 2 {
-		st, err := m.GetStream()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := smRoundTrip(st, []byte("hello")); err != nil {
-			t.Fatal(err)
-		}
-		pooled = append(pooled, st)
-	}
-	for _, st := range pooled {
+	for _, st := range smUsedStreams(t, m, 2) {
 		m.PutBack(st)
 	}
 	if sec.accepted.Load() == 0 {

@@ -120,6 +120,24 @@ func smRoundTrip(st *Stream, payload []byte) error {
 	return nil
 }
 
+// smUsedStreams gets n streams from m and makes one round trip on each,
+// so that each is clean for PutBack; the caller puts them back.
+func smUsedStreams(t testing.TB, m *SessionManager, n int) []*Stream {
+	t.Helper()
+	var used []*Stream
+	for range n {
+		st, err := m.GetStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := smRoundTrip(st, []byte("hello")); err != nil {
+			t.Fatal(err)
+		}
+		used = append(used, st)
+	}
+	return used
+}
+
 func smNewManager(t testing.TB, sock string, sessions int) *SessionManager {
 	t.Helper()
 	conf := smTestConfig()
