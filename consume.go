@@ -7,32 +7,32 @@ import (
 	"time"
 )
 
-// Consuming the receive queue. The receive loop (recv.go) is the only
-// goroutine that reads the socket or takes elements off the receive queue,
-// so neither needs a lock, and teardown, which runs on the same goroutine,
-// cannot race a delivery. Readers wait on their own stream only
-// (Stream.awaitReadable).
+// Consuming the receive queue. Whoever holds the session's receive token
+// (recvtoken.go) consumes: the receive loop (recv.go), woken by a Polling
+// frame or needing the queue for a frame it read, or a reader polling for
+// its own data (poll.go). The token's holder alone reads and moves the
+// queue's head, so neither needs a lock, and teardown, which takes the
+// token for good, cannot race a delivery.
 //
 // The working flag tells the peer whether to send a wake-up after it
-// publishes (docs/protocol.md §7.5). The loop clears it
-// before it sleeps on the socket, then looks at the queue once more: the
-// peer publishes and then looks at the flag, the loop clears the flag and
-// then looks at the queue (both sequentially consistent), so an element is
-// either seen by that last look or announced by a wake-up.
+// publishes (docs/protocol.md §7.5); the holder keeps it set while it
+// consumes, and gives the token back by the protocol in recvtoken.go.
 //
-// After a drain that found work the loop keeps looking at the queue for a
-// while (spin): the next message of a request-reply exchange usually
-// follows within microseconds, and then costs no system call on either
-// side. Each session adapts its spin to how often it paid (consumer); the
-// process rations spinning (spin.go, cpubudget.go).
+// After a drain that found work the loop keeps looking at the queue while
+// readers it serves are parked (spin): the next message usually follows
+// within microseconds, and then costs no system call on either side. With
+// no reader parked it lets go at once, so that the next reader to wait
+// polls for itself. Each session adapts its spin to how often it paid
+// (consumer); the process rations spinning (spin.go, cpubudget.go).
 
-// consumer is the receive loop's state for consuming; only the loop uses it.
+// consumer is the consuming state of a session; only the token's holder
+// uses it, except held and consuming, which are the loop's.
 type consumer struct {
-	budget    int64       // how long to spin for, in ns; adapts
-	max       int64       // ConsumerSpinTime in ns
-	slept     int64       // when the loop last stopped consuming (UnixNano)
-	consuming bool        // the loop holds the working flag set
-	timer     *time.Timer // bounds awaitReader
+	budget    int64 // how long to spin for, in ns; adapts
+	max       int64 // ConsumerSpinTime in ns
+	slept     int64 // when the last holder stopped consuming (UnixNano)
+	held      bool  // the loop holds the token
+	consuming bool  // the loop holds the token and the working flag set
 }
 
 // pollCheckEvery is how many looks at the queue a spinner makes between
@@ -67,7 +67,7 @@ func (c *consumer) miss() {
 }
 
 // woken records a wake-up that found work. One that comes within the full
-// budget of the loop going to sleep would have been caught by spinning, so
+// budget of the last holder's stop would have been caught by spinning, so
 // spinning is worth it again.
 func (c *consumer) woken() {
 	if c.budget < c.max && time.Now().UnixNano()-c.slept < c.max {
@@ -75,11 +75,48 @@ func (c *consumer) woken() {
 	}
 }
 
-// consume answers a wake-up: drain, keep looking while that pays, and stop
-// by the protocol above. It returns with the working flag still set
-// (s.cons.consuming) when frames on the socket must be read first: a close
-// waits for them (closeAfterSocket), or they arrived while the loop spun;
-// the loop consumes again after the next frame. It runs inside an access.
+// loopTake takes the token for the receive loop, to act on a frame,
+// waiting for a polling reader to hand it over.
+func (s *Session) loopTake() {
+	if !s.cons.held {
+		s.tok.takeLoop(false)
+		s.cons.held = true
+	}
+}
+
+// loopRelease gives the loop's token back once it may: it is not
+// consuming, no close waits for the socket and no fallback frame for room.
+// A token taken from a reader may still have the working flag set: it is
+// cleared by the protocol, and an element seen by the last look consumed.
+func (s *Session) loopRelease() error {
+	if !s.cons.held || s.cons.consuming || len(s.closing) > 0 || s.stall != nil {
+		return nil
+	}
+	s.recvQ.setWorking(false)
+	if !s.recvQ.isEmpty() && !s.IsClosed() {
+		return s.consume()
+	}
+	s.cons.held = false
+	s.tok.giveBack()
+	return nil
+}
+
+// takeHanded takes up a token a polling reader handed to the loop, and
+// consumes.
+func (s *Session) takeHanded() error {
+	if s.cons.held || !s.tok.takeHanded() {
+		return nil
+	}
+	s.cons.held = true
+	return s.consume()
+}
+
+// consume drains, keeps looking while that pays, and stops by the protocol
+// above; the loop holds the token. It returns with the working flag still
+// set (s.cons.consuming) when frames on the socket must be read first: a
+// close waits for them (closeAfterSocket), or they arrived while the loop
+// spun; the loop consumes again after the next frame. It runs inside an
+// access.
 func (s *Session) consume() error {
 	if !s.cons.consuming {
 		s.cons.consuming = true
@@ -87,7 +124,7 @@ func (s *Session) consume() error {
 	}
 	first := true
 	for {
-		n, paused, err := s.drain(true, noDrainLimit)
+		n, paused, err := s.drain(drainInOrder, noDrainLimit)
 		if err != nil || paused {
 			return err
 		}
@@ -95,7 +132,7 @@ func (s *Session) consume() error {
 			s.cons.woken()
 		}
 		first = false
-		if n > 0 && (s.waiting.Load() > 0 || s.awaitReader()) {
+		if n > 0 && s.waiting.Load() > 0 {
 			switch s.spin() {
 			case spinFound:
 				continue
@@ -107,61 +144,37 @@ func (s *Session) consume() error {
 		if s.recvQ.isEmpty() || s.IsClosed() { // a corrupt queue never looks empty
 			s.cons.consuming = false
 			s.cons.slept = time.Now().UnixNano()
+			if len(s.closing) == 0 && s.stall == nil {
+				s.cons.held = false
+				s.tok.giveBack()
+			}
 			return nil
 		}
 		s.recvQ.setWorking(true) // something came in between: go on
 	}
 }
 
-// awaitReader parks the loop, its working flag still set, until a reader
-// of the session begins to wait for data, or for up to the spin budget, and
-// reports whether a reader waits. While every reader is busy with what it
-// was handed, spinning would only take a core from them and from the peer:
-// parked, the loop and the reader it serves take turns on one thread.
-func (s *Session) awaitReader() bool {
-	if s.cons.budget <= 0 {
-		return false
-	}
-	// A token left by a reader whose wait the loop has since served
-	// (it began waiting while the loop spun) says nothing of now.
-	select {
-	case <-s.readerWaits:
-	default:
-	}
-	if s.waiting.Load() > 0 {
-		return true
-	}
-	d := time.Duration(s.cons.budget)
-	if s.cons.timer == nil {
-		s.cons.timer = time.NewTimer(d)
-	} else {
-		s.cons.timer.Reset(d)
-	}
-	select {
-	case <-s.readerWaits:
-		s.cons.timer.Stop()
-		return true
-	case <-s.cons.timer.C:
-		s.cons.miss()
-		return false
-	case <-s.closed:
-		s.cons.timer.Stop()
-		return false
-	}
-}
-
 // noDrainLimit lets drain go on while elements come.
 const noDrainLimit = math.MaxInt
 
+// How a drain treats close elements.
+const (
+	drainInOrder = iota // pause while a close waits for the socket (closeAfterSocket)
+	drainAll            // take closes too, without pausing behind them
+	drainReader         // stop before a close: a polling reader (poll.go)
+)
+
 // drain pops and dispatches the elements published so far, at most limit
-// of them. With pause it stops (paused) while a close waits for the socket
-// (closeAfterSocket), so that elements take effect in queue order.
-func (s *Session) drain(pause bool, limit int) (n int, paused bool, err error) {
+// of them; the caller holds the token. It reports stopped when mode made it
+// stop before an element: a close waits for the socket, so that elements
+// take effect in queue order (drainInOrder), or it is a close and a reader
+// drains (drainReader).
+func (s *Session) drain(mode, limit int) (n int, stopped bool, err error) {
 	if h := consumeHook.Load(); h != nil {
-		(*h)(s)
+		(*h)(s, false)
 	}
 	for n < limit {
-		if pause && len(s.closing) > 0 {
+		if mode == drainInOrder && len(s.closing) > 0 {
 			return n, true, nil
 		}
 		if s.IsClosed() {
@@ -176,6 +189,9 @@ func (s *Session) drain(pause bool, limit int) (n int, paused bool, err error) {
 		if s.stall != nil && e.id == s.stall.st.id {
 			return n, true, nil // after the stream's waiting frame (serveStalled)
 		}
+		if mode == drainReader && e.status&statusMask == statusClosed {
+			return n, true, nil
+		}
 		s.recvQ.skip()
 		if err := s.handleElem(e); err != nil {
 			return n, false, err
@@ -185,8 +201,9 @@ func (s *Session) drain(pause bool, limit int) (n int, paused bool, err error) {
 	return n, false, nil
 }
 
-// consumeHook, set by tests, is called by every drain and frame read.
-var consumeHook atomic.Pointer[func(*Session)]
+// consumeHook, set by tests, is called by every drain (socket false) and
+// frame read (socket true).
+var consumeHook atomic.Pointer[func(s *Session, socket bool)]
 
 // drainBefore dispatches what the queue holds when it begins, closes
 // included, without pausing behind a pending close (another stream's: a
@@ -196,7 +213,7 @@ var consumeHook atomic.Pointer[func(*Session)]
 // closed ends with all its data and io.EOF. Taking no more than the queue
 // held keeps a peer that goes on publishing from holding up the loop.
 func (s *Session) drainBefore() error {
-	_, _, err := s.drain(false, int(min(s.recvQ.depth(), int64(s.recvQ.cap))))
+	_, _, err := s.drain(drainAll, int(min(s.recvQ.depth(), int64(s.recvQ.cap))))
 	return err
 }
 
@@ -207,8 +224,8 @@ const (
 	spinFramesWaiting        // frames arrived on the socket
 )
 
-// spin looks at the queue for up to the spin budget, if the process lets it
-// spin now. It first lets the readers the drain just handed data run:
+// spin looks at the queue for up to the spin budget while readers are
+// parked, if the process lets it spin now. It first lets the readers the drain just handed data run:
 // they were made runnable on this processor, and another processor takes
 // the loop. It stops when frames arrive on the socket, which must not be
 // left unread however busy the queue is.
@@ -227,6 +244,9 @@ func (s *Session) spin() int {
 				return spinFound
 			}
 			cpuRelax()
+		}
+		if s.waiting.Load() == 0 {
+			return spinGaveUp // the next reader to wait polls for itself
 		}
 		switch w.check(s) {
 		case spinGaveUp:

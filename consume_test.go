@@ -224,7 +224,7 @@ func TestDrainBeforeIgnoresPendingClose(t *testing.T) {
 	peer.data(t, 3)
 	peer.data(t, 5)
 	s.closing = append(s.closing, pendingClose{id: 7, at: 1 << 40})
-	if n, paused, err := s.drain(true, noDrainLimit); n != 0 || !paused || err != nil {
+	if n, paused, err := s.drain(drainInOrder, noDrainLimit); n != 0 || !paused || err != nil {
 		t.Errorf("drain behind a pending close: %d %v %v; want paused", n, paused, err)
 	}
 	if err := s.drainBefore(); err != nil {
@@ -350,7 +350,7 @@ func holdReceive(t testing.TB, s *Session) (release func()) {
 	receiveHold.Lock()
 	if receiveHold.held == nil {
 		receiveHold.held = make(map[*Session]chan struct{})
-		hook := func(s *Session) {
+		hook := func(s *Session, _ bool) {
 			receiveHold.Lock()
 			ch := receiveHold.held[s]
 			receiveHold.Unlock()

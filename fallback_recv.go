@@ -140,7 +140,7 @@ func (s *Session) serveStalled() error {
 				ErrLimitExceeded, len(f.data), f.st.id, bound, limit, f.st.heldFallback.Load(), waited))
 			return s.consume()
 		}
-		n, _, err := s.drain(true, noDrainLimit)
+		n, _, err := s.drain(drainInOrder, noDrainLimit)
 		if err != nil {
 			return err
 		}

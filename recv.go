@@ -22,14 +22,23 @@ func (s *Session) recvLoop() {
 			continue
 		}
 		if h := consumeHook.Load(); h != nil {
-			(*h)(s)
+			(*h)(s, true)
 		}
 		h, payload, rerr := s.ec.readFrame(s.conf.MaxFallbackFrameSize, s.conf.partialFrameTimeout())
+		if rerr == errInterrupted { // a polling reader handed the token over
+			err = s.access(s.takeHanded)
+			continue
+		}
 		if rerr != nil {
 			err = rerr
 			break
 		}
-		err = s.access(func() error { return s.handleFrameInOrder(h, payload) })
+		err = s.access(func() error {
+			if err := s.handleFrameInOrder(h, payload); err != nil {
+				return err
+			}
+			return s.loopRelease()
+		})
 		s.ec.shrink()
 	}
 	if !s.IsClosed() {
@@ -37,6 +46,7 @@ func (s *Session) recvLoop() {
 		case errors.Is(err, io.EOF), errors.Is(err, syscall.ECONNRESET):
 			// What the peer published before its end may have no
 			// wake-up to come: it is applied first.
+			s.loopTake()
 			if derr := s.access(s.drainBefore); derr != nil {
 				err = derr
 				break
@@ -50,6 +60,7 @@ func (s *Session) recvLoop() {
 		}
 	}
 	s.closeWithError(err)
+	s.tok.takeLoop(true) // nothing consumes from here on
 	_ = s.access(func() error { s.teardown(); return nil })
 }
 
@@ -60,8 +71,9 @@ func (s *Session) recvLoop() {
 // on only once its data is delivered, so that a close published after it
 // was sent is applied after it, even if the preceding drain finds the close.
 func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
-	resume := s.cons.consuming && h.Type() != wire.TypePolling // a Polling frame consumes anyway
 	size := uint64(wire.HeaderSize + len(payload))
+	s.loopTake()
+	resume := s.cons.consuming && h.Type() != wire.TypePolling // a Polling frame consumes anyway
 	data := h.Type() == wire.TypeFallbackData
 	if !data {
 		s.handled += size

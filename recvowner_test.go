@@ -3,6 +3,7 @@ package shmipc
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"runtime"
@@ -20,19 +21,33 @@ import (
 // announces; a reader with a deadline waits as one without.
 
 // TestOneReceiveOwner: under streams with and without deadlines, readers
-// that copy, read in place and use OnData, and fallback data, every drain
-// of a session's queue and every read of its socket runs on one goroutine.
+// that copy, read in place and use OnData, and fallback data, every read
+// of a session's socket runs on one goroutine, its receive loop, and every
+// drain of its queue runs on a goroutine that holds the receive token: the
+// loop, or a polling reader.
 func TestOneReceiveOwner(t *testing.T) {
 	var mu sync.Mutex
-	owners := make(map[*Session]map[uint64]bool)
-	hook := func(s *Session) {
+	sockets := make(map[*Session]map[uint64]bool)
+	var bad []string
+	hook := func(s *Session, socket bool) {
 		id := goroutineID()
+		state := s.tok.state.Load()
 		mu.Lock()
-		if owners[s] == nil {
-			owners[s] = make(map[uint64]bool)
+		defer mu.Unlock()
+		if socket {
+			if sockets[s] == nil {
+				sockets[s] = make(map[uint64]bool)
+			}
+			sockets[s][id] = true
+			return
 		}
-		owners[s][id] = true
-		mu.Unlock()
+		if sockets[s] == nil && state != tokenReader {
+			return // a session of an earlier test, whose loop read its socket before this hook
+		}
+		loop := sockets[s][id]
+		if (loop && state != tokenLoop && state != tokenEnded) || (!loop && state != tokenReader) {
+			bad = append(bad, fmt.Sprintf("%s session: goroutine %d (its loop: %v) drains with the token in state %d", s.role(), id, loop, state))
+		}
 	}
 	old := consumeHook.Swap(&hook)
 	t.Cleanup(func() { consumeHook.Store(old) })
@@ -91,13 +106,16 @@ func TestOneReceiveOwner(t *testing.T) {
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	if len(owners) < 2 {
-		t.Fatalf("the hook saw %d sessions, want both ends", len(owners))
+	if len(sockets) < 2 {
+		t.Fatalf("the hook saw %d sessions read their socket, want both ends", len(sockets))
 	}
-	for sess, ids := range owners {
+	for sess, ids := range sockets {
 		if len(ids) != 1 {
-			t.Errorf("%s session: its socket and queue were consumed by %d goroutines, want 1", sess.role(), len(ids))
+			t.Errorf("%s session: its socket was read by %d goroutines, want 1", sess.role(), len(ids))
 		}
+	}
+	for _, b := range bad[:min(len(bad), 5)] {
+		t.Error(b)
 	}
 }
 

@@ -78,7 +78,7 @@ type Session struct {
 	counters        stripedCounters
 	onHotRestartAck atomic.Pointer[func(epoch uint64)]
 
-	// The receive loop's alone (recv.go, consume.go).
+	// The receive loop's alone (recv.go), and the token holder's (consume.go).
 	_       cacheLinePad
 	cons    consumer
 	scratch []segment
@@ -86,11 +86,11 @@ type Session struct {
 	closing []pendingClose // close elements waiting for the socket to catch up
 	stall   *stalledFrame  // fallback data waiting for room (fallback_recv.go)
 
-	// Readers waiting for data (Stream.countWaiting), and their signal to
-	// the receive loop (awaitReader).
-	_           cacheLinePad
-	waiting     atomic.Int32
-	readerWaits chan struct{}
+	// Who consumes the receive queue (recvtoken.go), and how many readers
+	// are parked waiting for data (Stream.countWaiting).
+	_       cacheLinePad
+	tok     recvToken
+	waiting atomic.Int32
 
 	// Fallback data received and not yet released by the streams.
 	_            cacheLinePad
@@ -109,9 +109,9 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 		closed:       make(chan struct{}),
 		loopDone:     make(chan struct{}),
 		fallbackRoom: make(chan struct{}, 1),
-		readerWaits:  make(chan struct{}, 1),
 	}
 	s.cons.init(conf.ConsumerSpinTime)
+	s.tok.init()
 	s.accepted.init()
 	s.onAccept = s.accepted.push
 	s.ec.onAsyncErr = func(err error) { _ = s.sendFailed("send wake-up", err) }

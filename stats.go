@@ -33,6 +33,13 @@ type Stats struct {
 	WakeupsSaved    uint64 // messages published while the peer was awake, so no Polling frame was needed
 	WakeupsReceived uint64 // Polling frames received
 
+	// A read that has to wait for data either finds it by polling the IO
+	// queue itself (ReadsPolled: no goroutine hand-off, no thread woken)
+	// or parks until the data is handed to it (ReadsWoken). Reads that
+	// found their data already there count in neither.
+	ReadsPolled uint64
+	ReadsWoken  uint64
+
 	// SpaceWaits counts the writes that had to wait for room in the buffer
 	// region or in the peer's IO queue (back-pressure): the peer had not yet
 	// released or taken enough of what was sent.
@@ -101,6 +108,7 @@ type sessionCounters struct {
 	messagesIn, bytesIn                   atomic.Uint64
 	fallbackMessagesIn, fallbackBytesIn   atomic.Uint64
 	wakeupsReceived                       atomic.Uint64
+	readsPolled, readsWoken               atomic.Uint64
 	_                                     cacheLinePad
 }
 
@@ -141,6 +149,8 @@ func (c *sessionCounters) addTo(st *Stats) {
 	st.WakeupsSent += c.wakeupsSent.Load()
 	st.WakeupsSaved += c.wakeupsSaved.Load()
 	st.WakeupsReceived += c.wakeupsReceived.Load()
+	st.ReadsPolled += c.readsPolled.Load()
+	st.ReadsWoken += c.readsWoken.Load()
 	st.SpaceWaits += c.spaceWaits.Load()
 }
 

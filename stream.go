@@ -181,26 +181,38 @@ func (st *Stream) awaitReadable(n int) error {
 		if !deadline.IsZero() && !time.Now().Before(deadline) {
 			return ErrTimeout
 		}
+		st.mu.Unlock()
+		polled := st.poll(deadline)
+		st.mu.Lock()
+		if polled {
+			// Its own signal, if any, was for this reader: it is awake.
+			select {
+			case <-st.readNotify:
+			default:
+			}
+			if r.unread >= n {
+				st.s.counters.of(st.id).readsPolled.Add(1)
+			}
+			continue
+		}
 		st.countWaiting()
 		st.mu.Unlock()
 		st.s.wait(st.readNotify, deadline)
 		st.mu.Lock()
+		if r.unread >= n {
+			st.s.counters.of(st.id).readsWoken.Add(1)
+		}
 	}
 	raceAcquireIO()
 	return nil
 }
 
-// countWaiting counts the reader, about to wait, in its session's waiting
-// readers, and wakes a receive loop waiting for one (Session.awaitReader).
-// st.mu is held.
+// countWaiting counts the reader, about to park, in its session's waiting
+// readers: the token's holder serves them (consume, poll). st.mu is held.
 func (st *Stream) countWaiting() {
 	if !st.waiting {
 		st.waiting = true
 		st.s.waiting.Add(1)
-	}
-	select {
-	case st.s.readerWaits <- struct{}{}:
-	default:
 	}
 }
 

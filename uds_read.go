@@ -101,6 +101,15 @@ func (c *eventConn) readFrame(limit uint32, partial time.Duration) (wire.Header,
 	return wire.Header(f[:wire.HeaderSize]), f[wire.HeaderSize:], nil
 }
 
+// interrupt makes the receive loop's wait for the socket return
+// errInterrupted, at once if it waits for a frame to begin, or once the
+// frame it is reading is whole. An interrupt that finds no read waiting
+// ends the next one.
+func (c *eventConn) interrupt() { _ = c.conn.SetReadDeadline(time.Unix(1, 0)) }
+
+// errInterrupted is readFrame's error when interrupt ended its wait.
+var errInterrupted = errors.New("read interrupted")
+
 // errPartialFrame is the error of a frame that did not arrive whole in time.
 var errPartialFrame = errors.New("frame not completed in time")
 
@@ -135,6 +144,17 @@ func (c *eventConn) fill(n int, partial time.Duration) error {
 		if err != nil {
 			if c.w-c.r >= n {
 				return nil
+			}
+			if isTimeout(err) && (deadline.IsZero() || time.Now().Before(deadline)) {
+				// interrupt, not the frame's deadline: restore that, and
+				// go on inside a frame.
+				if err := c.conn.SetReadDeadline(deadline); err != nil {
+					return err
+				}
+				if c.w == c.r {
+					return errInterrupted
+				}
+				continue
 			}
 			if isTimeout(err) && !deadline.IsZero() {
 				return fmt.Errorf("%w: %d of %d bytes arrived within %v", errPartialFrame, c.w-c.r, n, partial)

@@ -1,0 +1,109 @@
+package shmipc
+
+import (
+	"time"
+)
+
+// Busy polling: a reader that finds its stream empty consumes the receive
+// queue itself for a while, as the receive loop would, instead of parking
+// until the loop hands it its data (recvtoken.go says when it may). When
+// its own data comes it is on a CPU already: no goroutine is readied and
+// no thread woken on the reply's way, which is what small messages between
+// two processes spend most of their time on otherwise.
+//
+// The poller hands other streams their data as it goes. It stops before a
+// close element (only the loop applies closes, in order with the socket),
+// when the loop asks for the token, when its stream is signalled (its data,
+// a close, a deadline change, the session's end: what would wake it if it
+// were parked), at its deadline, and when its spin ends: the session's spin
+// budget (consumer), or the process's rationing (spinGovernor).
+
+// What a poll ended with.
+const (
+	pollDone     = iota // the stream was signalled, or the poll may end
+	pollHandOver        // the loop must take over (recvToken.handOver)
+)
+
+// poll polls the receive queue for st, whose mu the caller does not hold,
+// until deadline at the latest. It reports false if it did not poll: the
+// token was taken, another reader waits, or spinning does not pay now.
+func (st *Stream) poll(deadline time.Time) bool {
+	s := st.s
+	if s.waiting.Load() > 0 || !s.tok.tryReader() {
+		return false
+	}
+	if s.cons.budget <= 0 || !spinning.enter() {
+		s.tok.giveBack() // the working flag was not touched
+		return false
+	}
+	defer spinning.exit()
+	var end int
+	err := s.access(func() (err error) { end, err = s.pollHeld(st, deadline); return })
+	switch {
+	case err != nil:
+		s.closeWithError(err) // a fault has closed it already
+		s.tok.giveBack()
+	case end == pollHandOver:
+		if !s.tok.handOver() {
+			s.ec.interrupt()
+		}
+	default:
+		s.cons.slept = time.Now().UnixNano()
+		s.tok.giveBack()
+	}
+	return true
+}
+
+// pollHeld is poll's work while it holds the token, inside an access: it
+// sets the working flag, drains and spins until a reason to stop, then
+// clears the flag by the protocol (recvtoken.go). Readers left parked are
+// handed to the loop (pollHandOver), which serves them now rather than
+// after the peer's next wake-up.
+func (s *Session) pollHeld(st *Stream, deadline time.Time) (int, error) {
+	s.recvQ.setWorking(true)
+	now := time.Now()
+	w := spinWatch{begin: now, last: now, lastYield: now, alone: procs.get(now) == 1}
+	for {
+		_, stopped, err := s.drain(drainReader, noDrainLimit)
+		if err != nil {
+			return pollDone, err
+		}
+		if stopped {
+			return pollHandOver, nil
+		}
+		if len(st.readNotify) > 0 {
+			s.cons.hit()
+			break
+		}
+		if s.IsClosed() {
+			return pollDone, nil
+		}
+		for range pollCheckEvery {
+			if !s.recvQ.looksEmpty() {
+				break
+			}
+			cpuRelax()
+		}
+		if s.tok.wanted.Load() {
+			return pollHandOver, nil
+		}
+		if (!deadline.IsZero() && !time.Now().Before(deadline)) || w.check(s) == spinGaveUp {
+			break
+		}
+	}
+	for range 3 {
+		if s.waiting.Load() > 0 || s.tok.wanted.Load() {
+			return pollHandOver, nil
+		}
+		s.recvQ.setWorking(false)
+		if s.recvQ.isEmpty() || s.IsClosed() { // a corrupt queue never looks empty
+			return pollDone, nil
+		}
+		// Something came just before the flag was cleared: take it too.
+		s.recvQ.setWorking(true)
+		if _, stopped, err := s.drain(drainReader, noDrainLimit); err != nil || stopped {
+			return pollHandOver, err
+		}
+	}
+	return pollHandOver, nil
+}
