@@ -64,7 +64,9 @@ func (s *Session) pollHeld(st *Stream, deadline time.Time) (int, error) {
 	now := time.Now()
 	w := spinWatch{begin: now, last: now, lastYield: now, alone: procs.get(now) == 1}
 	for {
-		_, stopped, err := s.drain(drainReader, noDrainLimit)
+		// At most a queue's worth at a time: a peer that keeps publishing
+		// for other streams must not keep the reader from its own.
+		_, stopped, err := s.drain(drainReader, int(s.recvQ.cap))
 		if err != nil {
 			return pollDone, err
 		}
@@ -101,7 +103,7 @@ func (s *Session) pollHeld(st *Stream, deadline time.Time) (int, error) {
 		}
 		// Something came just before the flag was cleared: take it too.
 		s.recvQ.setWorking(true)
-		if _, stopped, err := s.drain(drainReader, noDrainLimit); err != nil || stopped {
+		if _, stopped, err := s.drain(drainReader, int(s.recvQ.cap)); err != nil || stopped {
 			return pollHandOver, err
 		}
 	}
