@@ -60,6 +60,9 @@ func isEOF(err error) bool { return errors.Is(err, shmipc.ErrEndOfStream) }
 
 // serve accepts connections and makes each a shmipc-go server session.
 func serve(network, address string) error {
+	if network == "unix" {
+		os.Remove(address) // the socket of a server that was killed
+	}
 	ln, err := net.Listen(network, address)
 	if err != nil {
 		return err
