@@ -35,6 +35,9 @@ var ourClientCellList = []ourClientCell{
 			t.Fatal(err)
 		}
 		expectFallbackBothWays(t, s)
+		if ref == rustRef {
+			t.Logf("%s: 33 and 40 MiB went to the Rust server as fallback data in frames of at most 32 MiB", rustFallbackFrameLimit)
+		}
 	}},
 	{"concurrent16", func(t *testing.T, _ *reference, _ *refProc, addr string, tr transport, n names) {
 		_, lib := dialOurs(t, addr, ourConfig(tr, n, regionDefault))
@@ -98,6 +101,9 @@ func ourClientCells(t *testing.T, ref *reference) {
 			if ref == rustRef && tr.tcp {
 				rustServerOverTCP(t, tr)
 				return
+			}
+			if ref == rustRef && tr.mode == "file" {
+				t.Logf("%s: every cell starts a fresh Rust server", rustClosesFD0)
 			}
 			for _, c := range ourClientCellList {
 				t.Run(c.name, func(t *testing.T) {
