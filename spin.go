@@ -59,14 +59,7 @@ func (w *spinWatch) check(s *Session) int {
 		w.last = now
 	} else if now = time.Now(); now.Sub(w.begin) >= yieldOSAfter {
 		osYield() // to any thread waiting for the CPU, perhaps the peer
-		yielded := time.Now()
-		if yielded.Sub(now) > yieldedGap {
-			// Another thread wanted this CPU and ran: spinning takes the
-			// core from someone, perhaps the peer it waits for.
-			spinning.pressure(now, yielded)
-			return spinGaveUp
-		}
-		now = yielded
+		now = time.Now()
 	}
 	if now.Sub(w.last) > preemptedGap {
 		// Descheduled: spinning only takes a core from someone.
@@ -97,10 +90,6 @@ func (w *spinWatch) check(s *Session) int {
 // for the very core the spinner holds; yielding sooner costs a system call
 // per round while many streams keep the loop busy.
 const yieldOSAfter = 5 * time.Microsecond
-
-// yieldedGap is how long a sched_yield takes only when another thread ran
-// meanwhile: alone on its CPU, it returns in about a microsecond.
-const yieldedGap = 20 * time.Microsecond
 
 // preemptedGap is a pause between two rounds of a spinner that only being
 // descheduled explains: a round takes well under a microsecond, and the
