@@ -81,8 +81,9 @@ type Config struct {
 	// MemMapType selects memfd (default) or file-backed regions.
 	MemMapType MemMapType
 
-	// ConsumerSpinTime is how long a receiver that has drained its IO queue
-	// keeps looking for more before it sleeps on the socket. While it looks,
+	// ConsumerSpinTime is how long a reader waiting for data polls the IO
+	// queue itself (and the receive loop, while readers it serves are
+	// parked) before it sleeps. While it looks,
 	// the peer sends no wake-ups, which takes small-message latency well
 	// below a socket round trip. The time spent adapts to the traffic, down
 	// to nothing when spinning does not pay off, so an idle session uses no
