@@ -225,10 +225,10 @@ const (
 )
 
 // spin looks at the queue for up to the spin budget while readers are
-// parked, if the process lets it spin now. It first lets the readers the drain just handed data run:
-// they were made runnable on this processor, and another processor takes
-// the loop. It stops when frames arrive on the socket, which must not be
-// left unread however busy the queue is.
+// parked, if the process lets it spin now. It first lets the readers the
+// drain just handed data run: they were made runnable on this processor,
+// and another processor takes the loop. It stops when frames arrive on the
+// socket, which must not be left unread however busy the queue is.
 func (s *Session) spin() int {
 	if s.cons.budget <= 0 || !spinning.enter() {
 		return spinGaveUp
