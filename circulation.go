@@ -55,10 +55,11 @@ const (
 	// parkHold is how long no slice is parked after the last session
 	// using the region ends.
 	parkHold = 250 * time.Millisecond
-	// maxLookGap is the longest pause between looks at a settled region
-	// with slices in flight.
-	maxLookGap = 8 * time.Second
 )
+
+// maxLookGap is the longest pause between looks at a settled region with
+// slices in flight. A region takes the value when it is created.
+var maxLookGap = 8 * time.Second
 
 // circList is what the hot path reads and writes of a list's circulation,
 // on a cache line of its own.
@@ -78,9 +79,9 @@ type circulation struct {
 	// push of this process (observe). Written only then: the hot path
 	// reads it alone.
 	running atomic.Bool
-	// The periods of circulationPeriod and giveBackPeriod when the region
+	// circulationPeriod, giveBackPeriod and maxLookGap when the region
 	// was created.
-	period, giveBack time.Duration
+	period, giveBack, maxGap time.Duration
 
 	mu     sync.Mutex
 	parked [][]uint32 // per list, the header offsets of its parked slices
@@ -118,6 +119,7 @@ func (m *bufferManager) startCirculation() {
 	}
 	c.period = min(circulationPeriod, giveBackPeriod)
 	c.giveBack = giveBackPeriod
+	c.maxGap = max(maxLookGap, c.period)
 	c.gap = c.period
 	m.circ = c
 	c.running.Store(true)
@@ -142,7 +144,7 @@ func (m *bufferManager) tick() {
 		case !settled:
 			c.gap = c.period
 		case inFlight:
-			c.gap = min(2*c.gap, maxLookGap)
+			c.gap = min(2*c.gap, c.maxGap)
 		default:
 			again = !c.rest(m)
 		}
