@@ -307,7 +307,6 @@ func (m *bufferManager) unparkAll() {
 func (m *bufferManager) look(period, giveBack time.Duration) (settled, inFlight bool) {
 	c := m.circ
 	c.pos = (c.pos + 1) % circulationWindow
-	var resident []byte
 	settled = true
 	for li := range m.lists {
 		now := m.sample(li)
@@ -326,12 +325,7 @@ func (m *bufferManager) look(period, giveBack time.Duration) (settled, inFlight 
 			}
 			c.settled[li] = true
 			c.unparkList(m, li)
-			if resident == nil {
-				if resident = residentPages(m.mem); resident == nil {
-					break
-				}
-			}
-			m.giveBackList(li, resident)
+			m.giveBackList(li)
 		}
 		c.last[li] = m.sample(li) // our own pops and pushes are not traffic
 		settled = settled && c.settled[li]
