@@ -29,6 +29,16 @@ import (
 // are full (sessionEnding); and when a list has been quiet for
 // giveBackPeriod, or the region is unmapped. Parked slices count as free
 // in Stats (bufferManager.counts).
+//
+// A region where nothing moves costs no work: once a look finds every list
+// settled (quiet for giveBackPeriod, its pages given back, nothing parked)
+// and no slice in flight, the looks stop. The next pop or push of this
+// process (observe) starts them again, at the cost of an atomic load while
+// they run. A peer's pops and pushes do not run observe; but every slice a
+// peer sends this process is freed by it, and while slices are in flight
+// (held by the peer, perhaps) the looks go on, further and further apart
+// (up to maxLookGap), so that slices the peer frees have their pages
+// given back too.
 
 // circulationPeriod is how often a region's lists are looked at. A region
 // takes the value when it is created.
@@ -47,6 +57,10 @@ const (
 	parkHold = 250 * time.Millisecond
 )
 
+// maxLookGap is the longest pause between looks at a settled region with
+// slices in flight. A region takes the value when it is created.
+var maxLookGap = 8 * time.Second
+
 // circList is what the hot path reads and writes of a list's circulation,
 // on a cache line of its own.
 type circList struct {
@@ -60,17 +74,30 @@ type circList struct {
 type circulation struct {
 	lists []circList
 
+	// running says whether a look is due: cleared when a look finds the
+	// region at rest, set again, with a look scheduled, by the next pop or
+	// push of this process (observe). Written only then: the hot path
+	// reads it alone.
+	running atomic.Bool
+	// circulationPeriod, giveBackPeriod and maxLookGap when the region
+	// was created.
+	period, giveBack, maxGap time.Duration
+
 	mu     sync.Mutex
 	parked [][]uint32 // per list, the header offsets of its parked slices
 	spare  []int32    // per list, the free slices to keep on it
 	hold   time.Time  // no parking before this
 
-	// Used by the looks alone, which run one at a time.
+	// Used by the looks alone, which run one at a time: a look that
+	// rests may still be finishing when the look wake schedules begins.
+	lookMu  sync.Mutex
 	peaks   [][circulationWindow]int32
 	pos     int
 	last    []listSample
 	quiet   []time.Duration
-	settled []bool // given back since its last traffic
+	settled []bool        // given back since its last traffic
+	gap     time.Duration // the pause before the next look
+	looks   atomic.Uint64 // how many looks have run
 }
 
 // startCirculation starts watching m, a region this process created, until
@@ -90,19 +117,64 @@ func (m *bufferManager) startCirculation() {
 		c.spare[li] = m.spareFor(li, 0)
 		c.last[li] = m.sample(li)
 	}
+	c.period = min(circulationPeriod, giveBackPeriod)
+	c.giveBack = giveBackPeriod
+	c.maxGap = max(maxLookGap, c.period)
+	c.gap = c.period
 	m.circ = c
-	period := min(circulationPeriod, giveBackPeriod)
-	giveBack := giveBackPeriod
-	var tick func()
-	tick = func() {
-		if !m.region.acquire() {
-			return // unmapped
-		}
-		quietly(func() { m.look(period, giveBack) })
-		m.region.release()
-		time.AfterFunc(period, tick)
+	c.running.Store(true)
+	time.AfterFunc(c.gap, m.tick)
+}
+
+// tick runs a look and schedules the next one, unless the region is
+// unmapped or at rest.
+func (m *bufferManager) tick() {
+	if !m.region.acquire() {
+		return // unmapped
 	}
-	time.AfterFunc(period, tick)
+	defer m.region.release()
+	c := m.circ
+	c.lookMu.Lock()
+	defer c.lookMu.Unlock()
+	c.looks.Add(1)
+	again := true
+	quietly(func() {
+		settled, inFlight := m.look(c.gap, c.giveBack)
+		switch {
+		case !settled:
+			c.gap = c.period
+		case inFlight:
+			c.gap = min(2*c.gap, c.maxGap)
+		default:
+			again = !c.rest(m)
+		}
+	})
+	if again {
+		time.AfterFunc(c.gap, m.tick)
+	}
+}
+
+// rest stops the looks of a region that look found settled with nothing in
+// flight, and reports whether they stopped: not if a list changed since the
+// look, as a pop or push that came before running was cleared did not
+// start them (observe). It runs inside quietly.
+func (c *circulation) rest(m *bufferManager) bool {
+	c.gap = c.period
+	c.running.Store(false)
+	for li := range m.lists {
+		if m.sample(li) != c.last[li] {
+			// Whoever sets running schedules the next look.
+			return !c.running.CompareAndSwap(false, true)
+		}
+	}
+	return true
+}
+
+// wake schedules a look of a region at rest; traffic has resumed.
+func (c *circulation) wake(m *bufferManager) {
+	if c.running.CompareAndSwap(false, true) {
+		time.AfterFunc(c.period, m.tick)
+	}
 }
 
 // spareFor is how many free slices list li keeps when peak slices of it
@@ -116,6 +188,9 @@ func (m *bufferManager) spareFor(li int, peak int32) int32 {
 // observe notes that list li was left with left free slices by a pop or
 // push of this process, and refills the list if it is short.
 func (c *circulation) observe(m *bufferManager, li int, left int32) error {
+	if !c.running.Load() {
+		c.wake(m)
+	}
 	c.noteInFlight(m, li, left)
 	if left >= c.lists[li].floor.Load() {
 		return nil
@@ -226,16 +301,19 @@ func (m *bufferManager) unparkAll() {
 }
 
 // look records every list's peak in flight, steers busy lists, and gives
-// the pages of lists quiet for giveBack back. It runs inside quietly.
-func (m *bufferManager) look(period, giveBack time.Duration) {
+// the pages of lists quiet for giveBack back; period is the time since the
+// last look. It reports whether every list is settled, and whether any
+// has slices in flight. It runs inside quietly.
+func (m *bufferManager) look(period, giveBack time.Duration) (settled, inFlight bool) {
 	c := m.circ
 	c.pos = (c.pos + 1) % circulationWindow
-	var resident []byte
+	settled = true
 	for li := range m.lists {
 		now := m.sample(li)
 		cl := &c.lists[li]
-		inFlight := int32(m.lists[li].count) - cl.parked.Load() - now.free
-		c.peaks[li][c.pos] = max(0, inFlight, cl.high.Swap(inFlight))
+		n := int32(m.lists[li].count) - cl.parked.Load() - now.free
+		c.peaks[li][c.pos] = max(0, n, cl.high.Swap(n))
+		inFlight = inFlight || n != 0
 		switch {
 		case now != c.last[li]:
 			c.quiet[li], c.settled[li] = 0, false
@@ -247,15 +325,12 @@ func (m *bufferManager) look(period, giveBack time.Duration) {
 			}
 			c.settled[li] = true
 			c.unparkList(m, li)
-			if resident == nil {
-				if resident = residentPages(m.mem); resident == nil {
-					break
-				}
-			}
-			m.giveBackList(li, resident)
+			m.giveBackList(li)
 		}
 		c.last[li] = m.sample(li) // our own pops and pushes are not traffic
+		settled = settled && c.settled[li]
 	}
+	return settled, inFlight
 }
 
 // steer parks the slices of busy list li beyond its peak in flight and its

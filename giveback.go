@@ -56,12 +56,22 @@ func (m *bufferManager) punch(li int, off uint32) {
 // giveBackList cycles once through list li's free slices, if any slice of
 // the list has data pages in memory, punching those. It pops as many as the
 // list holds, not one fewer: the last, unpoppable at the tail, reaches the
-// head as the others are pushed back behind it.
-func (m *bufferManager) giveBackList(li int, resident []byte) {
+// head as the others are pushed back behind it. It asks the kernel which
+// pages are in memory for the list's slices alone, not the whole region:
+// mincore's cost follows the pages it covers (2 ms for 128 MiB).
+func (m *bufferManager) giveBackList(li int) {
 	l := &m.lists[li]
+	base := int(l.area) / pageSize * pageSize
+	resident := residentPages(m.mem[base:min(len(m.mem), int(l.area+l.count*l.stride))])
+	if resident == nil {
+		return
+	}
 	inMemory := func(off uint32) bool {
 		first, end := m.dataPages(li, off)
-		return slices.ContainsFunc(resident[first/pageSize:end/pageSize], func(v byte) bool { return v&1 != 0 })
+		if first == end {
+			return false // no whole page (first may lie past resident's end)
+		}
+		return slices.ContainsFunc(resident[(first-base)/pageSize:(end-base)/pageSize], func(v byte) bool { return v&1 != 0 })
 	}
 	found := false
 	for k := uint32(0); k < l.count && !found; k++ {
