@@ -28,7 +28,7 @@ const (
 	goServerStreamClosed = "limitation go-server-stream-closed"
 
 	// rustClosesFD0: after unmapping a file-mode buffer region the Rust
-	// implementation closes fd 0 (docs/protocol.md, the table of what the references do), so each cell
+	// implementation closes fd 0 (docs/protocol.md §11), so each cell
 	// starts a fresh Rust process.
 	rustClosesFD0 = "limitation rust-closes-fd0"
 )
