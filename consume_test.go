@@ -235,11 +235,10 @@ func TestDrainBeforeIgnoresPendingClose(t *testing.T) {
 	}
 }
 
-// TestLoopRestsWhileReaderBusy: after it hands a stream its reply, a
-// receive loop whose readers are all busy with what they were handed does
-// not spin (awaitReader), however long its spin budget, even though the
-// reader began its wait while the loop was spinning; it spins again once a
-// reader waits.
+// TestLoopRestsWhileReaderBusy: once its only reader has its reply and is
+// busy with it, nothing of the session spins, however long its spin
+// budget: neither the loop nor a reader; the reader polls again once it
+// waits.
 func TestLoopRestsWhileReaderBusy(t *testing.T) {
 	conf := DefaultConfig()
 	conf.ShareMemoryPathPrefix = shmPrefix(t, "rest")
@@ -305,8 +304,7 @@ func spinningClient(t *testing.T, conf *Config) *Session {
 
 // readerSpunFor starts a reader of 4 bytes on st, a stream of a
 // spinningClient's session to its echo server, and returns the reader's
-// result once the session's receive loop spins for it (one spinner more
-// than idle). On a loaded machine spinning may be off for a cool-down
+// result once it polls the queue (one spinner more than idle). On a loaded machine spinning may be off for a cool-down
 // (spinGovernor.pressure, at most maxSpinCooldown): then the reader is
 // served with an echo and the attempt repeats.
 func readerSpunFor(t *testing.T, st *Stream, idle int32) <-chan error {

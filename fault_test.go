@@ -95,15 +95,15 @@ func TestShrunkRegionFaultsAreErrors(t *testing.T) {
 	}
 }
 
-// TestSpinningLoopFault: a receive loop spinning on its queue for a waiting
-// reader when the peer shrinks the queue region ends the session with a
-// memory-fault error, which the stream's waiting reader gets, and gives its
-// spinning slot back, so that other sessions still spin.
+// TestSpinningLoopFault: a reader polling its session's queue when the
+// peer shrinks the queue region ends the session with a memory-fault
+// error, which that reader gets, and gives its spinning slot back, so
+// that other sessions still spin.
 func TestSpinningLoopFault(t *testing.T) {
 	conf := DefaultConfig()
 	conf.MemMapType = MemMapTypeDevShmFile
 	conf.ShareMemoryPathPrefix = shmPrefix(t, "spinfault")
-	s := spinningClient(t, conf) // the loop spins until the fault
+	s := spinningClient(t, conf) // its reader polls until the fault
 	queues, _ := filepath.Glob(conf.ShareMemoryPathPrefix + "_*_queue_0")
 	if len(queues) != 1 {
 		t.Fatalf("queue files %v, want the session's one", queues)
@@ -121,8 +121,7 @@ func TestSpinningLoopFault(t *testing.T) {
 	if _, err := io.ReadFull(st, make([]byte, 4)); err != nil {
 		t.Fatal(err)
 	}
-	// After the reply the loop waits for a reader to wait (awaitReader);
-	// this one waits for a reply that never comes, and the loop spins.
+	// This reader waits for a reply that never comes, and polls the queue.
 	read := readerSpunFor(t, st, active)
 	if err := os.Truncate(queues[0], 0); err != nil {
 		t.Fatal(err)
