@@ -272,12 +272,12 @@ func TestLoopRestsWhileReaderBusy(t *testing.T) {
 	}
 }
 
-// spinningClient dials an echo server with conf, whose receive loop spins
-// for 10 s (ConsumerSpinTime) and leaves the process's spinning slots to
-// the client; it skips the test where nothing spins. It returns once no
-// receive loop of the process spins (sessions of earlier tests may, for
-// their last spin budget), so that the caller can tell the client's spin
-// by spinning.active; on one processor the client's loop needs the only
+// spinningClient dials an echo server with conf, whose readers poll for
+// 10 s (ConsumerSpinTime), and leaves the process's spinning slots to the
+// client; it skips the test where nothing spins. It returns once nothing
+// of the process spins (sessions of earlier tests may, for their last spin
+// budget), so that the caller can tell the client's spin by
+// spinning.active; on one processor the client's reader needs the only
 // slot.
 func spinningClient(t *testing.T, conf *Config) *Session {
 	t.Helper()
