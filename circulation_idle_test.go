@@ -113,17 +113,7 @@ func TestRegionWithSliceInFlightKeepsLooking(t *testing.T) {
 	fpEcho(t, sess, []byte("hello")).Close()
 	idle := sess.Stats().Buffer.Committed
 
-	var peer *Session
-	registry.Lock()
-	for s := range registry.live {
-		if !s.isClient && s.buf.region.path == m.region.path {
-			peer = s
-		}
-	}
-	registry.Unlock()
-	if peer == nil {
-		t.Fatal("no server session maps the client's region")
-	}
+	peer := regionPeer(t, m)
 	pm := peer.buf
 	li := circListFor(t, m, 1<<20)
 	// Traffic of this process, so that the looks run while the peer

@@ -315,17 +315,7 @@ func TestParkedSlicesReachThePeer(t *testing.T) {
 	}
 	t.Logf("before the peer takes them: %+v", sess.Stats().Lists[li])
 
-	var peer *Session
-	registry.Lock()
-	for s := range registry.live {
-		if !s.isClient && s.buf.region.path == m.region.path {
-			peer = s
-		}
-	}
-	registry.Unlock()
-	if peer == nil {
-		t.Fatal("no server session maps the client's region")
-	}
+	peer := regionPeer(t, m)
 	pm := peer.buf
 	count := int(m.lists[li].count)
 	var held []uint32
@@ -395,4 +385,19 @@ func TestNoParkingAfterUnparkAll(t *testing.T) {
 	if got := atomic.LoadInt32(m.i32(m.lists[li].header + listFreeOff)); got != count {
 		t.Errorf("the list holds %d of its %d slices after unparkAll", got, count)
 	}
+}
+
+// regionPeer returns the server session of this process that maps m, a
+// client's buffer region.
+func regionPeer(t *testing.T, m *bufferManager) *Session {
+	t.Helper()
+	registry.Lock()
+	defer registry.Unlock()
+	for s := range registry.live {
+		if !s.isClient && s.buf.region.path == m.region.path {
+			return s
+		}
+	}
+	t.Fatal("no server session maps the client's region")
+	return nil
 }

@@ -38,12 +38,7 @@ func TestShrunkRegionFaultsAreErrors(t *testing.T) {
 	}
 	defer victim.Close()
 	after, _ := filepath.Glob(conf.ShareMemoryPathPrefix + "_*_buffer")
-	var victimBuf string
-	for _, f := range after {
-		if !contains(before, f) {
-			victimBuf = f
-		}
-	}
+	victimBuf := added(before, after)
 	if victimBuf == "" {
 		t.Fatalf("cannot tell the victim's buffer file among %v", after)
 	}
@@ -136,6 +131,16 @@ func TestSpinningLoopFault(t *testing.T) {
 		t.Fatalf("the reader got %v, want an error wrapping ErrProtocol naming a memory fault", rerr)
 	}
 	waitUntil(t, "the spinning slot is given back", peerTimeout, func() bool { return spinning.active.Load() == active })
+}
+
+// added returns a name of after that is not in before, or "".
+func added(before, after []string) string {
+	for _, f := range after {
+		if !contains(before, f) {
+			return f
+		}
+	}
+	return ""
 }
 
 func contains(list []string, s string) bool {

@@ -284,12 +284,7 @@ func TestPollFault(t *testing.T) {
 	sess := pollDial(t, sock, pollSpinConf(MemMapTypeDevShmFile, prefix))
 	st := pollStream(t, sess, pollEcho)
 	after, _ := filepath.Glob(prefix + "_*_queue_*")
-	var queue string
-	for _, f := range after {
-		if !contains(before, f) {
-			queue = f
-		}
-	}
+	queue := added(before, after)
 	if queue == "" {
 		t.Fatalf("no queue file of the new session among %v", after)
 	}
