@@ -7,23 +7,15 @@ import (
 	"time"
 )
 
-// Consuming the receive queue. Whoever holds the session's receive token
-// (recvtoken.go) consumes: the receive loop (recv.go), woken by a Polling
-// frame or needing the queue for a frame it read, or a reader polling for
-// its own data (poll.go). The token's holder alone reads and moves the
-// queue's head, so neither needs a lock, and teardown, which takes the
-// token for good, cannot race a delivery.
-//
-// The working flag tells the peer whether to send a wake-up after it
-// publishes (docs/protocol.md §7.5); the holder keeps it set while it
-// consumes, and gives the token back by the protocol in recvtoken.go.
-//
-// After a drain that found work the loop keeps looking at the queue while
-// readers it serves are parked (spin): the next message usually follows
-// within microseconds, and then costs no system call on either side. With
-// no reader parked it lets go at once, so that the next reader to wait
-// polls for itself. Each session adapts its spin to how often it paid
-// (consumer); the process rations spinning (spin.go, cpubudget.go).
+// Consuming the receive queue: whoever holds the receive token
+// (recvtoken.go) alone moves the queue's head and the working flag, so
+// neither needs a lock, and teardown, which takes the token for good,
+// cannot race a delivery. After a drain that found work the loop keeps
+// looking while readers it serves are parked (spin), or waits for them
+// with several streams active (awaitReader); otherwise it lets go at once,
+// so that the next reader to wait polls for itself. Each session adapts
+// its spin to how often it paid (consumer); the process rations spinning
+// (spin.go, cpubudget.go).
 
 // consumer is the consuming state of a session; only the token's holder
 // uses it, except held and consuming, which are the loop's.
@@ -33,6 +25,11 @@ type consumer struct {
 	slept     int64 // when the last holder stopped consuming (UnixNano)
 	held      bool  // the loop holds the token
 	consuming bool  // the loop holds the token and the working flag set
+	// last is the stream the holder last handed data to; multi, that a
+	// consume of the loop has handed data to several.
+	last  uint32
+	multi bool
+	timer *time.Timer // bounds awaitReader
 }
 
 // pollCheckEvery is how many looks at the queue a spinner makes between
@@ -123,6 +120,7 @@ func (s *Session) consume() error {
 		s.recvQ.setWorking(true)
 	}
 	first := true
+	s.cons.multi = false
 	for {
 		n, paused, err := s.drain(drainInOrder, noDrainLimit)
 		if err != nil || paused {
@@ -132,7 +130,7 @@ func (s *Session) consume() error {
 			s.cons.woken()
 		}
 		first = false
-		if n > 0 && s.waiting.Load() > 0 {
+		if n > 0 && (s.waiting.Load() > 0 || (s.cons.multi && s.awaitReader())) {
 			switch s.spin() {
 			case spinFound:
 				continue
@@ -152,6 +150,37 @@ func (s *Session) consume() error {
 		}
 		s.recvQ.setWorking(true) // something came in between: go on
 	}
+}
+
+// awaitReader parks the loop, holding the token and the working flag,
+// until a reader begins to wait or for up to the spin budget, and reports
+// whether one waits: the readers of several active streams come back one
+// after another, and are served without wake-ups.
+func (s *Session) awaitReader() bool {
+	if s.cons.budget <= 0 {
+		return false
+	}
+	select { // a signal of a wait the loop has served since
+	case <-s.readerWaits:
+	default:
+	}
+	if s.waiting.Load() > 0 {
+		return true
+	}
+	if s.cons.timer == nil {
+		s.cons.timer = time.NewTimer(time.Duration(s.cons.budget))
+	} else {
+		s.cons.timer.Reset(time.Duration(s.cons.budget))
+	}
+	defer s.cons.timer.Stop()
+	select {
+	case <-s.readerWaits:
+		return true
+	case <-s.cons.timer.C:
+		s.cons.miss()
+	case <-s.closed:
+	}
+	return false
 }
 
 // noDrainLimit lets drain go on while elements come.
@@ -245,7 +274,7 @@ func (s *Session) spin() int {
 			}
 			cpuRelax()
 		}
-		if s.waiting.Load() == 0 {
+		if !s.cons.multi && s.waiting.Load() == 0 {
 			return spinGaveUp // the next reader to wait polls for itself
 		}
 		switch w.check(s) {

@@ -4,19 +4,13 @@ import (
 	"time"
 )
 
-// Busy polling: a reader that finds its stream empty consumes the receive
-// queue itself for a while, as the receive loop would, instead of parking
-// until the loop hands it its data (recvtoken.go says when it may). When
-// its own data comes it is on a CPU already: no goroutine is readied and
-// no thread woken on the reply's way, which is what small messages between
-// two processes spend most of their time on otherwise.
-//
-// The poller hands other streams their data as it goes. It stops before a
-// close element (only the loop applies closes, in order with the socket),
-// when the loop asks for the token, when its stream is signalled (its data,
-// a close, a deadline change, the session's end: what would wake it if it
-// were parked), at its deadline, and when its spin ends: the session's spin
-// budget (consumer), or the process's rationing (spinGovernor).
+// Busy polling: a reader that finds its stream empty consumes the queue
+// itself, as the loop would, instead of parking until the loop hands it
+// its data; when its data comes it is on a CPU already, and no thread is
+// woken on the reply's way. It hands other streams their data as it goes,
+// and stops before a close element (only the loop applies closes), when
+// the loop asks for the token, when its stream is signalled (what would
+// wake it if parked), at its deadline, and when its spin ends.
 
 // What a poll ended with.
 const (

@@ -170,6 +170,8 @@ func (s *Session) handleData(id, offset uint32) error {
 	if st == nil || !st.deliver(segs, nil) {
 		return s.freeSegments(segs)
 	}
+	s.cons.multi = s.cons.multi || (s.cons.last != 0 && s.cons.last != id)
+	s.cons.last = id
 	return nil
 }
 

@@ -86,11 +86,13 @@ type Session struct {
 	closing []pendingClose // close elements waiting for the socket to catch up
 	stall   *stalledFrame  // fallback data waiting for room (fallback_recv.go)
 
-	// Who consumes the receive queue (recvtoken.go), and how many readers
-	// are parked waiting for data (Stream.countWaiting).
-	_       cacheLinePad
-	tok     recvToken
-	waiting atomic.Int32
+	// Who consumes the receive queue (recvtoken.go), how many readers are
+	// parked waiting for data (Stream.countWaiting), and their signal to
+	// the loop (awaitReader).
+	_           cacheLinePad
+	tok         recvToken
+	waiting     atomic.Int32
+	readerWaits chan struct{}
 
 	// Fallback data received and not yet released by the streams.
 	_            cacheLinePad
@@ -109,6 +111,7 @@ func newSession(conn net.Conn, conf *Config, client bool) *Session {
 		closed:       make(chan struct{}),
 		loopDone:     make(chan struct{}),
 		fallbackRoom: make(chan struct{}, 1),
+		readerWaits:  make(chan struct{}, 1),
 	}
 	s.cons.init(conf.ConsumerSpinTime)
 	s.tok.init()

@@ -208,11 +208,16 @@ func (st *Stream) awaitReadable(n int) error {
 }
 
 // countWaiting counts the reader, about to park, in its session's waiting
-// readers: the token's holder serves them (consume, poll). st.mu is held.
+// readers: the token's holder serves them (consume, poll), and a loop in
+// awaitReader is told. st.mu is held.
 func (st *Stream) countWaiting() {
 	if !st.waiting {
 		st.waiting = true
 		st.s.waiting.Add(1)
+	}
+	select {
+	case st.s.readerWaits <- struct{}{}:
+	default:
 	}
 }
 
