@@ -82,12 +82,11 @@ type Config struct {
 	MemMapType MemMapType
 
 	// ConsumerSpinTime is how long a reader waiting for data polls the IO
-	// queue itself (and the receive loop, while readers it serves are
-	// parked) before it sleeps. While it looks,
-	// the peer sends no wake-ups, which takes small-message latency well
-	// below a socket round trip. The time spent adapts to the traffic, down
-	// to nothing when spinning does not pay off, so an idle session uses no
-	// CPU. Zero disables spinning.
+	// queue itself (or the receive loop for parked readers) before it
+	// sleeps. While it looks the peer sends no wake-ups, which takes
+	// small-message latency well below a socket round trip. It adapts to
+	// the traffic, down to nothing when spinning does not pay off; an idle
+	// session uses no CPU. Zero disables spinning.
 	ConsumerSpinTime time.Duration
 
 	// WriteSpaceTimeout bounds how long a write waits for room when the

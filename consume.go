@@ -20,16 +20,14 @@ import (
 // consumer is the consuming state of a session; only the token's holder
 // uses it, except held and consuming, which are the loop's.
 type consumer struct {
-	budget    int64 // how long to spin for, in ns; adapts
-	max       int64 // ConsumerSpinTime in ns
-	slept     int64 // when the last holder stopped consuming (UnixNano)
-	held      bool  // the loop holds the token
-	consuming bool  // the loop holds the token and the working flag set
-	// last is the stream the holder last handed data to; multi, that a
-	// consume of the loop has handed data to several.
-	last  uint32
-	multi bool
-	timer *time.Timer // bounds awaitReader
+	budget    int64       // how long to spin for, in ns; adapts
+	max       int64       // ConsumerSpinTime in ns
+	slept     int64       // when the last holder stopped consuming (UnixNano)
+	held      bool        // the loop holds the token
+	consuming bool        // the loop holds the token and the working flag set
+	last      uint32      // the stream the holder last handed data to
+	multi     bool        // the loop's consume has handed data to several streams
+	timer     *time.Timer // bounds awaitReader
 }
 
 // pollCheckEvery is how many looks at the queue a spinner makes between
@@ -72,8 +70,7 @@ func (c *consumer) woken() {
 	}
 }
 
-// loopTake takes the token for the receive loop, to act on a frame,
-// waiting for a polling reader to hand it over.
+// loopTake takes the token for the loop, to act on a frame.
 func (s *Session) loopTake() {
 	if !s.cons.held {
 		s.tok.takeLoop(false)
@@ -81,10 +78,8 @@ func (s *Session) loopTake() {
 	}
 }
 
-// loopRelease gives the loop's token back once it may: it is not
-// consuming, no close waits for the socket and no fallback frame for room.
-// A token taken from a reader may still have the working flag set: it is
-// cleared by the protocol, and an element seen by the last look consumed.
+// loopRelease gives the loop's token back by the protocol once it may: it
+// is not consuming, no close waits for the socket, no frame for room.
 func (s *Session) loopRelease() error {
 	if !s.cons.held || s.cons.consuming || len(s.closing) > 0 || s.stall != nil {
 		return nil
@@ -98,8 +93,7 @@ func (s *Session) loopRelease() error {
 	return nil
 }
 
-// takeHanded takes up a token a polling reader handed to the loop, and
-// consumes.
+// takeHanded takes up a token a polling reader handed to the loop.
 func (s *Session) takeHanded() error {
 	if s.cons.held || !s.tok.takeHanded() {
 		return nil

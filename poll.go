@@ -12,12 +12,6 @@ import (
 // the loop asks for the token, when its stream is signalled (what would
 // wake it if parked), at its deadline, and when its spin ends.
 
-// What a poll ended with.
-const (
-	pollDone     = iota // the stream was signalled, or the poll may end
-	pollHandOver        // the loop must take over (recvToken.handOver)
-)
-
 // poll polls the receive queue for st, whose mu the caller does not hold,
 // until deadline at the latest. It reports false if it did not poll: the
 // token was taken, another reader waits, or spinning does not pay now.
@@ -31,13 +25,13 @@ func (st *Stream) poll(deadline time.Time) bool {
 		return false
 	}
 	defer spinning.exit()
-	var end int
-	err := s.access(func() (err error) { end, err = s.pollHeld(st, deadline); return })
+	var handOver bool
+	err := s.access(func() (err error) { handOver, err = s.pollHeld(st, deadline); return })
 	switch {
 	case err != nil:
 		s.closeWithError(err) // a fault has closed it already
 		s.tok.giveBack()
-	case end == pollHandOver:
+	case handOver:
 		if !s.tok.handOver() {
 			s.ec.interrupt()
 		}
@@ -48,12 +42,10 @@ func (st *Stream) poll(deadline time.Time) bool {
 	return true
 }
 
-// pollHeld is poll's work while it holds the token, inside an access: it
-// sets the working flag, drains and spins until a reason to stop, then
-// clears the flag by the protocol (recvtoken.go). Readers left parked are
-// handed to the loop (pollHandOver), which serves them now rather than
-// after the peer's next wake-up.
-func (s *Session) pollHeld(st *Stream, deadline time.Time) (int, error) {
+// pollHeld is poll's work with the token, inside an access: it drains and
+// spins until a reason to stop, then lets go by the protocol, or reports
+// that the loop must take over (handOver): it also serves parked readers.
+func (s *Session) pollHeld(st *Stream, deadline time.Time) (handOver bool, err error) {
 	s.recvQ.setWorking(true)
 	now := time.Now()
 	w := spinWatch{begin: now, last: now, lastYield: now, alone: procs.get(now) == 1}
@@ -62,17 +54,17 @@ func (s *Session) pollHeld(st *Stream, deadline time.Time) (int, error) {
 		// for other streams must not keep the reader from its own.
 		_, stopped, err := s.drain(drainReader, int(s.recvQ.cap))
 		if err != nil {
-			return pollDone, err
+			return false, err
 		}
 		if stopped {
-			return pollHandOver, nil
+			return true, nil
 		}
 		if len(st.readNotify) > 0 {
 			s.cons.hit()
 			break
 		}
 		if s.IsClosed() {
-			return pollDone, nil
+			return false, nil
 		}
 		for range pollCheckEvery {
 			if !s.recvQ.looksEmpty() {
@@ -81,7 +73,7 @@ func (s *Session) pollHeld(st *Stream, deadline time.Time) (int, error) {
 			cpuRelax()
 		}
 		if s.tok.wanted.Load() {
-			return pollHandOver, nil
+			return true, nil
 		}
 		if (!deadline.IsZero() && !time.Now().Before(deadline)) || w.check(s) == spinGaveUp {
 			break
@@ -89,17 +81,17 @@ func (s *Session) pollHeld(st *Stream, deadline time.Time) (int, error) {
 	}
 	for range 3 {
 		if s.waiting.Load() > 0 || s.tok.wanted.Load() {
-			return pollHandOver, nil
+			return true, nil
 		}
 		s.recvQ.setWorking(false)
 		if s.recvQ.isEmpty() || s.IsClosed() { // a corrupt queue never looks empty
-			return pollDone, nil
+			return false, nil
 		}
 		// Something came just before the flag was cleared: take it too.
 		s.recvQ.setWorking(true)
 		if _, stopped, err := s.drain(drainReader, int(s.recvQ.cap)); err != nil || stopped {
-			return pollHandOver, err
+			return true, err
 		}
 	}
-	return pollHandOver, nil
+	return true, nil
 }

@@ -85,31 +85,25 @@ func (t *recvToken) takeLoop(end bool) {
 }
 
 // giveBack marks the token free, and signals the loop if it waits for it.
-func (t *recvToken) giveBack() {
-	t.state.Store(tokenFree)
-	if t.wanted.Load() {
-		t.signal()
-	}
-}
+func (t *recvToken) giveBack() { t.pass(tokenFree) }
 
 // handOver passes a reader's token to the loop. It reports whether the
-// loop waits for it (wanted), in which case it has been signalled;
-// otherwise the caller must interrupt the loop's read of the socket.
-func (t *recvToken) handOver() bool {
-	t.state.Store(tokenHanded)
-	if t.wanted.Load() {
-		t.signal()
-		return true
+// loop waits for it (wanted) and has been signalled; otherwise the caller
+// must interrupt the loop's read of the socket.
+func (t *recvToken) handOver() bool { return t.pass(tokenHanded) }
+
+// pass stores state, and signals the loop if it waits for the token.
+func (t *recvToken) pass(state int32) bool {
+	t.state.Store(state)
+	if !t.wanted.Load() {
+		return false
 	}
-	return false
-}
-
-// takeHanded takes up a token handed to the loop.
-func (t *recvToken) takeHanded() bool { return t.state.CompareAndSwap(tokenHanded, tokenLoop) }
-
-func (t *recvToken) signal() {
 	select {
 	case t.handed <- struct{}{}:
 	default:
 	}
+	return true
 }
+
+// takeHanded takes up a token handed to the loop.
+func (t *recvToken) takeHanded() bool { return t.state.CompareAndSwap(tokenHanded, tokenLoop) }

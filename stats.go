@@ -33,12 +33,8 @@ type Stats struct {
 	WakeupsSaved    uint64 // messages published while the peer was awake, so no Polling frame was needed
 	WakeupsReceived uint64 // Polling frames received
 
-	// A read that has to wait for data either finds it by polling the IO
-	// queue itself (ReadsPolled: no goroutine hand-off, no thread woken)
-	// or parks until the data is handed to it (ReadsWoken). Reads that
-	// found their data already there count in neither.
-	ReadsPolled uint64
-	ReadsWoken  uint64
+	ReadsPolled uint64 // reads that waited and found their data polling the IO queue themselves
+	ReadsWoken  uint64 // reads that waited parked until their data was handed to them
 
 	// SpaceWaits counts the writes that had to wait for room in the buffer
 	// region or in the peer's IO queue (back-pressure): the peer had not yet

@@ -101,10 +101,8 @@ func (c *eventConn) readFrame(limit uint32, partial time.Duration) (wire.Header,
 	return wire.Header(f[:wire.HeaderSize]), f[wire.HeaderSize:], nil
 }
 
-// interrupt makes the receive loop's wait for the socket return
-// errInterrupted, at once if it waits for a frame to begin, or once the
-// frame it is reading is whole. An interrupt that finds no read waiting
-// ends the next one.
+// interrupt makes the loop's wait for a frame to begin return
+// errInterrupted (a frame begun is read whole first), or its next one.
 func (c *eventConn) interrupt() { _ = c.conn.SetReadDeadline(time.Unix(1, 0)) }
 
 // errInterrupted is readFrame's error when interrupt ended its wait.
