@@ -7,15 +7,12 @@ import (
 	"time"
 )
 
-// Consuming the receive queue: whoever holds the receive token
-// (recvtoken.go) alone moves the queue's head and the working flag, so
-// neither needs a lock, and teardown, which takes the token for good,
-// cannot race a delivery. After a drain that found work the loop keeps
-// looking while readers it serves are parked (spin), or waits for them
-// with several streams active (awaitReader); otherwise it lets go at once,
-// so that the next reader to wait polls for itself. Each session adapts
-// its spin to how often it paid (consumer); the process rations spinning
-// (spin.go, cpubudget.go).
+// Consuming the receive queue: only the receive token's holder moves the
+// queue's head and the working flag (recvtoken.go). After a drain that
+// found work the loop spins while readers it serves are parked, or waits
+// for them with several streams active (awaitReader); otherwise it lets go
+// at once, so that the next reader to wait polls for itself. Spinning
+// adapts per session (consumer) and is rationed per process (spin.go).
 
 // consumer is the consuming state of a session; only the token's holder
 // uses it, except held and consuming, which are the loop's.
@@ -84,13 +81,23 @@ func (s *Session) loopRelease() error {
 	if !s.cons.held || s.cons.consuming || len(s.closing) > 0 || s.stall != nil {
 		return nil
 	}
-	s.recvQ.setWorking(false)
-	if !s.recvQ.isEmpty() && !s.IsClosed() {
+	if !s.clearWorking() {
 		return s.consume()
 	}
 	s.cons.held = false
 	s.tok.giveBack()
 	return nil
+}
+
+// clearWorking clears the working flag and looks once more (recvtoken.go):
+// true if the queue is empty or the session ended, else the flag is set.
+func (s *Session) clearWorking() bool {
+	s.recvQ.setWorking(false)
+	if s.recvQ.isEmpty() || s.IsClosed() { // a corrupt queue never looks empty
+		return true
+	}
+	s.recvQ.setWorking(true)
+	return false
 }
 
 // takeHanded takes up a token a polling reader handed to the loop.
@@ -132,17 +139,16 @@ func (s *Session) consume() error {
 				return nil
 			}
 		}
-		s.recvQ.setWorking(false)
-		if s.recvQ.isEmpty() || s.IsClosed() { // a corrupt queue never looks empty
-			s.cons.consuming = false
-			s.cons.slept = time.Now().UnixNano()
-			if len(s.closing) == 0 && s.stall == nil {
-				s.cons.held = false
-				s.tok.giveBack()
-			}
-			return nil
+		if !s.clearWorking() {
+			continue // something came in between
 		}
-		s.recvQ.setWorking(true) // something came in between: go on
+		s.cons.consuming = false
+		s.cons.slept = time.Now().UnixNano()
+		if len(s.closing) == 0 && s.stall == nil {
+			s.cons.held = false
+			s.tok.giveBack()
+		}
+		return nil
 	}
 }
 

@@ -42,9 +42,8 @@ func (st *Stream) poll(deadline time.Time) bool {
 	return true
 }
 
-// pollHeld is poll's work with the token, inside an access: it drains and
-// spins until a reason to stop, then lets go by the protocol, or reports
-// that the loop must take over (handOver): it also serves parked readers.
+// pollHeld is poll's work with the token, inside an access: drain and spin,
+// then let go, or report that the loop must take over (and parked readers).
 func (s *Session) pollHeld(st *Stream, deadline time.Time) (handOver bool, err error) {
 	s.recvQ.setWorking(true)
 	now := time.Now()
@@ -83,12 +82,10 @@ func (s *Session) pollHeld(st *Stream, deadline time.Time) (handOver bool, err e
 		if s.waiting.Load() > 0 || s.tok.wanted.Load() {
 			return true, nil
 		}
-		s.recvQ.setWorking(false)
-		if s.recvQ.isEmpty() || s.IsClosed() { // a corrupt queue never looks empty
+		if s.clearWorking() {
 			return false, nil
 		}
 		// Something came just before the flag was cleared: take it too.
-		s.recvQ.setWorking(true)
 		if _, stopped, err := s.drain(drainReader, int(s.recvQ.cap)); err != nil || stopped {
 			return true, err
 		}

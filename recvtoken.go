@@ -63,9 +63,7 @@ func (t *recvToken) tryReader() bool {
 }
 
 // takeLoop takes the token for the loop, waiting for a polling reader to
-// hand it over (the reader looks at wanted between every two rounds of
-// looks at the queue, and lets go at the session's end). With end set it
-// takes it for good (tokenEnded), also from the loop itself.
+// hand it over (it looks at wanted every round); with end, for good.
 func (t *recvToken) takeLoop(end bool) {
 	to := tokenLoop
 	if end {
