@@ -3,6 +3,7 @@ package shmipc
 import (
 	"math"
 	"runtime"
+	"runtime/metrics"
 	"sync/atomic"
 	"time"
 )
@@ -17,14 +18,15 @@ import (
 // consumer is the consuming state of a session; only the token's holder
 // uses it, except held and consuming, which are the loop's.
 type consumer struct {
-	budget    int64       // how long to spin for, in ns; adapts
-	max       int64       // ConsumerSpinTime in ns
-	slept     int64       // when the last holder stopped consuming (UnixNano)
-	held      bool        // the loop holds the token
-	consuming bool        // the loop holds the token and the working flag set
-	last      uint32      // the stream the holder last handed data to
-	multi     bool        // the loop's consume has handed data to several streams
-	timer     *time.Timer // bounds awaitReader
+	budget    int64            // how long to spin for, in ns; adapts
+	max       int64            // ConsumerSpinTime in ns
+	slept     int64            // when the last holder stopped consuming (UnixNano)
+	held      bool             // the loop holds the token
+	consuming bool             // the loop holds the token and the working flag set
+	last      uint32           // the stream the holder last handed data to
+	multi     bool             // the loop's consume has handed data to several streams
+	timer     *time.Timer      // bounds awaitReader
+	runnable  []metrics.Sample // for spinWatch.othersWait, made once
 }
 
 // pollCheckEvery is how many looks at the queue a spinner makes between
@@ -265,7 +267,7 @@ func (s *Session) spin() int {
 	defer spinning.exit()
 	runtime.Gosched()
 	now := time.Now()
-	w := spinWatch{begin: now, last: now, lastYield: now, lastSocket: now, alone: procs.get(now) == 1}
+	w := spinWatch{begin: now, last: now, lastYield: now, lastSocket: now, lastLook: now, alone: procs.get(now) == 1}
 	for {
 		for range pollCheckEvery {
 			if !s.recvQ.looksEmpty() {

@@ -2,6 +2,7 @@ package shmipc
 
 import (
 	"runtime"
+	"runtime/metrics"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -12,7 +13,7 @@ import (
 
 // spinWatch keeps a spinner's clock: budget, preemption, yielding.
 type spinWatch struct {
-	begin, last, lastYield, lastSocket time.Time
+	begin, last, lastYield, lastSocket, lastLook time.Time
 	// alone: the process runs its goroutines on one processor, which the
 	// spinner holds: it lets the others run between every two rounds of
 	// looks, since they include the readers it hands data to.
@@ -74,7 +75,7 @@ func (w *spinWatch) check(s *Session) int {
 	if s.IsClosed() {
 		return spinGaveUp
 	}
-	if now.Sub(w.lastYield) >= yieldEvery {
+	if now.Sub(w.lastYield) >= yieldEvery || w.othersWait(s, now) {
 		runtime.Gosched()
 		w.last, w.lastYield = time.Now(), now
 	}
@@ -84,6 +85,27 @@ func (w *spinWatch) check(s *Session) int {
 	}
 	return spinFound
 }
+
+// othersWait reports, at most every lookRunnableEvery, whether goroutines
+// wait to run. Those a spinner made runnable (readers it handed data to,
+// the work a polling reader's caller handed off) wait on its processor
+// until it yields or a thread woken for them takes them: in gRPC calls
+// 3-9 % of goroutine wake-ups then waited over 64 µs (under 1 % without
+// spinning). The count takes the scheduler's lock, hence not every round.
+func (w *spinWatch) othersWait(s *Session, now time.Time) bool {
+	if now.Sub(w.lastLook) < lookRunnableEvery {
+		return false
+	}
+	w.lastLook = now
+	c := &s.cons
+	if c.runnable == nil {
+		c.runnable = []metrics.Sample{{Name: "/sched/goroutines/runnable:goroutines"}}
+	}
+	metrics.Read(c.runnable)
+	return c.runnable[0].Value.Uint64() > 0
+}
+
+const lookRunnableEvery = 4 * time.Microsecond
 
 // yieldOSAfter is how long a receive loop spins before it yields the OS
 // thread between rounds. Spinning longer usually means the peer is waiting
