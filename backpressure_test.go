@@ -125,7 +125,7 @@ func TestBackPressureRegionFull(t *testing.T) {
 	if !bytes.Equal(got, sent.Bytes()) {
 		t.Fatal("the bytes written before the timeout arrived changed")
 	}
-	t.Logf("free counts after the peer read: %v", sess.buf.freeCounts())
+	t.Logf("free counts after the peer read: %v", freeCounts(sess.buf))
 	// The region has room again.
 	st.SetWriteDeadline(time.Now().Add(5 * time.Second))
 	msg[0] = 0xEE

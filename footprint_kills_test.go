@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/goshm/shmipc/internal/proctest"
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // fpLoad is one client session of the kill test with its echo workers.
@@ -171,7 +172,7 @@ func TestSharedRegionKills(t *testing.T) {
 
 	// Every slice of each server's shared region is free again, seen from a
 	// surviving session on it.
-	seen := make(map[*bufferManager]bool)
+	seen := make(map[*shm.Buffer]bool)
 	for _, l := range loads {
 		if l.killed.Load() || seen[l.sess.buf] {
 			continue
@@ -201,7 +202,7 @@ func TestSharedRegionKills(t *testing.T) {
 	for n := fpMappedRegions(t); n > baseline; n = fpMappedRegions(t) {
 		if time.Now().After(deadline) {
 			for _, l := range all {
-				if b, q := l.sess.buf.region.refs.Load(), l.sess.queueRegion.refs.Load(); b != 0 || q != 0 {
+				if b, q := refCount(l.sess.buf.Region()), refCount(l.sess.queueRegion); b != 0 || q != 0 {
 					t.Logf("session (killed %v, %v) still holds: buffer region %d references, queue region %d", l.killed.Load(), l.sess.Err(), b, q)
 				}
 			}

@@ -56,7 +56,7 @@ func TestRegionCommittedOnUse(t *testing.T) {
 	}
 	// At rest the open stream may keep the slice of the echo it read, for
 	// its next message (reuse.go); nothing else is in use.
-	small := uint64(sess.buf.lists[sess.buf.bySize[0]].sliceCap)
+	small := uint64(sess.buf.Lists()[0].SliceCap) // lists are in ascending size
 	if s.Buffer.InUse > small || s.Buffer.Sessions < 1 {
 		t.Errorf("Buffer.InUse %d, Sessions %d at rest with one stream open; want at most %d and at least 1", s.Buffer.InUse, s.Buffer.Sessions, small)
 	}
@@ -140,11 +140,11 @@ func TestSessionsShareRegion(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	if a.buf != b.buf || a.buf.region.path != b.buf.region.path {
-		t.Fatalf("sessions use buffer regions %q and %q; want one shared region", a.buf.region.path, b.buf.region.path)
+	if a.buf != b.buf || a.buf.Region().Path() != b.buf.Region().Path() {
+		t.Fatalf("sessions use buffer regions %q and %q; want one shared region", a.buf.Region().Path(), b.buf.Region().Path())
 	}
-	if a.queueRegion == b.queueRegion || a.queueRegion.path == b.queueRegion.path {
-		t.Fatalf("sessions share the queue region %q", a.queueRegion.path)
+	if a.queueRegion == b.queueRegion || a.queueRegion.Path() == b.queueRegion.Path() {
+		t.Fatalf("sessions share the queue region %q", a.queueRegion.Path())
 	}
 	sa := fpEcho(t, a, []byte("from a"))
 	fpEcho(t, b, []byte("from b")).Close()
@@ -204,9 +204,9 @@ func fpWaitFull(t testing.TB, sess *Session) {
 // between two echoes, on a machine that paused the test, does not hide
 // them), and the give-back is awaited with a bound of a minute.
 func TestGiveBackAfterQuiet(t *testing.T) {
-	old := giveBackPeriod
-	giveBackPeriod = 200 * time.Millisecond
-	defer func() { giveBackPeriod = old }()
+	old := circulationPeriods
+	circulationPeriods.GiveBack = 200 * time.Millisecond
+	defer func() { circulationPeriods = old }()
 	conf := DefaultConfig()
 	conf.ShareMemoryPathPrefix = shmPrefix(t, "giveback")
 	sess := dialEchoSession(t, conf)

@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"github.com/goshm/shmipc/internal/wire"
 )
 
@@ -46,9 +47,9 @@ func fzHandshakeDir(f *testing.F) string {
 
 // fzValidBufferFile is a small valid buffer region.
 func fzValidBufferFile() []byte {
-	plans := []listPlan{{sliceCap: 4, count: 3}, {sliceCap: 12, count: 2}}
+	plans := []shm.ListPlan{{SliceCap: 4, Count: 3}, {SliceCap: 12, Count: 2}}
 	mem := make([]byte, bufferRegionSize(plans)+8)
-	initBufferRegion(mem, plans)
+	shm.InitBuffer(mem, plans)
 	return mem
 }
 
@@ -148,16 +149,16 @@ func FuzzServerHandshake(f *testing.F) {
 		buf, qr := s.buf, s.queueRegion
 		var bufPath, queuePath string
 		if buf != nil {
-			bufPath = buf.region.path
+			bufPath = buf.Region().Path()
 		}
 		if qr != nil {
-			queuePath = qr.path
+			queuePath = qr.Path()
 		}
 		s.releaseRegions()
 
 		// Whatever happened, nothing stays mapped or cached.
 		if buf != nil {
-			if n := buf.region.refs.Load(); n != 0 || buf.region.mem != nil {
+			if n := refCount(buf.Region()); n != 0 || buf.Region().Mem() != nil {
 				t.Fatalf("buffer region %s still has %d references after release", bufPath, n)
 			}
 			if cachedBuffers(bufPath) != 0 {
@@ -165,7 +166,7 @@ func FuzzServerHandshake(f *testing.F) {
 			}
 		}
 		if qr != nil {
-			if n := qr.refs.Load(); n != 0 || qr.mem != nil {
+			if n := refCount(qr); n != 0 || qr.Mem() != nil {
 				t.Fatalf("queue region %s still has %d references after release", queuePath, n)
 			}
 		}

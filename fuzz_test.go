@@ -10,13 +10,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// Fuzz targets for everything a peer controls: the bytes on the socket
-// (frames and the server handshake) and the contents of the shared regions
-// (buffer region and IO queues). Inputs live in ordinary Go memory, so any
-// access outside a mapping panics, which the fuzzer reports as a crash.
+// Fuzz targets for the bytes a peer sends on the socket: frames and the
+// server handshake (the shared regions' parsers are fuzzed in
+// internal/shm). Inputs live in ordinary Go memory, so any access outside
+// a mapping panics, which the fuzzer reports as a crash.
 //
 // Run one target at a time, for example:
 //
@@ -26,26 +27,6 @@ import (
 
 // ---------------------------------------------------------------------------
 // Helpers
-
-// fzScript reads an op script; once exhausted it yields zeros.
-type fzScript struct{ b []byte }
-
-func (s *fzScript) done() bool { return len(s.b) == 0 }
-
-func (s *fzScript) u8() byte {
-	if len(s.b) == 0 {
-		return 0
-	}
-	v := s.b[0]
-	s.b = s.b[1:]
-	return v
-}
-
-func (s *fzScript) u16() uint16 { return uint16(s.u8()) | uint16(s.u8())<<8 }
-
-func (s *fzScript) u32() uint32 { return uint32(s.u16()) | uint32(s.u16())<<16 }
-
-func (s *fzScript) u64() uint64 { return uint64(s.u32()) | uint64(s.u32())<<32 }
 
 var errFzConnGone = errors.New("fuzz conn: connection reset")
 
@@ -106,8 +87,8 @@ func (c *fzConn) peerCredentials() (peerID, error) {
 
 // fzValidQueueFile is a valid queue region of capacity cap.
 func fzValidQueueFile(cap uint32) []byte {
-	mem := make([]byte, queueRegionSize(cap))
-	initQueueRegion(mem, cap)
+	mem := make([]byte, shm.QueueRegionSize(cap))
+	shm.InitQueues(mem, cap)
 	return mem
 }
 
@@ -137,8 +118,8 @@ func FuzzReadFrame(f *testing.F) {
 	const v = wire.VersionMemfd
 	polling := wire.AppendEvent(nil, v, wire.TypePolling)
 	streamClose := wire.AppendStreamClose(nil, v, 7)
-	fallback := append(wire.AppendFallbackHead(nil, v, 5, statusOpened, 11), "hello world"...)
-	emptyFallback := wire.AppendFallbackHead(nil, 2, 9, statusOpened, 0)
+	fallback := append(wire.AppendFallbackHead(nil, v, 5, shm.StatusOpened, 11), "hello world"...)
+	emptyFallback := wire.AppendFallbackHead(nil, 2, 9, shm.StatusOpened, 0)
 	hotRestart := wire.AppendHotRestart(nil, v, wire.TypeHotRestart, 42)
 	hotRestartAck := wire.AppendHotRestart(nil, v, wire.TypeHotRestartAck, 42)
 	pathFrame := rawPathFrame(2, 0, "/dev/shm/q", "/dev/shm/b")
@@ -147,7 +128,7 @@ func FuzzReadFrame(f *testing.F) {
 		several = append(several, fr...)
 	}
 	// A big fallback frame: the receive buffer must grow past readBufSize.
-	big := append(wire.AppendFallbackHead(nil, v, 3, statusOpened, 70000), bytes.Repeat([]byte{0xAB}, 70000)...)
+	big := append(wire.AppendFallbackHead(nil, v, 3, shm.StatusOpened, 70000), bytes.Repeat([]byte{0xAB}, 70000)...)
 	// Many small frames: more than readBufSize in total, so frames straddle
 	// the end of the receive buffer and the unread bytes slide down.
 	var many []byte

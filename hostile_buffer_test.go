@@ -9,10 +9,12 @@ package shmipc
 import (
 	"errors"
 	"testing"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 func hpRoot(off func(c *hpCtx) uint32) func(c *hpCtx) {
-	return func(c *hpCtx) { c.publish(c.id, off(c), statusOpened) }
+	return func(c *hpCtx) { c.publish(c.id, off(c), shm.StatusOpened) }
 }
 
 // hpSlice builds a valid message, lets damage change its slice header and
@@ -21,7 +23,7 @@ func hpSlice(damage func(c *hpCtx, a uint32)) func(c *hpCtx) {
 	return func(c *hpCtx) {
 		a := c.p.msg("payload")
 		damage(c, a)
-		c.publish(c.id, a, statusOpened)
+		c.publish(c.id, a, shm.StatusOpened)
 	}
 }
 
@@ -36,7 +38,7 @@ func hpBufferCases() []hpCase {
 		{name: "root offset in the last 8 bytes of the region", want: []string{"offset"},
 			do: hpRoot(func(c *hpCtx) uint32 { return uint32(len(c.p.buf)) - 8 })},
 		{name: "root offset in the unused tail", want: []string{"offset"},
-			do: hpRoot(func(c *hpCtx) uint32 { l := c.p.list(len(c.p.bm.lists) - 1); return l.end() })},
+			do: hpRoot(func(c *hpCtx) uint32 { l := c.p.list(len(c.p.bm.Lists()) - 1); return l.end() })},
 		{name: "root offset misaligned by 4", want: []string{"offset"},
 			do: hpRoot(func(c *hpCtx) uint32 { return c.p.msg("x") + 4 })},
 		{name: "root offset one byte into a slice", want: []string{"offset"},
@@ -119,13 +121,13 @@ func hpBufferCases() []hpCase {
 				off, next := c.p.msg("freed by"), c.p.msg(" the victim")
 				c.p.link(off, next)
 				c.p.setU32(c.p.list(0).header+listTailOff, huge)
-				c.publish(c.id, off, statusOpened)
+				c.publish(c.id, off, shm.StatusOpened)
 			}},
 		// The library reads these fields once, at mapping time; rewriting
 		// them later must change nothing.
 		{name: "list count and slice size fields rewritten", survive: hpSurviveRoundTrip,
 			do: func(c *hpCtx) {
-				for i := range c.p.bm.lists {
+				for i := range c.p.bm.Lists() {
 					h := c.p.list(i).header
 					c.p.setU32(h+listCountOff, 0xFFFFFFFF)
 					c.p.setU32(h+listCapOff, 3)
@@ -157,7 +159,7 @@ func TestFreeListHeldSlice(t *testing.T) {
 	const li = 0 // the smallest slices: what a short message takes
 	const data = "bytes the reader holds"
 	off := p.msgIn(li, data)
-	p.publish(st.ID(), off, statusOpened)
+	p.publish(st.ID(), off, shm.StatusOpened)
 	view, err := st.BufferReader().Peek(len(data)) // in place: the slice itself
 	if err != nil || string(view) != data {
 		t.Fatalf("Peek: %q, %v", view, err)

@@ -12,20 +12,22 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // hpPlans returns an initBuf that lays out the given lists.
-func hpPlans(plans ...listPlan) func(buf []byte) {
-	return func(buf []byte) { initBufferRegion(buf, plans) }
+func hpPlans(plans ...shm.ListPlan) func(buf []byte) {
+	return func(buf []byte) { shm.InitBuffer(buf, plans) }
 }
 
 // hpListHeader returns the offset of list i's header in a region laid out
 // from the reference sizes at 1 MiB.
 func hpListHeader(i int) uint32 {
 	plans, _ := planLists(1<<20, ReferenceSliceSizes())
-	off := uint32(managerHeaderSize)
+	off := uint32(shm.BufferHeaderSize)
 	for _, p := range plans[:i] {
-		off += listHeaderSize + p.count*(p.sliceCap+sliceHeaderSize)
+		off += shm.ListHeaderSize + p.Count*(p.SliceCap+shm.SliceHeaderSize)
 	}
 	return off
 }
@@ -34,7 +36,7 @@ func hpListHeader(i int) uint32 {
 // with ErrHandshake; the listener's good session is untouched.
 func TestHostileClientHandshake(t *testing.T) {
 	le := binary.LittleEndian
-	qsize := queueRegionSize(64)
+	qsize := shm.QueueRegionSize(64)
 	cases := []struct {
 		name string
 		lay  rawLayout
@@ -44,7 +46,7 @@ func TestHostileClientHandshake(t *testing.T) {
 		{"second queue cap field not matching", rawLayout{mutate: func(_, q []byte) { le.PutUint32(q[len(q)/2:], 128) }}, []string{"server-to-client", "capacity"}},
 		{"queue region of odd size", rawLayout{queueSize: qsize + 1}, []string{"queue region"}},
 		{"queue region not two whole queues", rawLayout{queueSize: qsize + 2}, []string{"queue region"}},
-		{"queue cap not a multiple of 16", rawLayout{queueSize: queueRegionSize(24)}, []string{"multiple of 16"}},
+		{"queue cap not a multiple of 16", rawLayout{queueSize: shm.QueueRegionSize(24)}, []string{"multiple of 16"}},
 		{"queue region of 16 bytes", rawLayout{queueSize: 16}, []string{"size 16"}},
 		{"queue head and tail 2^32 apart", rawLayout{mutate: func(_, q []byte) { le.PutUint64(q[queueTailOff:], 1<<32) }}, []string{"apart"}},
 		{"queue tail behind head", rawLayout{mutate: func(_, q []byte) { le.PutUint64(q[queueHeadOff:], 10); le.PutUint64(q[queueTailOff:], 5) }}, []string{"apart"}},
@@ -62,9 +64,9 @@ func TestHostileClientHandshake(t *testing.T) {
 		}}, []string{"past"}},
 		{"more lists than the used bytes hold", rawLayout{mutate: func(b, _ []byte) { le.PutUint16(b, 200) }}, []string{"outside"}},
 		{"list with no slices", rawLayout{mutate: func(b, _ []byte) { le.PutUint32(b[hpListHeader(1)+listCountOff:], 0) }}, []string{"no slices"}},
-		{"duplicate slice sizes", rawLayout{initBuf: hpPlans(listPlan{4096, 100}, listPlan{4096, 100})}, []string{"two lists", "4096"}},
-		{"slice size not a multiple of 4", rawLayout{initBuf: hpPlans(listPlan{4098, 100})}, []string{"multiple of 4"}},
-		{"slice size 0", rawLayout{initBuf: hpPlans(listPlan{0, 100})}, []string{"multiple of 4"}},
+		{"duplicate slice sizes", rawLayout{initBuf: hpPlans(shm.ListPlan{SliceCap: 4096, Count: 100}, shm.ListPlan{SliceCap: 4096, Count: 100})}, []string{"two lists", "4096"}},
+		{"slice size not a multiple of 4", rawLayout{initBuf: hpPlans(shm.ListPlan{SliceCap: 4098, Count: 100})}, []string{"multiple of 4"}},
+		{"slice size 0", rawLayout{initBuf: hpPlans(shm.ListPlan{SliceCap: 0, Count: 100})}, []string{"multiple of 4"}},
 		{"buffer region of 16 bytes", rawLayout{bufSize: 16, initBuf: func([]byte) {}}, []string{"size 16"}},
 	}
 	env := startTestServer(t, defaultConsumerSpinTime)
@@ -123,7 +125,7 @@ func TestHostileServerHandshake(t *testing.T) {
 			return err
 		}
 		fds, err := rawRecvFds(c)
-		closeFds(fds...)
+		shm.CloseFds(fds...)
 		return err
 	}
 	cases := []struct {
@@ -218,7 +220,7 @@ func TestHostileListenerStillAccepts(t *testing.T) {
 	env := startTestServer(t, defaultConsumerSpinTime)
 	for _, mode := range bothModes {
 		c := hpServerCase(t, env, mode, false)
-		c.publish(c.id, 0xFFFFFFF0, statusOpened)
+		c.publish(c.id, 0xFFFFFFF0, shm.StatusOpened)
 		expectClosedWith(t, c.victim, nil, []string{"offset"})
 	}
 	s, err := Dial("unix", env.addr, peerConfig(t, MemMapTypeDevShmFile, 0))

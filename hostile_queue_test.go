@@ -9,13 +9,15 @@ package shmipc
 import (
 	"fmt"
 	"testing"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // hpQueueCases are the IO queue corruptions both victims face.
 func hpQueueCases() []hpCase {
 	return []hpCase{
 		{name: "element for stream id 0", want: []string{"stream id 0"},
-			do: func(c *hpCtx) { c.publish(0, c.p.msg("zero"), statusOpened) }},
+			do: func(c *hpCtx) { c.publish(0, c.p.msg("zero"), shm.StatusOpened) }},
 		{name: "status 2 (HalfClosed on the wire)", want: []string{"status", "0x2"},
 			do: func(c *hpCtx) { c.publish(c.id, c.p.msg("x"), 2) }},
 		{name: "status 0x1FF", want: []string{"status", "0x1ff"},
@@ -23,7 +25,7 @@ func hpQueueCases() []hpCase {
 		{name: "status 0xFFFFFF07", want: []string{"status"},
 			do: func(c *hpCtx) { c.publish(c.id, c.p.msg("x"), 0xFFFFFF07) }},
 		{name: "close element with an offset", want: []string{"close", "offset"},
-			do: func(c *hpCtx) { c.publish(c.id, c.p.msg("x"), statusClosed) }},
+			do: func(c *hpCtx) { c.publish(c.id, c.p.msg("x"), shm.StatusClosed) }},
 		{name: "receive queue tail 2^32 ahead of head", want: []string{"head", "tail", "apart"},
 			do: func(c *hpCtx) { c.p.send.setTail(c.p.send.head() + 1<<32); c.wake() }},
 		{name: "receive queue tail just past capacity", want: []string{"apart"},
@@ -55,10 +57,10 @@ func hpQueueCases() []hpCase {
 func TestHostileClientQueue(t *testing.T) {
 	cases := append(hpQueueCases(),
 		hpCase{name: "data for an unknown stream opens it", do: func(c *hpCtx) {
-			c.publish(77, c.p.msg("implicit open"), statusOpened)
+			c.publish(77, c.p.msg("implicit open"), shm.StatusOpened)
 		}, survive: func(c *hpCtx) error { return c.expectData(77, "implicit open") }},
 		hpCase{name: "close element for an unknown stream is ignored", do: func(c *hpCtx) {
-			c.publish(78, 0, statusClosed)
+			c.publish(78, 0, shm.StatusClosed)
 		}, survive: hpSurviveRoundTrip},
 	)
 	hpAgainstServer(t, cases)
@@ -67,10 +69,10 @@ func TestHostileClientQueue(t *testing.T) {
 func TestHostileServerQueue(t *testing.T) {
 	cases := append(hpQueueCases(),
 		hpCase{name: "data for an unknown stream is dropped", do: func(c *hpCtx) {
-			c.publish(99, c.p.msg("stray"), statusOpened)
+			c.publish(99, c.p.msg("stray"), shm.StatusOpened)
 		}, survive: hpSurviveRoundTrip},
 		hpCase{name: "close element for an unknown stream is ignored", do: func(c *hpCtx) {
-			c.publish(98, 0, statusClosed)
+			c.publish(98, 0, shm.StatusClosed)
 		}, survive: hpSurviveRoundTrip},
 	)
 	hpAgainstClient(t, cases)
@@ -83,9 +85,9 @@ func TestHostileServerStrayData(t *testing.T) {
 	for _, mode := range bothModes {
 		t.Run(modeName(mode), func(t *testing.T) {
 			c := hpClientCase(t, mode, false)
-			before := c.p.bm.freeCounts()[0]
-			c.publish(99, c.p.msg("stray"), statusOpened)
-			waitUntil(t, fmt.Sprintf("the stray slice is freed (free count of list 0 back to %d)", before), peerTimeout, func() bool { return c.p.bm.freeCounts()[0] == before })
+			before := freeCounts(c.p.bm)[0]
+			c.publish(99, c.p.msg("stray"), shm.StatusOpened)
+			waitUntil(t, fmt.Sprintf("the stray slice is freed (free count of list 0 back to %d)", before), peerTimeout, func() bool { return freeCounts(c.p.bm)[0] == before })
 			c.p.write(rawFallbackFrame(c.p.version, 0, 97, 0, "stray fallback"))
 			if err := hpSurviveRoundTrip(c); err != nil {
 				t.Error(err)

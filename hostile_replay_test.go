@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // Attacks that publish slices this process already holds: the same message
@@ -25,7 +27,7 @@ func TestHostileReplayedMessage(t *testing.T) {
 		srv.dialGood(t)
 		p, _, victim := srv.connect(t, MemMapTypeMemFd)
 		root := p.msgIn(0, "once")
-		p.publish(2, root, statusOpened)
+		p.publish(2, root, shm.StatusOpened)
 		var st *Stream
 		select {
 		case st = <-accepted:
@@ -33,7 +35,7 @@ func TestHostileReplayedMessage(t *testing.T) {
 			t.Fatal("no stream accepted")
 		}
 		defer st.Close()
-		p.publish(2, root, statusOpened)
+		p.publish(2, root, shm.StatusOpened)
 		expectClosedWith(t, victim, nil, []string{"published twice"})
 		if n := st.BufferReader().Len(); n > len("once") {
 			t.Errorf("the stream holds %d unread bytes, want at most one copy of %q", n, "once")
@@ -44,8 +46,8 @@ func TestHostileReplayedMessage(t *testing.T) {
 		p, victim := acceptRawVictim(t, MemMapTypeMemFd, 0)
 		st := openPinged(t, p, victim)
 		root := p.msgIn(0, "reply")
-		p.publish(st.ID(), root, statusOpened)
-		p.publish(st.ID(), root, statusOpened)
+		p.publish(st.ID(), root, shm.StatusOpened)
+		p.publish(st.ID(), root, shm.StatusOpened)
 		expectClosedWith(t, victim, nil, []string{"published twice"})
 		if n := st.BufferReader().Len(); n > len("reply") {
 			t.Errorf("the stream holds %d unread bytes, want at most one copy of %q", n, "reply")
@@ -63,7 +65,7 @@ func TestHostileReplayFlood(t *testing.T) {
 	srv := isoStartServer(t, peerConfig(t, MemMapTypeMemFd, 0), func(st *Stream) {})
 	srv.dialGood(t)
 	const n = 40000
-	p, victim := connectLayout(t, &srv.testServer, []listPlan{{sliceCap: 4, count: n + 100}})
+	p, victim := connectLayout(t, &srv.testServer, []shm.ListPlan{{SliceCap: 4, Count: n + 100}})
 	root := longChain(t, p, 0, n)
 	var stop atomic.Bool
 	done := make(chan struct{})
@@ -89,13 +91,9 @@ func TestHostileReplayFlood(t *testing.T) {
 func TestHostileFreeCountOverflow(t *testing.T) {
 	waitsInParallel(t)
 	p, victim := acceptRawVictim(t, MemMapTypeMemFd, 0)
-	circ := victim.buf.circ
-	if circ == nil {
-		t.Fatal("the client's region has no circulation control")
-	}
 	const li = 0
 	l := p.list(li)
-	a, err := p.bm.pop(li)
+	a, err := p.bm.Pop(li)
 	if err != nil || a == 0 {
 		t.Fatalf("pop: %v", err)
 	}
@@ -106,8 +104,8 @@ func TestHostileFreeCountOverflow(t *testing.T) {
 		defer close(done)
 		for !stop.Load() {
 			p.setU32(l.header+listFreeOff, uint32(int32(l.count)-(1<<31-1)+10))
-			time.Sleep(2 * circulationPeriod)
-			for end := time.Now().Add(6 * circulationPeriod); time.Now().Before(end) && !stop.Load(); {
+			time.Sleep(2 * circulationPeriods.Look)
+			for end := time.Now().Add(6 * circulationPeriods.Look); time.Now().Before(end) && !stop.Load(); {
 				for range 1000 {
 					p.setU32(l.header+listFreeOff, 1<<30)
 					p.setU32(a+sliceNextOff, rel)
@@ -122,7 +120,7 @@ func TestHostileFreeCountOverflow(t *testing.T) {
 	// server's (8 circulation periods, 400 ms).
 	var parked int32
 	for end := time.Now().Add(shortOr(4*time.Second, 600*time.Millisecond)); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
-		parked = max(parked, circ.lists[li].parked.Load())
+		parked = max(parked, victim.buf.Lists()[li].Parked)
 	}
 	if parked > int32(l.count) {
 		t.Errorf("the client parked %d slices of a %d-slice list at once", parked, l.count)
@@ -144,11 +142,11 @@ func TestHostileFreeCountLoop(t *testing.T) {
 	p, victim := acceptRawVictim(t, MemMapTypeMemFd, 0)
 	const li = 0
 	l := p.list(li)
-	a, err := p.bm.pop(li)
+	a, err := p.bm.Pop(li)
 	if err != nil || a == 0 {
 		t.Fatalf("pop: %v", err)
 	}
-	d := p.bm.sliceData(li, a)
+	d := p.bm.SliceData(li, a)
 	for i := range d {
 		d[i] = 1 // its pages are resident: there is something to give back
 	}
@@ -158,7 +156,7 @@ func TestHostileFreeCountLoop(t *testing.T) {
 	p.setU32(l.header+listHeadOff, rel)
 	p.setU32(l.header+listTailOff, rel)
 	p.setU32(l.header+listFreeOff, 1<<31-1)
-	time.Sleep(giveBackPeriod + 500*time.Millisecond)
+	time.Sleep(circulationPeriods.GiveBack + 500*time.Millisecond)
 	closeWithin(t, victim, peerTimeout)
 	// 2³¹ pushes and fallocates would take hours; a bounded loop ends in
 	// milliseconds. The bound is for a loaded machine.
@@ -180,7 +178,7 @@ func replayForever(p *rawPeer, id, root uint32, stop *atomic.Bool) {
 		s := q.slot(i)
 		binary.LittleEndian.PutUint32(s[elemIDOff:], id)
 		binary.LittleEndian.PutUint32(s[elemOffsetOff:], root)
-		binary.LittleEndian.PutUint32(s[elemStatusOff:], statusOpened)
+		binary.LittleEndian.PutUint32(s[elemStatusOff:], shm.StatusOpened)
 	}
 	for !stop.Load() {
 		if h, t := q.head(), q.tail(); t < h+int64(q.cap) {
@@ -195,10 +193,10 @@ func replayForever(p *rawPeer, id, root uint32, stop *atomic.Bool) {
 
 // connectLayout connects a hostile client to env whose buffer region has
 // the given lists, and returns it with the server session it got.
-func connectLayout(t *testing.T, env *testServer, plans []listPlan) (*rawPeer, *Session) {
+func connectLayout(t *testing.T, env *testServer, plans []shm.ListPlan) (*rawPeer, *Session) {
 	t.Helper()
 	size := (int(bufferRegionSize(plans)) + 4095) &^ 4095
-	p, _, victim := connectRawClientLayout(t, env, MemMapTypeMemFd, rawLayout{bufSize: size, initBuf: func(b []byte) { initBufferRegion(b, plans) }})
+	p, _, victim := connectRawClientLayout(t, env, MemMapTypeMemFd, rawLayout{bufSize: size, initBuf: func(b []byte) { shm.InitBuffer(b, plans) }})
 	return p, victim
 }
 
@@ -208,11 +206,11 @@ func longChain(t *testing.T, p *rawPeer, li, n int) uint32 {
 	t.Helper()
 	offs := make([]uint32, n)
 	for i := range offs {
-		off, err := p.bm.pop(li)
+		off, err := p.bm.Pop(li)
 		if err != nil || off == 0 {
 			t.Fatalf("pop %d: %v", i, err)
 		}
-		copy(p.bm.sliceData(li, off), "abcd")
+		copy(p.bm.SliceData(li, off), "abcd")
 		offs[i] = off
 	}
 	for i := n - 1; i >= 0; i-- {
@@ -220,7 +218,7 @@ func longChain(t *testing.T, p *rawPeer, li, n int) uint32 {
 		if i < n-1 {
 			next = offs[i+1]
 		}
-		p.bm.linkSlice(offs[i], 4, next)
+		p.bm.LinkSlice(offs[i], 4, next)
 	}
 	return offs[0]
 }

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // Config.MaxStreams: a client holds at most MaxStreams streams open; a
@@ -176,14 +178,14 @@ func TestMaxStreamsPendingCloseCounts(t *testing.T) {
 	p, victim := connectRawClient(t, env, MemMapTypeMemFd)
 
 	// No wake-up: the server finds these in the drain before frame 5.
-	p.send.put(3, p.msg("three"), statusOpened)
-	p.send.put(3, 0, statusClosed)
-	p.send.put(7, p.msg("seven"), statusOpened)
-	frames := rawFallbackFrame(p.version, 0, 5, statusOpened, "five")
+	p.send.put(3, p.msg("three"), shm.StatusOpened)
+	p.send.put(3, 0, shm.StatusClosed)
+	p.send.put(7, p.msg("seven"), shm.StatusOpened)
+	frames := rawFallbackFrame(p.version, 0, 5, shm.StatusOpened, "five")
 	frames = append(frames, rawFrame(12, rawMagic, p.version, 2, 0, 0, 0, 5)...)
 	p.write(frames)
 	// 7 ends with a close through the queue and a wake-up.
-	p.publish(7, 0, statusClosed)
+	p.publish(7, 0, shm.StatusClosed)
 
 	want := map[string]bool{"three": true, "five": true, "seven": true}
 	for range 3 {

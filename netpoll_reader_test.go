@@ -16,7 +16,7 @@ import (
 
 // npInShm reports whether p lies in the session's buffer region.
 func npInShm(st *Stream, p []byte) bool {
-	mem := st.s.buf.mem
+	mem := st.s.buf.Region().Mem()
 	lo := uintptr(unsafe.Pointer(unsafe.SliceData(mem)))
 	a := uintptr(unsafe.Pointer(unsafe.SliceData(p)))
 	return a >= lo && a+uintptr(len(p)) <= lo+uintptr(len(mem))
@@ -29,8 +29,8 @@ func npAliasesSegment(st *Stream, p []byte) bool {
 	defer st.mu.Unlock()
 	a := uintptr(unsafe.Pointer(unsafe.SliceData(p)))
 	for _, seg := range st.reader.segs {
-		lo := uintptr(unsafe.Pointer(unsafe.SliceData(seg.data)))
-		if a >= lo && a+uintptr(len(p)) <= lo+uintptr(len(seg.data)) {
+		lo := uintptr(unsafe.Pointer(unsafe.SliceData(seg.Data)))
+		if a >= lo && a+uintptr(len(p)) <= lo+uintptr(len(seg.Data)) {
 			return true
 		}
 	}

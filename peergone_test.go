@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // A server that stops reading its end of the connection (shutdown of its
@@ -55,7 +57,7 @@ func TestWriteToPeerThatStoppedReading(t *testing.T) {
 		if err != nil {
 			t.Fatalf("the message of a write that returned nil (%q): %v", want, err)
 		}
-		if got, err := p.readMsg(e.offset); err != nil || got != want {
+		if got, err := p.readMsg(e.Offset); err != nil || got != want {
 			t.Fatalf("the server reads %q, %v; want %q", got, err, want)
 		}
 	}
@@ -69,7 +71,7 @@ func TestWriteToPeerThatStoppedReading(t *testing.T) {
 		t.Fatal("the session ended at the failed write; the peer's data still to come would be lost")
 	}
 
-	p.publish(st.ID(), p.msg("reply"), statusOpened)
+	p.publish(st.ID(), p.msg("reply"), shm.StatusOpened)
 	st.SetReadDeadline(time.Now().Add(peerTimeout))
 	got := make([]byte, 5)
 	if _, err := io.ReadFull(st, got); err != nil || string(got) != "reply" {
@@ -174,8 +176,8 @@ func TestPeerPublishesThenCloses(t *testing.T) {
 			// correct producer then publishes without a Polling frame.
 			atomic.StoreUint32(p.send.u32(queueFlagOff), 1)
 			for i, st := range sts {
-				p.send.put(st.ID(), p.msg(fmt.Sprintf("last words %d", i)), statusOpened)
-				p.send.put(st.ID(), 0, statusClosed)
+				p.send.put(st.ID(), p.msg(fmt.Sprintf("last words %d", i)), shm.StatusOpened)
+				p.send.put(st.ID(), 0, shm.StatusClosed)
 			}
 			if !tc.reset {
 				// Read what we sent (Polling frames) first: a socket closed

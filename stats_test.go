@@ -64,7 +64,7 @@ func TestStats(t *testing.T) {
 		}
 	}
 	// A Reserve larger than any slice goes as fallback data.
-	big := int(sess.buf.usable) + 1
+	big := maxSliceCap(sess.buf) + 1
 	p, err := st.BufferWriter().Reserve(big)
 	if err != nil {
 		t.Fatal(err)

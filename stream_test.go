@@ -131,13 +131,13 @@ func streamPattern(n int, seed uint64) []byte {
 // its free list. The peer frees asynchronously, hence the polling.
 func waitFreeListsFull(t *testing.T, s *Session) {
 	t.Helper()
-	want := make([]int32, len(s.buf.lists))
-	for i := range s.buf.lists {
-		want[i] = int32(s.buf.lists[i].count)
+	var want []int32
+	for _, l := range s.buf.Lists() {
+		want = append(want, int32(l.Count))
 	}
 	deadline := time.Now().Add(2 * time.Second)
 	for {
-		got := s.buf.freeCounts()
+		got := freeCounts(s.buf)
 		if slices.Equal(got, want) {
 			return
 		}

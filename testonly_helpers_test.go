@@ -1,55 +1,82 @@
 package shmipc
 
+import (
+	"runtime"
+
+	"github.com/goshm/shmipc/internal/shm"
+)
+
 // Library helpers that only tests use.
 
-// createRegion is createRegionPerm with permissions 0o600.
-func createRegion(mode MemMapType, path string, size int) (*region, int, error) {
-	return createRegionPerm(mode, path, size, 0o600)
+// createRegion is shm.CreateRegion with permissions 0o600.
+func createRegion(mode MemMapType, path string, size int) (*shm.Region, int, error) {
+	return shm.CreateRegion(mode == MemMapTypeMemFd, path, size, 0o600)
 }
 
 // bufferRegionSize is the space a region of plans occupies.
-func bufferRegionSize(plans []listPlan) uint64 {
-	n := uint64(managerHeaderSize)
+func bufferRegionSize(plans []shm.ListPlan) uint64 {
+	n := uint64(shm.BufferHeaderSize)
 	for _, p := range plans {
-		n += listHeaderSize + uint64(p.count)*(uint64(p.sliceCap)+sliceHeaderSize)
+		n += shm.ListHeaderSize + uint64(p.Count)*(uint64(p.SliceCap)+shm.SliceHeaderSize)
 	}
 	return n
 }
 
-// maxSliceCap is the data capacity of the largest slice.
-func (m *bufferManager) maxSliceCap() uint32 {
-	return m.lists[m.bySize[len(m.bySize)-1]].sliceCap
-}
+// Offsets in the shared-memory layouts (docs/protocol.md §6, §7), as a peer
+// writing raw bytes sees them, and the name memfds are given before the
+// region path.
+const (
+	listFreeOff, listCountOff, listHeadOff, listTailOff, listCapOff         = 0, 4, 8, 12, 16
+	sliceCapOff, sliceSizeOff, sliceStartOff, sliceNextOff, sliceFlagsOff   = 0, 4, 8, 12, 16
+	flagHasNext, flagInUse                                                  = 0x01, 0x02
+	queueHeaderSize, queueElemSize, elemIDOff, elemOffsetOff, elemStatusOff = 24, 12, 0, 4, 8
+	queueCapOff                                                             = 0
+	memfdNamePrefix                                                         = "shmipc"
+)
 
-// pop takes one free slice from list li (docs/protocol.md §6.8). It returns the
-// absolute offset of the slice header, or 0 when the list has no slice to
-// spare. An error means the list is corrupt.
-func (m *bufferManager) pop(li int) (uint32, error) {
-	return m.popLeaving(li, 0)
-}
-
-// pop removes the oldest element of q. It reports false when q is empty.
-func (q *ioQueue) pop() (queueElem, bool, error) {
-	e, ok, err := q.peek()
-	if ok {
-		q.skip()
+// The queue header's other fields: on arm64 its 64-bit counters are 8-byte
+// aligned.
+var queueHeadOff, queueTailOff, queueFlagOff = func() (int, int, int) {
+	if runtime.GOARCH == "arm64" {
+		return 8, 16, 4
 	}
-	return e, ok, err
+	return 4, 12, 20
+}()
+
+// refCount is 1 while r is referenced and 0 once it has been released.
+func refCount(r *shm.Region) int32 {
+	if !r.Acquire() {
+		return 0
+	}
+	r.Release()
+	return 1
 }
 
-// end is the offset just past the last slice of l.
-func (l *sliceList) end() uint32 { return l.area + l.count*l.stride }
+// maxSliceCap is the data capacity of the largest slice of m that can be
+// handed out (a list keeps its last slice).
+func maxSliceCap(m *shm.Buffer) int {
+	most := 0
+	for _, l := range m.Lists() {
+		if l.Count >= 2 {
+			most = max(most, int(l.SliceCap))
+		}
+	}
+	return most
+}
+
+// freeCounts returns the free slices of each list of m: those on the free
+// list and those this process has parked.
+func freeCounts(m *shm.Buffer) []int32 {
+	var free []int32
+	for _, l := range m.Lists() {
+		free = append(free, l.Free)
+	}
+	return free
+}
 
 // free reports whether enter would find a slot now.
 func (g *spinGovernor) free() bool {
 	return g.active.Load() < g.slots.Load() && g.offUntil.Load() == 0
-}
-
-// freeCounts returns the free slices of each list: those on the free list
-// and those this process has parked (circulation.go).
-func (m *bufferManager) freeCounts() []int32 {
-	free, _ := m.counts()
-	return free
 }
 
 // failure is why this side ended the stream (fail), or nil.

@@ -146,7 +146,7 @@ func dialListenerSession(t *testing.T, ln *Listener, conf *Config) (c, srv *Sess
 	}
 	waitUntil(t, "the listener registers the session", peerTimeout, func() bool {
 		for s := range listenerSessions(ln) {
-			if s.queueRegion != nil && s.queueRegion.path == c.queueRegion.path {
+			if s.queueRegion != nil && s.queueRegion.Path() == c.queueRegion.Path() {
 				srv = s
 				return true
 			}

@@ -10,6 +10,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"github.com/goshm/shmipc/internal/wire"
 	"golang.org/x/sys/unix"
 )
@@ -205,7 +206,7 @@ func (c *eventConn) writeFallback(version uint8, id uint32, data [][]byte, deadl
 		}
 		c.deadline = deadline
 	}
-	c.wbuf = wire.AppendFallbackHead(c.wbuf[:0], version, id, statusOpened, n)
+	c.wbuf = wire.AppendFallbackHead(c.wbuf[:0], version, id, shm.StatusOpened, n)
 	total := len(c.wbuf) + n
 	c.wvec = append(append(c.wvec[:0], c.wbuf), data...)
 	bufs := c.wvec
@@ -267,7 +268,7 @@ func (c *eventConn) recvFds(n int) ([]int, error) {
 		err = fmt.Errorf("fd message carries %d fds, want %d", len(fds), n)
 	}
 	if err != nil {
-		closeFds(fds...)
+		shm.CloseFds(fds...)
 		return nil, err
 	}
 	return fds, nil

@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // rawVictimOver is acceptRawVictimWith with the client's session made by
@@ -29,14 +31,14 @@ func rawVictimOver(t *testing.T, mode MemMapType, dial func(sock string, conf *C
 	if res.err != nil {
 		t.Fatalf("handshake: %v", res.err)
 	}
-	bm, err := newBufferManager(&region{mem: buf}, false)
+	bm, err := shm.NewBuffer(shm.RegionOf(buf), false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	half := len(q) / 2
 	qcap := uint32((half - queueHeaderSize) / queueElemSize)
 	return &rawPeer{
-		t: t, conn: c, version: v, buf: buf, bm: bm,
+		t: t, conn: c, version: v, buf: buf, bm: bm, lists: rawLists(buf),
 		send: rawQueue{mem: q[half:], cap: qcap},
 		recv: rawQueue{mem: q[:half], cap: qcap},
 	}, res.s
@@ -112,7 +114,7 @@ func TestWakeupDoesNotWaitForSocket(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, err := p.readMsg(e.offset); err != nil || got != "hello" {
+	if got, err := p.readMsg(e.Offset); err != nil || got != "hello" {
 		t.Errorf("the message on the queue: %q, %v", got, err)
 	}
 	if victim.IsClosed() {
@@ -186,7 +188,7 @@ func TestWriteCountsQueuedMessage(t *testing.T) {
 	if werr != nil {
 		t.Fatal(werr)
 	}
-	if got, err := p.readMsg(e.offset); err != nil || got != "hello" {
+	if got, err := p.readMsg(e.Offset); err != nil || got != "hello" {
 		t.Errorf("the message on the queue: %q, %v", got, err)
 	}
 }

@@ -7,6 +7,8 @@ package shmipc
 import (
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // TestZeroCopyBytesStayWritableByPeer: a server (the raw peer) sends
@@ -36,12 +38,12 @@ func TestZeroCopyBytesStayWritableByPeer(t *testing.T) {
 		}},
 	} {
 		off := p.msgIn(li, "len=0005")
-		p.publish(st.ID(), off, statusOpened)
+		p.publish(st.ID(), off, shm.StatusOpened)
 		got, err := c.read()
 		if err != nil || string(got) != "len=0005" {
 			t.Fatalf("%s: (%q, %v), want len=0005", c.name, got, err)
 		}
-		copy(p.bm.sliceData(li, off), "len=9999") // the peer, after the read returned
+		copy(p.bm.SliceData(li, off), "len=9999") // the peer, after the read returned
 		if c.name == "Read" {
 			if string(got) != "len=0005" {
 				t.Errorf("Read's copy changed to %q when the peer wrote its slice", got)

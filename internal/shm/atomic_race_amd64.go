@@ -1,6 +1,6 @@
 //go:build race && amd64
 
-package shmipc
+package shm
 
 // Atomic operations on words of shared memory, for race-detector builds.
 // There sync/atomic runs the operation in the race runtime's C code on the

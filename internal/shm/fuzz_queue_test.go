@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 // FuzzQueue: the IO queues' region as a peer may leave it.
 
@@ -15,10 +15,10 @@ import (
 // fzQueueModel is the expected content of one queue while its counters have
 // only been moved through put and pop.
 type fzQueueModel struct {
-	q        *ioQueue
+	q        *Queue
 	off      int // offset of this half in the region
 	pristine bool
-	elems    []queueElem
+	elems    []Elem
 	flag     uint32
 }
 
@@ -32,13 +32,13 @@ func fzQueueSize(data []byte, sizeSel uint8) int {
 	case 0:
 		return len(data)
 	default:
-		return queueRegionSize(uint32(16 * sel))
+		return QueueRegionSize(uint32(16 * sel))
 	}
 }
 
 func FuzzQueue(f *testing.F) {
 	const fix = 0x80 // sizeSel bit: write the right capacity into both headers
-	q16, q32 := fzValidQueueFile(16), fzValidQueueFile(32)
+	q16, q32 := fzValidQueue(16), fzValidQueue(32)
 	var script []byte
 	elem := func(op byte, id, off, status uint32) {
 		script = append(script, op)
@@ -50,7 +50,7 @@ func FuzzQueue(f *testing.F) {
 		elem(0, uint32(i+1), uint32(44+i*24), 0) // put on c2s
 	}
 	script = append(script, 1, 1, 1, 0x81, 5, 6, 0x85, 6, 7)
-	elem(0x80, 9, 0, statusClosed) // put on s2c
+	elem(0x80, 9, 0, StatusClosed) // put on s2c
 	script = append(script, 0x81, 0x81, 8)
 	corrupt := append([]byte{}, script...)
 	for _, field := range []byte{2, 3, 4} {
@@ -106,7 +106,7 @@ func FuzzQueue(f *testing.F) {
 				return false
 			}
 			c := (half - queueHeaderSize) / queueElemSize
-			if c%16 != 0 || c > maxQueueCap {
+			if c%16 != 0 || c > MaxQueueCap {
 				return false
 			}
 			for _, h := range []int{0, half} {
@@ -126,7 +126,7 @@ func FuzzQueue(f *testing.F) {
 		}
 
 		want := mapOK()
-		c2s, s2c, err := mapQueues(mem)
+		c2s, s2c, err := MapQueues(mem)
 		if (err == nil) != want {
 			t.Fatalf("mapQueues of %d bytes: err %v, want success %v", size, err, want)
 		}
@@ -165,10 +165,10 @@ func FuzzQueue(f *testing.F) {
 			hm := mem[md.off:]
 			switch op & 0x7F % 10 {
 			case 0: // put
-				e := queueElem{id: s.u32(), offset: s.u32(), status: s.u32()}
+				e := Elem{ID: s.u32(), Offset: s.u32(), Status: s.u32()}
 				t0 := q.ptail
 				head := int64(binary.LittleEndian.Uint64(hm[queueHeadOff:]))
-				ok, err := q.put(e)
+				ok, err := q.Put(e)
 				n := t0 - head
 				switch {
 				case n < 0 || n > int64(q.cap):
@@ -201,7 +201,7 @@ func FuzzQueue(f *testing.F) {
 			case 1: // pop
 				h0 := q.chead.Load()
 				tail := int64(binary.LittleEndian.Uint64(hm[queueTailOff:]))
-				var slotElem queueElem
+				var slotElem Elem
 				n := tail - h0
 				if n > 0 && n <= int64(q.cap) {
 					slotElem = fzReadElem(hm, q.cap, h0)
@@ -269,7 +269,7 @@ func FuzzQueue(f *testing.F) {
 			case 4: // corrupt cap: read only at mapping, so nothing changes
 				binary.LittleEndian.PutUint32(hm[queueCapOff:], s.u32())
 			case 5: // markWorking
-				got := q.markWorking()
+				got := q.MarkWorking()
 				if got != (md.flag == 0) {
 					t.Fatalf("markWorking with flag %d returned %v", md.flag, got)
 				}
@@ -278,7 +278,7 @@ func FuzzQueue(f *testing.F) {
 				}
 			case 6: // setWorking
 				on := s.u8()&1 != 0
-				q.setWorking(on)
+				q.SetWorking(on)
 				md.flag = 0
 				if on {
 					md.flag = 1
@@ -288,7 +288,7 @@ func FuzzQueue(f *testing.F) {
 				binary.LittleEndian.PutUint32(hm[queueFlagOff:], md.flag)
 			case 8: // isEmpty
 				tail := int64(binary.LittleEndian.Uint64(hm[queueTailOff:]))
-				if got := q.isEmpty(); got != (tail == q.chead.Load()) || (md.pristine && got != (len(md.elems) == 0)) {
+				if got := q.IsEmpty(); got != (tail == q.chead.Load()) || (md.pristine && got != (len(md.elems) == 0)) {
 					t.Fatalf("isEmpty = %v with tail %d head %d, %d queued", got, tail, q.chead.Load(), len(md.elems))
 				}
 			case 9: // raw write anywhere, then map again
@@ -298,7 +298,7 @@ func FuzzQueue(f *testing.F) {
 					mem[off+i] = s.u8()
 				}
 				want := mapOK()
-				nc, ns, err := mapQueues(mem)
+				nc, ns, err := MapQueues(mem)
 				if (err == nil) != want {
 					t.Fatalf("remap: err %v, want success %v", err, want)
 				}
@@ -316,11 +316,11 @@ func FuzzQueue(f *testing.F) {
 
 // fzReadElem reads the element for counter c of the queue half hm, as
 // docs/protocol.md §7.3 places it.
-func fzReadElem(hm []byte, cap uint32, c int64) queueElem {
+func fzReadElem(hm []byte, cap uint32, c int64) Elem {
 	off := queueHeaderSize + int(uint64(c)%uint64(cap))*queueElemSize
-	return queueElem{
-		id:     binary.LittleEndian.Uint32(hm[off:]),
-		offset: binary.LittleEndian.Uint32(hm[off+4:]),
-		status: binary.LittleEndian.Uint32(hm[off+8:]),
+	return Elem{
+		ID:     binary.LittleEndian.Uint32(hm[off:]),
+		Offset: binary.LittleEndian.Uint32(hm[off+4:]),
+		Status: binary.LittleEndian.Uint32(hm[off+8:]),
 	}
 }

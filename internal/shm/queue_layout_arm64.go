@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 // Queue header field offsets on arm64 (docs/protocol.md §7.2), where the 64-bit
 // counters must be 8-byte aligned.

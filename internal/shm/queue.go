@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 import (
 	"encoding/binary"
@@ -13,7 +13,7 @@ import (
 const (
 	queueHeaderSize = 24
 	queueElemSize   = 12 // u32 stream id, u32 root slice offset, u32 status
-	maxQueueCap     = 1 << 20
+	MaxQueueCap     = 1 << 20
 
 	elemIDOff     = 0
 	elemOffsetOff = 4
@@ -22,27 +22,27 @@ const (
 
 // Stream states carried in the status field (docs/protocol.md §9.3).
 const (
-	statusOpened = 0
-	statusClosed = 1
-	statusMask   = 0xFF
+	StatusOpened = 0
+	StatusClosed = 1
+	StatusMask   = 0xFF
 )
 
-// queueRegionSize is the size of a queue region whose halves hold cap
+// QueueRegionSize is the size of a queue region whose halves hold cap
 // elements each.
-func queueRegionSize(cap uint32) int {
+func QueueRegionSize(cap uint32) int {
 	return 2 * (queueHeaderSize + queueElemSize*int(cap))
 }
 
-type queueElem struct {
-	id     uint32
-	offset uint32
-	status uint32
+type Elem struct {
+	ID     uint32
+	Offset uint32
+	Status uint32
 }
 
-// ioQueue is one half of a queue region, produced into by one process and
+// Queue is one half of a queue region, produced into by one process and
 // consumed by the other. Each side keeps its own counter locally and only
 // reads the other side's from shared memory, checking it before use.
-type ioQueue struct {
+type Queue struct {
 	mem  []byte
 	cap  uint32
 	head *int64
@@ -54,24 +54,24 @@ type ioQueue struct {
 	chead atomic.Int64 // consumer: next head; written by the receive loop
 }
 
-// initQueueRegion writes both queue headers of a new, zero-filled region.
-func initQueueRegion(mem []byte, cap uint32) {
+// InitQueues writes both queue headers of a new, zero-filled region.
+func InitQueues(mem []byte, cap uint32) {
 	half := len(mem) / 2
 	binary.LittleEndian.PutUint32(mem[queueCapOff:], cap)
 	binary.LittleEndian.PutUint32(mem[half+queueCapOff:], cap)
 }
 
-// mapQueues checks a queue region and returns its two halves: the
+// MapQueues checks a queue region and returns its two halves: the
 // client→server queue, then the server→client queue.
-func mapQueues(mem []byte) (c2s, s2c *ioQueue, err error) {
+func MapQueues(mem []byte) (c2s, s2c *Queue, err error) {
 	size := len(mem)
 	if size%2 != 0 || size/2 < queueHeaderSize+queueElemSize {
 		return nil, nil, fmt.Errorf("queue region of %d bytes cannot hold two queues", size)
 	}
 	half := size / 2
 	want := (half - queueHeaderSize) / queueElemSize
-	if (half-queueHeaderSize)%queueElemSize != 0 || want%16 != 0 || want > maxQueueCap {
-		return nil, nil, fmt.Errorf("queue region of %d bytes does not hold two queues of a capacity that is a multiple of 16 up to %d", size, maxQueueCap)
+	if (half-queueHeaderSize)%queueElemSize != 0 || want%16 != 0 || want > MaxQueueCap {
+		return nil, nil, fmt.Errorf("queue region of %d bytes does not hold two queues of a capacity that is a multiple of 16 up to %d", size, MaxQueueCap)
 	}
 	if c2s, err = newQueue(mem[:half], uint32(want)); err != nil {
 		return nil, nil, fmt.Errorf("client-to-server queue: %w", err)
@@ -82,11 +82,11 @@ func mapQueues(mem []byte) (c2s, s2c *ioQueue, err error) {
 	return c2s, s2c, nil
 }
 
-func newQueue(mem []byte, want uint32) (*ioQueue, error) {
+func newQueue(mem []byte, want uint32) (*Queue, error) {
 	if got := binary.LittleEndian.Uint32(mem[queueCapOff:]); got != want {
 		return nil, fmt.Errorf("header says capacity %d, its size says %d", got, want)
 	}
-	q := &ioQueue{
+	q := &Queue{
 		mem:  mem,
 		cap:  want,
 		head: (*int64)(unsafe.Pointer(&mem[queueHeadOff])),
@@ -107,19 +107,22 @@ func newQueue(mem []byte, want uint32) (*ioQueue, error) {
 	return q, nil
 }
 
-func (q *ioQueue) slot(counter int64) []byte {
+// Cap is the number of elements the queue holds.
+func (q *Queue) Cap() uint32 { return q.cap }
+
+func (q *Queue) slot(counter int64) []byte {
 	off := queueHeaderSize + int(uint64(counter)%uint64(q.cap))*queueElemSize
 	return q.mem[off : off+queueElemSize]
 }
 
-func (q *ioQueue) corrupt(head, tail int64) error {
+func (q *Queue) corrupt(head, tail int64) error {
 	return fmt.Errorf("%w: IO queue: head %d and tail %d are %d apart, capacity %d", ErrProtocol, head, tail, tail-head, q.cap)
 }
 
-// put appends an element. It reports false when the queue is full. The
+// Put appends an element. It reports false when the queue is full. The
 // tail is published with a sequentially consistent store, after the
 // element and the message it names have been written.
-func (q *ioQueue) put(e queueElem) (bool, error) {
+func (q *Queue) Put(e Elem) (bool, error) {
 	q.mu.Lock()
 	defer q.mu.Unlock() // deferred: a fault in a shrunk mapping must not leave it locked
 	t := q.ptail
@@ -130,72 +133,72 @@ func (q *ioQueue) put(e queueElem) (bool, error) {
 		return false, nil
 	}
 	s := q.slot(t)
-	binary.LittleEndian.PutUint32(s[elemIDOff:], e.id)
-	binary.LittleEndian.PutUint32(s[elemOffsetOff:], e.offset)
-	binary.LittleEndian.PutUint32(s[elemStatusOff:], e.status)
+	binary.LittleEndian.PutUint32(s[elemIDOff:], e.ID)
+	binary.LittleEndian.PutUint32(s[elemOffsetOff:], e.Offset)
+	binary.LittleEndian.PutUint32(s[elemStatusOff:], e.Status)
 	q.ptail = t + 1
 	shmStoreInt64(q.tail, t+1)
 	return true, nil
 }
 
-// peek returns the oldest element without removing it, or false when the
+// Peek returns the oldest element without removing it, or false when the
 // queue is empty; skip then removes it. Only one goroutine at a time may
-// consume. The element is read once: what skip removes is what peek
+// consume. The element is read once: what Skip removes is what Peek
 // returned, whatever the peer writes into the slot meanwhile.
-func (q *ioQueue) peek() (queueElem, bool, error) {
+func (q *Queue) Peek() (Elem, bool, error) {
 	h := q.chead.Load()
 	t := shmLoadInt64(q.tail)
 	if n := t - h; n < 0 || n > int64(q.cap) {
-		return queueElem{}, false, q.corrupt(h, t)
+		return Elem{}, false, q.corrupt(h, t)
 	} else if n == 0 {
-		return queueElem{}, false, nil
+		return Elem{}, false, nil
 	}
 	s := q.slot(h)
-	e := queueElem{
-		id:     binary.LittleEndian.Uint32(s[elemIDOff:]),
-		offset: binary.LittleEndian.Uint32(s[elemOffsetOff:]),
-		status: binary.LittleEndian.Uint32(s[elemStatusOff:]),
+	e := Elem{
+		ID:     binary.LittleEndian.Uint32(s[elemIDOff:]),
+		Offset: binary.LittleEndian.Uint32(s[elemOffsetOff:]),
+		Status: binary.LittleEndian.Uint32(s[elemStatusOff:]),
 	}
 	return e, true, nil
 }
 
-// skip removes the element peek returned.
-func (q *ioQueue) skip() {
+// Skip removes the element Peek returned.
+func (q *Queue) Skip() {
 	h := q.chead.Load() + 1
 	q.chead.Store(h)
 	shmStoreInt64(q.head, h)
 }
 
-// depth is the number of elements published and not yet taken, as far as
+// Depth is the number of elements published and not yet taken, as far as
 // this side can tell.
-func (q *ioQueue) depth() int64 {
+func (q *Queue) Depth() int64 {
 	return max(0, shmLoadInt64(q.tail)-shmLoadInt64(q.head))
 }
 
-// isEmpty reports whether the consumer has taken every element published.
-func (q *ioQueue) isEmpty() bool {
+// IsEmpty reports whether the consumer has taken every element published.
+func (q *Queue) IsEmpty() bool {
 	return shmLoadInt64(q.tail) == q.chead.Load()
 }
 
-// looksEmpty is isEmpty for a spinner. It also reads the slot the next
+// LooksEmpty is IsEmpty for a spinner. It also reads the slot the next
 // element will be written to, so that the element's cache line is fetched
 // from the producer's core along with the tail's rather than after it.
-func (q *ioQueue) looksEmpty() bool {
+func (q *Queue) LooksEmpty() bool {
 	h := q.chead.Load()
 	_ = shmLoadUint32((*uint32)(unsafe.Pointer(&q.slot(h)[0])))
 	return shmLoadInt64(q.tail) == h
 }
 
-// markWorking sets the working flag if it was clear; the producer sends a
+// MarkWorking sets the working flag if it was clear; the producer sends a
 // wake-up only then (docs/protocol.md §7.5). Loading first spares an awake
 // consumer a write to the shared line; the load is still ordered after the
 // tail store, as both are sequentially consistent.
-func (q *ioQueue) markWorking() bool {
+func (q *Queue) MarkWorking() bool {
 	return shmLoadUint32(q.flag) == 0 && shmCASUint32(q.flag, 0, 1)
 }
 
-// setWorking stores the consumer's working flag.
-func (q *ioQueue) setWorking(on bool) {
+// SetWorking stores the consumer's working flag.
+func (q *Queue) SetWorking(on bool) {
 	var v uint32
 	if on {
 		v = 1

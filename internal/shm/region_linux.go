@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 import (
 	"errors"
@@ -18,25 +18,35 @@ const (
 	maxMemfdName    = 249 // Linux's limit on a memfd name
 )
 
-// region is one mapped shared-memory region: a buffer region or a queue
+// Region is one mapped shared-memory region: a buffer region or a queue
 // region. It is reference counted; the last release unmaps it and, for a
 // file this process is responsible for, removes the file.
-type region struct {
+type Region struct {
 	mem      []byte
 	path     string // the name on the wire
 	file     string // file to remove on the last release, or ""
 	dev, ino uint64 // identity of the backing file, for the mapping cache
 	refs     atomic.Int32
-	// fd is a descriptor of the region kept open (see keepFd), valid when
+	// fd is a descriptor of the region kept open (see KeepFd), valid when
 	// hasFd is set: for statistics, and for giving memory back.
 	fd    int
 	hasFd bool
 	// onLastRelease runs under no lock before unmapping (cache removal).
 	onLastRelease func()
+	mapped        bool // mem is a mapping of this Region's, to unmap
 }
 
-// acquire takes a reference; it fails once the region has been released.
-func (r *region) acquire() bool {
+// RegionOf makes a Region of memory its caller mapped itself, or of Go
+// memory laid out as a region, holding one reference. Releasing it never
+// unmaps mem.
+func RegionOf(mem []byte) *Region {
+	r := &Region{mem: mem}
+	r.refs.Store(1)
+	return r
+}
+
+// Acquire takes a reference; it fails once the region has been released.
+func (r *Region) Acquire() bool {
 	for {
 		n := r.refs.Load()
 		if n <= 0 {
@@ -48,8 +58,8 @@ func (r *region) acquire() bool {
 	}
 }
 
-// release drops a reference and unmaps the region when it was the last.
-func (r *region) release() {
+// Release drops a reference and unmaps the region when it was the last.
+func (r *Region) Release() {
 	if r.refs.Add(-1) != 0 {
 		return
 	}
@@ -59,7 +69,9 @@ func (r *region) release() {
 	if r.file != "" && sameFile(r.file, r.dev, r.ino) {
 		_ = unix.Unlink(r.file)
 	}
-	_ = unix.Munmap(r.mem)
+	if r.mapped {
+		_ = unix.Munmap(r.mem)
+	}
 	r.mem = nil
 	if r.hasFd {
 		unix.Close(r.fd)
@@ -67,9 +79,9 @@ func (r *region) release() {
 	}
 }
 
-// keepFd keeps a duplicate of fd, the region's descriptor, open until the
+// KeepFd keeps a duplicate of fd, the region's descriptor, open until the
 // region is unmapped.
-func (r *region) keepFd(fd int) error {
+func (r *Region) KeepFd(fd int) error {
 	kept, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return fmt.Errorf("keep region %s open: %w", r.path, err)
@@ -78,11 +90,34 @@ func (r *region) keepFd(fd int) error {
 	return nil
 }
 
-// committed returns how many bytes of the region are backed by memory now,
+// Mem is the mapped region, valid until the last release.
+func (r *Region) Mem() []byte { return r.mem }
+
+// Path is the region's name on the wire.
+func (r *Region) Path() string { return r.path }
+
+// Fd is the descriptor KeepFd kept open, to be passed to the peer.
+func (r *Region) Fd() int { return r.fd }
+
+// RemoveOnRelease makes the last release remove the region's file, which
+// this process is responsible for.
+func (r *Region) RemoveOnRelease() { r.file = r.path }
+
+// RemovesFile reports whether the last release removes a file.
+func (r *Region) RemovesFile() bool { return r.file != "" }
+
+// Backs reports whether st, from StatRegular, is the region's file.
+func (r *Region) Backs(st *unix.Stat_t) bool { return r.dev == st.Dev && r.ino == st.Ino }
+
+// OnLastRelease makes the last release run f, under no lock, before the
+// region is unmapped.
+func (r *Region) OnLastRelease(f func()) { r.onLastRelease = f }
+
+// Committed returns how many bytes of the region are backed by memory now,
 // for statistics. With a kept descriptor that is the allocated size of the
 // file (what Shmem in /proc/meminfo counts, pages reserved but not yet
 // touched included); otherwise the pages in the page cache (mincore).
-func (r *region) committed() uint64 {
+func (r *Region) Committed() uint64 {
 	if r.hasFd {
 		var st unix.Stat_t
 		if unix.Fstat(r.fd, &st) == nil {
@@ -96,23 +131,24 @@ func (r *region) committed() uint64 {
 	return n * uint64(pageSize)
 }
 
-// createRegionPerm creates a zero-filled shared region of size bytes: a
-// memfd, or a new file at path with permissions perm. It returns the region
+// CreateRegion creates a zero-filled shared region of size bytes: a sealed
+// memfd named after path, or a new file at path with permissions perm,
+// which the last release removes. It returns the region
 // (one reference) and the open fd, which the caller closes once it has been
 // passed to the peer. The region is sparse, so memory follows traffic: a
 // page that cannot be committed when first written faults inside an access
 // (slices handed to the application are committed first, commitPages).
-func createRegionPerm(mode MemMapType, path string, size int, perm uint32) (*region, int, error) {
+func CreateRegion(memfd bool, path string, size int, perm uint32) (*Region, int, error) {
 	var fd int
 	var err error
-	fail := func(err error) (*region, int, error) {
+	fail := func(err error) (*Region, int, error) {
 		unix.Close(fd)
-		if mode == MemMapTypeDevShmFile {
+		if !memfd {
 			_ = unix.Unlink(path)
 		}
 		return nil, -1, err
 	}
-	if mode == MemMapTypeMemFd {
+	if memfd {
 		name := memfdNamePrefix + path
 		if len(name) > maxMemfdName {
 			name = name[len(name)-maxMemfdName:]
@@ -133,31 +169,31 @@ func createRegionPerm(mode MemMapType, path string, size int, perm uint32) (*reg
 	if err := unix.Ftruncate(fd, int64(size)); err != nil {
 		return fail(fmt.Errorf("size %s to %d bytes: %w", path, size, err))
 	}
-	if mode == MemMapTypeMemFd {
+	if memfd {
 		seals := unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
 		if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, seals); err != nil {
 			return fail(fmt.Errorf("seal memfd %s: %w", path, err))
 		}
 	}
-	r, err := mapRegion(fd, path, int64(size), int64(size))
+	r, err := MapRegion(fd, path, int64(size), int64(size))
 	if err != nil {
 		return fail(err)
 	}
-	if mode == MemMapTypeDevShmFile {
+	if !memfd {
 		r.file = path
 	}
 	return r, fd, nil
 }
 
-// errRegionNotOwned is wrapped by the error for a region file that the
+// ErrRegionNotOwned is wrapped by the error for a region file that the
 // client naming it does not own.
-var errRegionNotOwned = errors.New("a client may name only region files it owns")
+var ErrRegionNotOwned = errors.New("a client may name only region files it owns")
 
-// openRegionFile opens a region file named by a client in file mode, whose
+// OpenRegionFile opens a region file named by a client in file mode, whose
 // user id is owner. Only a regular file directly inside allowedDir, owned by
 // owner, is accepted, and symbolic links are not followed, so a client
 // cannot make the server map (and later remove) a file that is not its own.
-func openRegionFile(path, allowedDir string, owner uint32) (int, error) {
+func OpenRegionFile(path, allowedDir string, owner uint32) (int, error) {
 	clean := filepath.Clean(path)
 	if clean != path || !filepath.IsAbs(path) || filepath.Dir(path) != filepath.Clean(allowedDir) {
 		return -1, fmt.Errorf("region path %q is not a file directly inside %s", path, allowedDir)
@@ -180,12 +216,12 @@ func openRegionFile(path, allowedDir string, owner uint32) (int, error) {
 // its cache, its errors and the removal of the file): a file renamed or
 // swapped in under it since the open is refused.
 func checkRegionFile(fd int, path string, owner uint32) error {
-	st, err := statRegular(fd)
+	st, err := StatRegular(fd)
 	if err != nil {
 		return fmt.Errorf("region file %s: %w", path, err)
 	}
 	if st.Uid != owner {
-		return fmt.Errorf("region file %s is owned by uid %d, the peer is uid %d: %w", path, st.Uid, owner, errRegionNotOwned)
+		return fmt.Errorf("region file %s is owned by uid %d, the peer is uid %d: %w", path, st.Uid, owner, ErrRegionNotOwned)
 	}
 	if !sameFile(path, st.Dev, st.Ino) {
 		return fmt.Errorf("region file %s was replaced while the server opened it", path)
@@ -193,8 +229,8 @@ func checkRegionFile(fd int, path string, owner uint32) error {
 	return nil
 }
 
-// statRegular fstats fd, which must be a regular file (memfds are).
-func statRegular(fd int) (unix.Stat_t, error) {
+// StatRegular fstats fd, which must be a regular file (memfds are).
+func StatRegular(fd int) (unix.Stat_t, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return st, fmt.Errorf("fstat: %w", err)
@@ -205,10 +241,10 @@ func statRegular(fd int) (unix.Stat_t, error) {
 	return st, nil
 }
 
-// mapRegion maps all of fd, which must hold between minSize and maxSize
+// MapRegion maps all of fd, which must hold between minSize and maxSize
 // bytes. It does not close fd.
-func mapRegion(fd int, path string, minSize, maxSize int64) (*region, error) {
-	st, err := statRegular(fd)
+func MapRegion(fd int, path string, minSize, maxSize int64) (*Region, error) {
+	st, err := StatRegular(fd)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
@@ -219,7 +255,7 @@ func mapRegion(fd int, path string, minSize, maxSize int64) (*region, error) {
 	if err != nil {
 		return nil, fmt.Errorf("map %s (%d bytes): %w", path, st.Size, err)
 	}
-	r := &region{mem: mem, path: path, dev: st.Dev, ino: st.Ino}
+	r := &Region{mem: mem, path: path, dev: st.Dev, ino: st.Ino, mapped: true}
 	r.refs.Store(1)
 	return r, nil
 }
@@ -231,8 +267,8 @@ func sameFile(path string, dev, ino uint64) bool {
 	return unix.Lstat(path, &st) == nil && st.Dev == dev && st.Ino == ino
 }
 
-// checkSealed fails unless fd is sealed against shrinking.
-func checkSealed(fd int) error {
+// CheckSealed fails unless fd is sealed against shrinking.
+func CheckSealed(fd int) error {
 	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
 	if err != nil {
 		return fmt.Errorf("read seals: %w", err)
@@ -243,8 +279,8 @@ func checkSealed(fd int) error {
 	return nil
 }
 
-// closeFds closes every fd in fds that is not negative.
-func closeFds(fds ...int) {
+// CloseFds closes every fd in fds that is not negative.
+func CloseFds(fds ...int) {
 	for _, fd := range fds {
 		if fd >= 0 {
 			unix.Close(fd)
@@ -254,9 +290,9 @@ func closeFds(fds ...int) {
 
 var errNoSpace = errors.New("no space for the region")
 
-// checkFreeSpace fails early when the file system holding dir cannot take
+// CheckFreeSpace fails early when the file system holding dir cannot take
 // size more bytes.
-func checkFreeSpace(dir string, size uint64) error {
+func CheckFreeSpace(dir string, size uint64) error {
 	var st unix.Statfs_t
 	if err := unix.Statfs(dir, &st); err != nil {
 		return fmt.Errorf("statfs %s: %w", dir, err)
@@ -267,10 +303,7 @@ func checkFreeSpace(dir string, size uint64) error {
 	return nil
 }
 
-var (
-	pid      = os.Getpid()
-	pageSize = os.Getpagesize()
-)
+var pageSize = os.Getpagesize()
 
 // residentPages returns one byte per page of mem, bit 0 set for a page in
 // memory (mincore), or nil.

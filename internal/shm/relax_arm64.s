@@ -1,7 +1,7 @@
 #include "textflag.h"
 
-// func cpuRelax()
-TEXT ·cpuRelax(SB), NOSPLIT, $0-0
+// func CPURelax()
+TEXT ·CPURelax(SB), NOSPLIT, $0-0
 	YIELD
 	YIELD
 	YIELD

@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 import (
 	"encoding/binary"
@@ -14,10 +14,10 @@ import (
 // twice as the two processes of a session map it: the producer puts on its
 // view, the consumer pops from its own.
 
-func putAll(t *testing.T, q *ioQueue, elems ...queueElem) {
+func putAll(t *testing.T, q *Queue, elems ...Elem) {
 	t.Helper()
 	for _, e := range elems {
-		if ok, err := q.put(e); !ok || err != nil {
+		if ok, err := q.Put(e); !ok || err != nil {
 			t.Fatalf("put %+v: %v, %v", e, ok, err)
 		}
 	}
@@ -36,10 +36,10 @@ func TestQueueFIFO(t *testing.T) {
 	next := uint32(1)
 	for round := range 5 {
 		n := 3 + 5*round // 3, 8, 13, 18 (full, then one more), 23
-		var sent []queueElem
+		var sent []Elem
 		for range n {
-			e := queueElem{id: next, offset: next * 20, status: next % 2}
-			ok, err := prod.put(e)
+			e := Elem{ID: next, Offset: next * 20, Status: next % 2}
+			ok, err := prod.Put(e)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -52,7 +52,7 @@ func TestQueueFIFO(t *testing.T) {
 		if want := min(n, 16); len(sent) != want {
 			t.Fatalf("round %d: %d puts succeeded, want %d", round, len(sent), want)
 		}
-		if d := prod.depth(); d != int64(len(sent)) {
+		if d := prod.Depth(); d != int64(len(sent)) {
 			t.Errorf("round %d: producer sees depth %d, want %d", round, d, len(sent))
 		}
 		for i, want := range sent {
@@ -64,8 +64,8 @@ func TestQueueFIFO(t *testing.T) {
 		if _, ok, err := cons.pop(); ok || err != nil {
 			t.Fatalf("round %d: pop from an empty queue: %v, %v", round, ok, err)
 		}
-		if !cons.isEmpty() || prod.depth() != 0 {
-			t.Errorf("round %d: empty %v, depth %d after popping everything", round, cons.isEmpty(), prod.depth())
+		if !cons.IsEmpty() || prod.Depth() != 0 {
+			t.Errorf("round %d: empty %v, depth %d after popping everything", round, cons.IsEmpty(), prod.Depth())
 		}
 	}
 	if _, ok, _ := server[1].pop(); ok {
@@ -79,17 +79,17 @@ func TestQueueFull(t *testing.T) {
 	_, client, server := newHeapQueues(t, 16)
 	prod, cons := server[1], client[1]
 	for i := range uint32(16) {
-		putAll(t, prod, queueElem{id: i + 1})
+		putAll(t, prod, Elem{ID: i + 1})
 	}
-	if ok, err := prod.put(queueElem{id: 99}); ok || err != nil {
+	if ok, err := prod.Put(Elem{ID: 99}); ok || err != nil {
 		t.Fatalf("put on a full queue: %v, %v; want false, nil", ok, err)
 	}
-	if e, ok, err := cons.pop(); !ok || err != nil || e.id != 1 {
+	if e, ok, err := cons.pop(); !ok || err != nil || e.ID != 1 {
 		t.Fatalf("pop: %+v %v %v", e, ok, err)
 	}
-	putAll(t, prod, queueElem{id: 17})
+	putAll(t, prod, Elem{ID: 17})
 	for want := uint32(2); want <= 17; want++ {
-		if e, ok, err := cons.pop(); !ok || err != nil || e.id != want {
+		if e, ok, err := cons.pop(); !ok || err != nil || e.ID != want {
 			t.Fatalf("pop: %+v %v %v, want id %d", e, ok, err, want)
 		}
 	}
@@ -100,19 +100,19 @@ func TestQueueFull(t *testing.T) {
 // between.
 func TestQueuePeekSkip(t *testing.T) {
 	mem, client, server := newHeapQueues(t, 16)
-	putAll(t, client[0], queueElem{id: 5, offset: 8}, queueElem{id: 7, offset: 16})
+	putAll(t, client[0], Elem{ID: 5, Offset: 8}, Elem{ID: 7, Offset: 16})
 	q := server[0]
 	for range 2 {
-		if e, ok, err := q.peek(); !ok || err != nil || e.id != 5 {
+		if e, ok, err := q.Peek(); !ok || err != nil || e.ID != 5 {
 			t.Fatalf("peek: %+v %v %v, want id 5", e, ok, err)
 		}
 	}
 	binary.LittleEndian.PutUint32(mem[queueHeaderSize+elemIDOff:], 666) // the peer rewrites slot 0
-	q.skip()
-	if e, ok, err := q.peek(); !ok || err != nil || e.id != 7 {
+	q.Skip()
+	if e, ok, err := q.Peek(); !ok || err != nil || e.ID != 7 {
 		t.Fatalf("peek after skip: %+v %v %v, want id 7", e, ok, err)
 	}
-	if d := client[0].depth(); d != 1 {
+	if d := client[0].Depth(); d != 1 {
 		t.Errorf("the producer sees depth %d after one skip, want 1", d)
 	}
 }
@@ -122,13 +122,13 @@ func TestQueuePeekSkip(t *testing.T) {
 // its next pop.
 func TestQueueConsumerOwnsHead(t *testing.T) {
 	mem, client, server := newHeapQueues(t, 16)
-	putAll(t, client[0], queueElem{id: 1}, queueElem{id: 2}, queueElem{id: 3})
+	putAll(t, client[0], Elem{ID: 1}, Elem{ID: 2}, Elem{ID: 3})
 	head := queueCounter(mem, queueHeadOff)
-	if e, _, _ := server[0].pop(); e.id != 1 {
-		t.Fatalf("first pop: id %d", e.id)
+	if e, _, _ := server[0].pop(); e.ID != 1 {
+		t.Fatalf("first pop: id %d", e.ID)
 	}
 	atomic.StoreInt64(head, 1000)
-	if e, ok, err := server[0].pop(); !ok || err != nil || e.id != 2 {
+	if e, ok, err := server[0].pop(); !ok || err != nil || e.ID != 2 {
 		t.Fatalf("pop after the head was rewritten: %+v %v %v, want id 2", e, ok, err)
 	}
 	if h := atomic.LoadInt64(head); h != 2 {
@@ -155,7 +155,7 @@ func TestQueueCorruptCounters(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			mem, client, server := newHeapQueues(t, 16)
-			putAll(t, client[0], queueElem{id: 1}, queueElem{id: 2})
+			putAll(t, client[0], Elem{ID: 1}, Elem{ID: 2})
 			if _, ok, err := server[0].pop(); !ok || err != nil {
 				t.Fatalf("pop: %v %v", ok, err)
 			}
@@ -169,7 +169,7 @@ func TestQueueCorruptCounters(t *testing.T) {
 			if tc.consumer {
 				_, _, err = server[0].pop()
 			} else {
-				_, err = client[0].put(queueElem{id: 3})
+				_, err = client[0].Put(Elem{ID: 3})
 			}
 			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "apart") {
 				t.Errorf("got %v, want ErrProtocol saying the counters are too far apart", err)
@@ -184,25 +184,25 @@ func TestQueueWorkingFlag(t *testing.T) {
 	mem, client, server := newHeapQueues(t, 16)
 	flag := (*uint32)(unsafe.Pointer(&mem[queueFlagOff]))
 	prod, cons := client[0], server[0]
-	if !prod.markWorking() {
+	if !prod.MarkWorking() {
 		t.Fatal("markWorking on a clear flag reported false: no wake-up would be sent")
 	}
-	if prod.markWorking() {
+	if prod.MarkWorking() {
 		t.Error("markWorking reported true twice: a second wake-up for one sleep")
 	}
-	cons.setWorking(false)
+	cons.SetWorking(false)
 	if atomic.LoadUint32(flag) != 0 {
 		t.Error("setWorking(false) did not clear the shared flag")
 	}
-	cons.setWorking(true)
-	if prod.markWorking() {
+	cons.SetWorking(true)
+	if prod.MarkWorking() {
 		t.Error("markWorking reported true while the consumer works")
 	}
-	cons.setWorking(false)
-	if !prod.markWorking() || atomic.LoadUint32(flag) != 1 {
+	cons.SetWorking(false)
+	if !prod.MarkWorking() || atomic.LoadUint32(flag) != 1 {
 		t.Error("markWorking after the consumer slept did not set the flag")
 	}
-	if !server[1].markWorking() {
+	if !server[1].MarkWorking() {
 		t.Error("the other half's flag was set too")
 	}
 }
@@ -211,7 +211,7 @@ func TestQueueWorkingFlag(t *testing.T) {
 // counters cannot be right is refused.
 func TestMapQueuesRejects(t *testing.T) {
 	le := binary.LittleEndian
-	size := queueRegionSize(16)
+	size := QueueRegionSize(16)
 	cases := []struct {
 		name   string
 		size   int
@@ -220,7 +220,7 @@ func TestMapQueuesRejects(t *testing.T) {
 	}{
 		{"odd size", size + 1, nil, "cannot hold"},
 		{"too small for one element each", 2 * queueHeaderSize, nil, "cannot hold"},
-		{"capacity not a multiple of 16", queueRegionSize(24), nil, "multiple of 16"},
+		{"capacity not a multiple of 16", QueueRegionSize(24), nil, "multiple of 16"},
 		{"halves not whole elements", size + 2, nil, "multiple of 16"},
 		{"first capacity field wrong", size, func(m []byte) { le.PutUint32(m[queueCapOff:], 32) }, "client-to-server"},
 		{"second capacity field wrong", size, func(m []byte) { le.PutUint32(m[size/2+queueCapOff:], 8) }, "server-to-client"},
@@ -232,30 +232,30 @@ func TestMapQueuesRejects(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			mem := alignedBytes(tc.size)[:tc.size]
 			if tc.size >= 2*queueHeaderSize {
-				initQueueRegion(mem, uint32(max(0, (tc.size/2-queueHeaderSize)/queueElemSize)))
+				InitQueues(mem, uint32(max(0, (tc.size/2-queueHeaderSize)/queueElemSize)))
 			}
 			if tc.damage != nil {
 				tc.damage(mem)
 			}
-			if _, _, err := mapQueues(mem); err == nil || !strings.Contains(err.Error(), tc.want) {
+			if _, _, err := MapQueues(mem); err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("mapQueues: %v; want an error saying %q", err, tc.want)
 			}
 		})
 	}
 	t.Run("counters of a running session", func(t *testing.T) {
 		mem := alignedBytes(size)
-		initQueueRegion(mem, 16)
+		InitQueues(mem, 16)
 		le.PutUint64(mem[queueHeadOff:], 1<<40)
 		le.PutUint64(mem[queueTailOff:], 1<<40+16)
-		c2s, _, err := mapQueues(mem)
+		c2s, _, err := MapQueues(mem)
 		if err != nil {
 			t.Fatalf("mapQueues of a full queue far into its life: %v", err)
 		}
-		if ok, err := c2s.put(queueElem{id: 1}); ok || err != nil {
+		if ok, err := c2s.Put(Elem{ID: 1}); ok || err != nil {
 			t.Errorf("put on the full queue: %v, %v; want false, nil", ok, err)
 		}
-		if c2s.depth() != 16 {
-			t.Errorf("depth %d, want 16", c2s.depth())
+		if c2s.Depth() != 16 {
+			t.Errorf("depth %d, want 16", c2s.Depth())
 		}
 	})
 }
@@ -268,7 +268,7 @@ func TestQueueConcurrent(t *testing.T) {
 	done := make(chan error, 1)
 	go func() {
 		for i := uint32(1); i <= n; {
-			ok, err := client[0].put(queueElem{id: i, offset: ^i})
+			ok, err := client[0].Put(Elem{ID: i, Offset: ^i})
 			if err != nil {
 				done <- err
 				return
@@ -290,7 +290,7 @@ func TestQueueConcurrent(t *testing.T) {
 			runtime.Gosched()
 			continue
 		}
-		if e.id != want || e.offset != ^want {
+		if e.ID != want || e.Offset != ^want {
 			t.Fatalf("popped %+v, want id %d", e, want)
 		}
 		want++

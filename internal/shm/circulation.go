@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 import (
 	"slices"
@@ -13,7 +13,7 @@ import (
 // however few messages are in flight.
 //
 // So the process that created a region looks at each of its lists every
-// circulationPeriod and keeps the peak in flight (count − parked − free)
+// Periods.Look and keeps the peak in flight (count − parked − free)
 // over the last circulationWindow looks. A busy list keeps peak + spare
 // slices in circulation (spareFor); the others are parked: popped, their
 // data pages punched (giveback.go), and kept in this process, where nobody
@@ -27,22 +27,37 @@ import (
 // list short for at most one period; all of them before the connection of
 // the region's last session closes, as the peer may check that its lists
 // are full (sessionEnding); and when a list has been quiet for
-// giveBackPeriod, or the region is unmapped. Parked slices count as free
-// in Stats (bufferManager.counts).
+// Periods.GiveBack, or the region is unmapped. Parked slices count as free
+// in Stats (Buffer.Lists).
 //
 // A region where nothing moves costs no work: once a look finds every list
-// settled (quiet for giveBackPeriod, its pages given back, nothing parked)
+// settled (quiet for Periods.GiveBack, its pages given back, nothing parked)
 // and no slice in flight, the looks stop. The next pop or push of this
 // process (observe) starts them again, at the cost of an atomic load while
 // they run. A peer's pops and pushes do not run observe; but every slice a
 // peer sends this process is freed by it, and while slices are in flight
 // (held by the peer, perhaps) the looks go on, further and further apart
-// (up to maxLookGap), so that slices the peer frees have their pages
+// (up to Periods.MaxLookGap), so that slices the peer frees have their pages
 // given back too.
 
-// circulationPeriod is how often a region's lists are looked at. A region
-// takes the value when it is created.
-var circulationPeriod = 50 * time.Millisecond
+// Periods are the timing of circulation control; a region takes them when
+// it is created (CreateBuffer).
+type Periods struct {
+	// Look is how often a region's lists are looked at.
+	Look time.Duration
+	// GiveBack is how long a list must be quiet before the data pages of
+	// its free slices are given back (giveback.go).
+	GiveBack time.Duration
+	// MaxLookGap is the longest pause between looks at a settled region
+	// with slices in flight.
+	MaxLookGap time.Duration
+}
+
+// DefaultPeriods are 50 ms between looks, 1 s of quiet before give-back,
+// and at most 8 s between looks at a settled region.
+func DefaultPeriods() Periods {
+	return Periods{Look: 50 * time.Millisecond, GiveBack: time.Second, MaxLookGap: 8 * time.Second}
+}
 
 const (
 	// circulationWindow is how many looks the peak in flight is taken over.
@@ -56,10 +71,6 @@ const (
 	// using the region ends.
 	parkHold = 250 * time.Millisecond
 )
-
-// maxLookGap is the longest pause between looks at a settled region with
-// slices in flight. A region takes the value when it is created.
-var maxLookGap = 8 * time.Second
 
 // circList is what the hot path reads and writes of a list's circulation,
 // on a cache line of its own.
@@ -79,8 +90,7 @@ type circulation struct {
 	// push of this process (observe). Written only then: the hot path
 	// reads it alone.
 	running atomic.Bool
-	// circulationPeriod, giveBackPeriod and maxLookGap when the region
-	// was created.
+	// The Periods the region was created with.
 	period, giveBack, maxGap time.Duration
 
 	mu     sync.Mutex
@@ -102,7 +112,7 @@ type circulation struct {
 
 // startCirculation starts watching m, a region this process created, until
 // it is unmapped. It takes over giving pages back (giveback.go).
-func (m *bufferManager) startCirculation() {
+func (m *Buffer) startCirculation(p Periods) {
 	n := len(m.lists)
 	c := &circulation{
 		lists:   make([]circList, n),
@@ -117,9 +127,9 @@ func (m *bufferManager) startCirculation() {
 		c.spare[li] = m.spareFor(li, 0)
 		c.last[li] = m.sample(li)
 	}
-	c.period = min(circulationPeriod, giveBackPeriod)
-	c.giveBack = giveBackPeriod
-	c.maxGap = max(maxLookGap, c.period)
+	c.period = min(p.Look, p.GiveBack)
+	c.giveBack = p.GiveBack
+	c.maxGap = max(p.MaxLookGap, c.period)
 	c.gap = c.period
 	m.circ = c
 	c.running.Store(true)
@@ -128,17 +138,17 @@ func (m *bufferManager) startCirculation() {
 
 // tick runs a look and schedules the next one, unless the region is
 // unmapped or at rest.
-func (m *bufferManager) tick() {
-	if !m.region.acquire() {
+func (m *Buffer) tick() {
+	if !m.region.Acquire() {
 		return // unmapped
 	}
-	defer m.region.release()
+	defer m.region.Release()
 	c := m.circ
 	c.lookMu.Lock()
 	defer c.lookMu.Unlock()
 	c.looks.Add(1)
 	again := true
-	quietly(func() {
+	Quietly(func() {
 		settled, inFlight := m.look(c.gap, c.giveBack)
 		switch {
 		case !settled:
@@ -157,8 +167,8 @@ func (m *bufferManager) tick() {
 // rest stops the looks of a region that look found settled with nothing in
 // flight, and reports whether they stopped: not if a list changed since the
 // look, as a pop or push that came before running was cleared did not
-// start them (observe). It runs inside quietly.
-func (c *circulation) rest(m *bufferManager) bool {
+// start them (observe). It runs inside Quietly.
+func (c *circulation) rest(m *Buffer) bool {
 	c.gap = c.period
 	c.running.Store(false)
 	for li := range m.lists {
@@ -171,7 +181,7 @@ func (c *circulation) rest(m *bufferManager) bool {
 }
 
 // wake schedules a look of a region at rest; traffic has resumed.
-func (c *circulation) wake(m *bufferManager) {
+func (c *circulation) wake(m *Buffer) {
 	if c.running.CompareAndSwap(false, true) {
 		time.AfterFunc(c.period, m.tick)
 	}
@@ -179,7 +189,7 @@ func (c *circulation) wake(m *bufferManager) {
 
 // spareFor is how many free slices list li keeps when peak slices of it
 // are in flight.
-func (m *bufferManager) spareFor(li int, peak int32) int32 {
+func (m *Buffer) spareFor(li int, peak int32) int32 {
 	l := &m.lists[li]
 	spare := max(minSpare, int32((spareBytes+l.sliceCap-1)/l.sliceCap), (peak+3)/4)
 	return min(spare, int32(l.count))
@@ -187,7 +197,7 @@ func (m *bufferManager) spareFor(li int, peak int32) int32 {
 
 // observe notes that list li was left with left free slices by a pop or
 // push of this process, and refills the list if it is short.
-func (c *circulation) observe(m *bufferManager, li int, left int32) error {
+func (c *circulation) observe(m *Buffer, li int, left int32) error {
 	if !c.running.Load() {
 		c.wake(m)
 	}
@@ -202,7 +212,7 @@ func (c *circulation) observe(m *bufferManager, li int, left int32) error {
 
 // noteInFlight records the slices of list li in flight, neither free nor
 // parked, when it holds free slices (both counts read at the same moment).
-func (c *circulation) noteInFlight(m *bufferManager, li int, free int32) {
+func (c *circulation) noteInFlight(m *Buffer, li int, free int32) {
 	cl := &c.lists[li]
 	if n := int32(m.lists[li].count) - cl.parked.Load() - free; n > cl.high.Load() {
 		cl.high.Store(n)
@@ -233,7 +243,7 @@ func (c *circulation) setFloorLocked(li int) {
 }
 
 // refillLocked pushes parked slices of list li until it holds its spare.
-func (c *circulation) refillLocked(m *bufferManager, li int) error {
+func (c *circulation) refillLocked(m *Buffer, li int) error {
 	defer c.setFloorLocked(li)
 	free := m.i32(m.lists[li].header + listFreeOff)
 	for len(c.parked[li]) > 0 && shmLoadInt32(free) < c.spare[li] {
@@ -246,7 +256,7 @@ func (c *circulation) refillLocked(m *bufferManager, li int) error {
 
 // unparkOne hands out a parked slice of list li, whose free list had none
 // to spare, and refills the list; it returns 0 when none is parked.
-func (c *circulation) unparkOne(m *bufferManager, li int) (uint32, error) {
+func (c *circulation) unparkOne(m *Buffer, li int) (uint32, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if len(c.parked[li]) == 0 {
@@ -259,13 +269,13 @@ func (c *circulation) unparkOne(m *bufferManager, li int) (uint32, error) {
 }
 
 // unparkList pushes every parked slice of list li back.
-func (c *circulation) unparkList(m *bufferManager, li int) {
+func (c *circulation) unparkList(m *Buffer, li int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.unparkListLocked(m, li)
 }
 
-func (c *circulation) unparkListLocked(m *bufferManager, li int) {
+func (c *circulation) unparkListLocked(m *Buffer, li int) {
 	defer c.setFloorLocked(li)
 	for len(c.parked[li]) > 0 {
 		if _, err := m.pushList(li, c.unparkLocked(li)); err != nil {
@@ -275,22 +285,22 @@ func (c *circulation) unparkListLocked(m *bufferManager, li int) {
 	}
 }
 
-// sessionEnding runs when a session using the region ends, before its
+// SessionEnding runs when a session using the region ends, before its
 // connection closes: if no other session of this process uses the region,
 // every parked slice goes back, so that the peer finds its lists full.
-func (m *bufferManager) sessionEnding() {
+func (m *Buffer) SessionEnding() {
 	if m.sessions.Load() <= 1 {
 		m.unparkAll()
 	}
 }
 
 // unparkAll pushes every parked slice back and parks none for parkHold.
-func (m *bufferManager) unparkAll() {
+func (m *Buffer) unparkAll() {
 	c := m.circ
 	if c == nil {
 		return
 	}
-	quietly(func() {
+	Quietly(func() {
 		c.mu.Lock()
 		defer c.mu.Unlock()
 		c.hold = time.Now().Add(parkHold)
@@ -303,8 +313,8 @@ func (m *bufferManager) unparkAll() {
 // look records every list's peak in flight, steers busy lists, and gives
 // the pages of lists quiet for giveBack back; period is the time since the
 // last look. It reports whether every list is settled, and whether any
-// has slices in flight. It runs inside quietly.
-func (m *bufferManager) look(period, giveBack time.Duration) (settled, inFlight bool) {
+// has slices in flight. It runs inside Quietly.
+func (m *Buffer) look(period, giveBack time.Duration) (settled, inFlight bool) {
 	c := m.circ
 	c.pos = (c.pos + 1) % circulationWindow
 	settled = true
@@ -335,7 +345,7 @@ func (m *bufferManager) look(period, giveBack time.Duration) (settled, inFlight 
 
 // steer parks the slices of busy list li beyond its peak in flight and its
 // spare, or refills it if it is short.
-func (m *bufferManager) steer(li int) {
+func (m *Buffer) steer(li int) {
 	c := m.circ
 	peak := slices.Max(c.peaks[li][:])
 	spare := m.spareFor(li, peak)
@@ -355,7 +365,7 @@ func (m *bufferManager) steer(li int) {
 // parkOne parks a slice of list li if more than keep of its slices are in
 // circulation and the list holds more than its spare; it reports whether
 // it did. Locking per slice, an allocation waits for one punch at most.
-func (c *circulation) parkOne(m *bufferManager, li int, keep int32) bool {
+func (c *circulation) parkOne(m *Buffer, li int, keep int32) bool {
 	l := &m.lists[li]
 	c.mu.Lock()
 	defer c.mu.Unlock()

@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 // The model FuzzBufferRegion and FuzzReadChain drive a buffer manager with:
 // an op script whose every result it checks.
@@ -20,15 +20,15 @@ import (
 // afterwards only memory safety and error classification are checked.
 type fzBufModel struct {
 	t        *testing.T
-	m        *bufferManager
+	m        *Buffer
 	pristine bool
-	owned    []segment // slices we hold (popped or received)
+	owned    []Segment // slices we hold (popped or received)
 	initFree []int32
 	ownedBy  []int32 // slices held per list while pristine
-	scratch  []segment
+	scratch  []Segment
 }
 
-func newFzBufModel(t *testing.T, m *bufferManager, pristine bool) *fzBufModel {
+func newFzBufModel(t *testing.T, m *Buffer, pristine bool) *fzBufModel {
 	fm := &fzBufModel{t: t, m: m, pristine: pristine, initFree: m.freeCounts(), ownedBy: make([]int32, len(m.lists))}
 	fm.checkLayout()
 	return fm
@@ -38,9 +38,9 @@ func newFzBufModel(t *testing.T, m *bufferManager, pristine bool) *fzBufModel {
 func (fm *fzBufModel) checkLayout() {
 	t, m := fm.t, fm.m
 	var total uint64
-	prevEnd := uint64(managerHeaderSize)
+	prevEnd := uint64(BufferHeaderSize)
 	for i, l := range m.lists {
-		if uint64(l.header) != prevEnd || l.area != l.header+listHeaderSize || l.stride != l.sliceCap+sliceHeaderSize ||
+		if uint64(l.header) != prevEnd || l.area != l.header+ListHeaderSize || l.stride != l.sliceCap+SliceHeaderSize ||
 			l.count == 0 || l.sliceCap == 0 || l.sliceCap%4 != 0 || uint64(l.area)+uint64(l.count)*uint64(l.stride) > uint64(len(m.mem)) {
 			t.Fatalf("list %d %+v is inconsistent with a %d-byte region", i, l, len(m.mem))
 		}
@@ -85,13 +85,13 @@ func (fm *fzBufModel) took(op string, li int, off uint32) {
 	}
 	if fm.pristine {
 		for _, s := range fm.owned {
-			if s.off == off {
+			if s.Off == off {
 				fm.t.Fatalf("%s handed out slice %d, which is already in use", op, off)
 			}
 		}
 		fm.ownedBy[li]++
 	}
-	fm.owned = append(fm.owned, segment{list: int32(li), off: off})
+	fm.owned = append(fm.owned, Segment{List: int32(li), Off: off})
 }
 
 // checkFree checks the free counts against what we hold.
@@ -107,12 +107,12 @@ func (fm *fzBufModel) checkFree() {
 	}
 }
 
-func (fm *fzBufModel) dropOwned(k int) segment {
+func (fm *fzBufModel) dropOwned(k int) Segment {
 	s := fm.owned[k]
 	fm.owned[k] = fm.owned[len(fm.owned)-1]
 	fm.owned = fm.owned[:len(fm.owned)-1]
 	if fm.pristine {
-		fm.ownedBy[s.list]--
+		fm.ownedBy[s.List]--
 	}
 	return s
 }
@@ -148,22 +148,22 @@ func (fm *fzBufModel) value(s *fzScript, li int) uint32 {
 }
 
 // checkChain checks slices readChain returned.
-func (fm *fzBufModel) checkChain(got []segment) {
+func (fm *fzBufModel) checkChain(got []Segment) {
 	if uint64(len(got)) > uint64(fm.m.slices) {
 		fm.t.Fatalf("readChain returned %d slices of a region with %d", len(got), fm.m.slices)
 	}
 	base := uintptr(unsafe.Pointer(unsafe.SliceData(fm.m.mem)))
 	for _, s := range got {
-		li := int(s.list)
-		if li < 0 || li >= len(fm.m.lists) || !fm.isSlice(li, s.off) {
-			fm.t.Fatalf("readChain returned list %d offset %d, not a slice of it", li, s.off)
+		li := int(s.List)
+		if li < 0 || li >= len(fm.m.lists) || !fm.isSlice(li, s.Off) {
+			fm.t.Fatalf("readChain returned list %d offset %d, not a slice of it", li, s.Off)
 		}
-		if len(s.data) == 0 || len(s.data) > int(fm.m.lists[li].sliceCap) {
-			fm.t.Fatalf("readChain returned %d bytes from a %d-byte slice", len(s.data), fm.m.lists[li].sliceCap)
+		if len(s.Data) == 0 || len(s.Data) > int(fm.m.lists[li].sliceCap) {
+			fm.t.Fatalf("readChain returned %d bytes from a %d-byte slice", len(s.Data), fm.m.lists[li].sliceCap)
 		}
-		d := uint32(uintptr(unsafe.Pointer(unsafe.SliceData(s.data))) - base)
-		if d < s.off+sliceHeaderSize || uint64(d)+uint64(cap(s.data)) > uint64(s.off)+sliceHeaderSize+uint64(fm.m.lists[li].sliceCap) {
-			fm.t.Fatalf("readChain data at %d+%d lies outside slice %d", d, cap(s.data), s.off)
+		d := uint32(uintptr(unsafe.Pointer(unsafe.SliceData(s.Data))) - base)
+		if d < s.Off+SliceHeaderSize || uint64(d)+uint64(cap(s.Data)) > uint64(s.Off)+SliceHeaderSize+uint64(fm.m.lists[li].sliceCap) {
+			fm.t.Fatalf("readChain data at %d+%d lies outside slice %d", d, cap(s.Data), s.Off)
 		}
 	}
 }
@@ -178,7 +178,7 @@ func (fm *fzBufModel) run(script []byte) {
 		case 0, 1: // alloc
 			n := int(s.u32() % (2*m.maxSliceCap() + 2))
 			split := op&0x80 != 0
-			li, off, err := m.alloc(n, split, false)
+			li, off, err := m.Alloc(n, split, false)
 			fm.wantProtocol("alloc", err)
 			if err != nil {
 				if off != 0 {
@@ -213,7 +213,7 @@ func (fm *fzBufModel) run(script []byte) {
 			if fm.pristine {
 				before = m.freeCounts()[li]
 			}
-			off, err := m.pop(li)
+			off, err := m.Pop(li)
 			fm.wantProtocol("pop", err)
 			if off != 0 && err != nil {
 				t.Fatalf("pop returned offset %d with error %v", off, err)
@@ -228,25 +228,25 @@ func (fm *fzBufModel) run(script []byte) {
 				break
 			}
 			sl := fm.dropOwned(int(s.u16()) % len(fm.owned))
-			fm.wantProtocol("push", m.push(int(sl.list), sl.off))
+			fm.wantProtocol("push", m.Push(int(sl.List), sl.Off))
 		case 4: // link held slices into a message and read it back
 			k := 1 + int(s.u8()%4)
 			if k > len(fm.owned) {
 				break
 			}
-			chain := make([]segment, 0, k)
+			chain := make([]Segment, 0, k)
 			sizes := make([]uint32, 0, k)
 			for range k {
 				sl := fm.dropOwned(int(s.u16()) % len(fm.owned))
 				// A slice received earlier goes into a message of ours as a
 				// kept slice does: a writer takes it (takeKept), and it is
 				// no longer held as received.
-				m.unhold(int(sl.list), sl.off)
+				m.Unhold(int(sl.List), sl.Off)
 				if fm.pristine {
-					fm.ownedBy[sl.list]++ // still held until readChain says otherwise
+					fm.ownedBy[sl.List]++ // still held until readChain says otherwise
 				}
 				chain = append(chain, sl)
-				size := s.u32() % (m.lists[sl.list].sliceCap + 1)
+				size := s.u32() % (m.lists[sl.List].sliceCap + 1)
 				if s.u8()&3 == 0 {
 					size = 0
 				}
@@ -255,11 +255,11 @@ func (fm *fzBufModel) run(script []byte) {
 			for i, sl := range chain {
 				var next uint32
 				if i+1 < len(chain) {
-					next = chain[i+1].off
+					next = chain[i+1].Off
 				}
-				m.linkSlice(sl.off, int(sizes[i]), next)
+				m.LinkSlice(sl.Off, int(sizes[i]), next)
 			}
-			got, err := m.readChain(fm.scratch[:0], chain[0].off)
+			got, err := m.ReadChain(fm.scratch[:0], chain[0].Off)
 			fm.wantProtocol("readChain of a linked message", err)
 			fm.checkChain(got)
 			if fm.pristine {
@@ -267,15 +267,15 @@ func (fm *fzBufModel) run(script []byte) {
 				j := 0
 				for i, sl := range chain {
 					if sizes[i] == 0 {
-						fm.ownedBy[sl.list]--
+						fm.ownedBy[sl.List]--
 						continue
 					}
-					if j >= len(got) || got[j].off != sl.off || got[j].list != sl.list || len(got[j].data) != int(sizes[i]) {
+					if j >= len(got) || got[j].Off != sl.Off || got[j].List != sl.List || len(got[j].Data) != int(sizes[i]) {
 						t.Fatalf("readChain of %v sizes %v returned %+v", chain, sizes, got)
 					}
-					want := m.sliceData(int(sl.list), sl.off)[:sizes[i]]
-					if unsafe.SliceData(got[j].data) != unsafe.SliceData(want) {
-						t.Fatalf("readChain data of slice %d is not its data area", sl.off)
+					want := m.SliceData(int(sl.List), sl.Off)[:sizes[i]]
+					if unsafe.SliceData(got[j].Data) != unsafe.SliceData(want) {
+						t.Fatalf("readChain data of slice %d is not its data area", sl.Off)
 					}
 					j++
 				}
@@ -284,7 +284,7 @@ func (fm *fzBufModel) run(script []byte) {
 				}
 			}
 			for _, g := range got {
-				fm.owned = append(fm.owned, segment{list: g.list, off: g.off})
+				fm.owned = append(fm.owned, Segment{List: g.List, Off: g.Off})
 			}
 			if err != nil {
 				// readChain freed what it had appended; we cannot tell
@@ -301,7 +301,7 @@ func (fm *fzBufModel) run(script []byte) {
 				root = l.area + uint32(s.u16())%l.count*l.stride
 			}
 			fm.pristine = false // it may free slices that are free already
-			got, err := m.readChain(fm.scratch[:0], root)
+			got, err := m.ReadChain(fm.scratch[:0], root)
 			fm.wantProtocol("readChain", err)
 			if err != nil && len(got) != 0 {
 				t.Fatalf("readChain failed (%v) but returned %d slices", err, len(got))
@@ -309,11 +309,11 @@ func (fm *fzBufModel) run(script []byte) {
 			fm.checkChain(got)
 			if s.u8()&1 == 0 {
 				for _, g := range got {
-					fm.wantProtocol("push", m.push(int(g.list), g.off))
+					fm.wantProtocol("push", m.Push(int(g.List), g.Off))
 				}
 			} else {
 				for _, g := range got {
-					fm.owned = append(fm.owned, segment{list: g.list, off: g.off})
+					fm.owned = append(fm.owned, Segment{List: g.List, Off: g.Off})
 				}
 			}
 			fm.scratch = got[:0]
@@ -342,7 +342,7 @@ func (fm *fzBufModel) run(script []byte) {
 			}
 		case 7: // corrupt a list header field
 			li := int(s.u8()) % nl
-			field := uint32(s.u8() % (listHeaderSize / 4))
+			field := uint32(s.u8() % (ListHeaderSize / 4))
 			v := fm.value(s, li)
 			binary.LittleEndian.PutUint32(m.mem[m.lists[li].header+4*field:], v)
 			if field != creatorCounter/4 && field != mapperCounter/4 {
@@ -365,16 +365,16 @@ func (fm *fzBufModel) run(script []byte) {
 				break
 			}
 			sl := fm.owned[int(s.u16())%len(fm.owned)]
-			d := m.sliceData(int(sl.list), sl.off)
-			if len(d) != int(m.lists[sl.list].sliceCap) || cap(d) != len(d) {
-				t.Fatalf("sliceData of %d: %d bytes, cap %d", sl.off, len(d), cap(d))
+			d := m.SliceData(int(sl.List), sl.Off)
+			if len(d) != int(m.lists[sl.List].sliceCap) || cap(d) != len(d) {
+				t.Fatalf("sliceData of %d: %d bytes, cap %d", sl.Off, len(d), cap(d))
 			}
 		case 10: // free counts
 			fm.checkFree()
 		case 11: // free everything we hold
 			for len(fm.owned) > 0 {
 				sl := fm.dropOwned(len(fm.owned) - 1)
-				fm.wantProtocol("push", m.push(int(sl.list), sl.off))
+				fm.wantProtocol("push", m.Push(int(sl.List), sl.Off))
 			}
 			fm.checkFree()
 		}

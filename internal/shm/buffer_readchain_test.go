@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 // Reading a message's chain of slices: in order, held until freed, and
 // refused when the peer's links are wrong (not a slice, linked twice, a
@@ -19,35 +19,31 @@ import (
 // releasing the first message's slices. Once freed, and once a writer takes
 // a kept slice, the slices can come back in a message.
 func TestBufferReadChainHeld(t *testing.T) {
-	m, peer := newHeapBuffer(t, listPlan{sliceCap: 16, count: 8})
+	m, peer := newHeapBuffer(t, ListPlan{SliceCap: 16, Count: 8})
 	root, offs := bufTestMsg(t, m, "ab", "cd", "ef")
-	got, err := peer.readChain(nil, root)
+	got, err := peer.ReadChain(nil, root)
 	if err != nil || chainText(got) != "abcdef" {
 		t.Fatalf("first read: %q, %v", chainText(got), err)
 	}
 	checkRejected(t, peer, root, "published twice")
 	other, _ := bufTestMsg(t, m, "gh")
-	m.linkSlice(other, 2, offs[1])
+	m.LinkSlice(other, 2, offs[1])
 	checkRejected(t, peer, other, "published twice")
-	if _, err := peer.readChain(nil, root); err == nil {
+	if _, err := peer.ReadChain(nil, root); err == nil {
 		t.Fatal("a rejected read released the first message's slices")
 	}
 	for _, sl := range got {
-		if err := peer.push(int(sl.list), sl.off); err != nil {
+		if err := peer.Push(int(sl.List), sl.Off); err != nil {
 			t.Fatal(err)
 		}
 	}
 	again, _ := bufTestMsg(t, m, "ij", "kl", "mn", "op", "qr")
-	if got, err := peer.readChain(nil, again); err != nil || chainText(got) != "ijklmnopqr" {
+	if got, err := peer.ReadChain(nil, again); err != nil || chainText(got) != "ijklmnopqr" {
 		t.Fatalf("a message in freed slices: %q, %v", chainText(got), err)
 	}
-	st := &Stream{s: &Session{buf: peer}}
-	st.kept.Store(keptValue(int(got[0].list), got[0].off))
-	if li, off, ok := st.takeKept(8); !ok || li != int(got[0].list) || off != got[0].off {
-		t.Fatalf("takeKept: %d %d %v", li, off, ok)
-	}
-	peer.linkSlice(got[0].off, 2, 0)
-	if back, err := peer.readChain(nil, got[0].off); err != nil || len(back) != 1 {
+	peer.Unhold(int(got[0].List), got[0].Off) // a writer of this process takes it, as a stream that kept it does
+	peer.LinkSlice(got[0].Off, 2, 0)
+	if back, err := peer.ReadChain(nil, got[0].Off); err != nil || len(back) != 1 {
 		t.Errorf("a kept slice sent and published back: %d slices, %v", len(back), err)
 	}
 }
@@ -56,7 +52,7 @@ func TestBufferReadChainHeld(t *testing.T) {
 // bits, each slice has a bit of its own (holding one marks no other), and
 // neighbouring slices have theirs on different lines.
 func TestBufferHeldBits(t *testing.T) {
-	m, _ := newHeapBuffer(t, listPlan{sliceCap: 16, count: 700}, listPlan{sliceCap: 64, count: 900})
+	m, _ := newHeapBuffer(t, ListPlan{SliceCap: 16, Count: 700}, ListPlan{SliceCap: 64, Count: 900})
 	seen := make(map[[2]uintptr]bool)
 	var prevLine uintptr
 	n := 0
@@ -84,7 +80,7 @@ func TestBufferHeldBits(t *testing.T) {
 	for li := range m.lists {
 		l := &m.lists[li]
 		for k := uint32(0); k < l.count; k++ {
-			m.unhold(li, l.area+k*l.stride)
+			m.Unhold(li, l.area+k*l.stride)
 		}
 	}
 	for i := range m.held {
@@ -96,15 +92,15 @@ func TestBufferHeldBits(t *testing.T) {
 
 // bufTestMsg builds a message of parts, one slice per part, each from the
 // smallest list that holds it, and returns the offset of its first slice.
-func bufTestMsg(t *testing.T, m *bufferManager, parts ...string) (root uint32, offs []uint32) {
+func bufTestMsg(t *testing.T, m *Buffer, parts ...string) (root uint32, offs []uint32) {
 	t.Helper()
 	lists := make([]int, len(parts))
 	for i, p := range parts {
-		li, off, err := m.alloc(len(p), false, false)
+		li, off, err := m.Alloc(len(p), false, false)
 		if err != nil || li < 0 {
 			t.Fatalf("alloc(%d): list %d, %v", len(p), li, err)
 		}
-		copy(m.sliceData(li, off), p)
+		copy(m.SliceData(li, off), p)
 		lists[i], offs = li, append(offs, off)
 	}
 	for i, off := range offs {
@@ -112,15 +108,15 @@ func bufTestMsg(t *testing.T, m *bufferManager, parts ...string) (root uint32, o
 		if i+1 < len(offs) {
 			next = offs[i+1]
 		}
-		m.linkSlice(off, len(parts[i]), next)
+		m.LinkSlice(off, len(parts[i]), next)
 	}
 	return offs[0], offs
 }
 
-func chainText(slices []segment) string {
+func chainText(slices []Segment) string {
 	var b strings.Builder
 	for _, s := range slices {
-		b.Write(s.data)
+		b.Write(s.Data)
 	}
 	return b.String()
 }
@@ -131,23 +127,23 @@ func TestBufferReadChain(t *testing.T) {
 	m, peer := newHeapBuffer(t, bufTestPlans...)
 	root, offs := bufTestMsg(t, m, "first", "", strings.Repeat("s", 40), "last")
 	before := peer.freeCounts()
-	dst := []segment{{off: 1}} // what the caller had: kept in front
-	got, err := peer.readChain(dst, root)
+	dst := []Segment{{Off: 1}} // what the caller had: kept in front
+	got, err := peer.ReadChain(dst, root)
 	if err != nil {
 		t.Fatalf("readChain: %v", err)
 	}
-	if len(got) != 4 || got[0].off != 1 {
+	if len(got) != 4 || got[0].Off != 1 {
 		t.Fatalf("readChain returned %d slices, want the caller's one and 3", len(got))
 	}
 	if text := chainText(got[1:]); text != "first"+strings.Repeat("s", 40)+"last" {
 		t.Errorf("message %q", text)
 	}
 	for i, want := range []uint32{offs[0], offs[2], offs[3]} {
-		if got[1+i].off != want {
-			t.Errorf("slice %d at %d, want %d", i, got[1+i].off, want)
+		if got[1+i].Off != want {
+			t.Errorf("slice %d at %d, want %d", i, got[1+i].Off, want)
 		}
-		if li, _ := m.locate(want); got[1+i].list != int32(li) {
-			t.Errorf("slice %d in list %d, want %d", i, got[1+i].list, li)
+		if li, _ := m.locate(want); got[1+i].List != int32(li) {
+			t.Errorf("slice %d in list %d, want %d", i, got[1+i].List, li)
 		}
 	}
 	empty, _ := m.locate(offs[1])
@@ -169,59 +165,59 @@ func TestBufferReadChain(t *testing.T) {
 // the caller's slices are returned unchanged.
 func TestBufferReadChainRejects(t *testing.T) {
 	le := binary.LittleEndian
-	setNext := func(m *bufferManager, a, b uint32) {
+	setNext := func(m *Buffer, a, b uint32) {
 		le.PutUint32(m.mem[a+sliceNextOff:], b)
 		m.setFlags(a, flagInUse|flagHasNext)
 	}
 	cases := []struct {
 		name string
-		msg  func(m *bufferManager) uint32 // builds the damaged message, returns its root
+		msg  func(m *Buffer) uint32 // builds the damaged message, returns its root
 		want string
 	}{
-		{"root 0", func(*bufferManager) uint32 { return 0 }, "before the first slice"},
-		{"root on the manager header", func(*bufferManager) uint32 { return 4 }, "before the first slice"},
-		{"root on a list header", func(m *bufferManager) uint32 { return m.lists[1].header }, "not the start of a slice"},
-		{"root past the region", func(m *bufferManager) uint32 { return uint32(len(m.mem)) }, "not the start of a slice"},
-		{"root 0xFFFFFFF0", func(*bufferManager) uint32 { return 0xFFFFFFF0 }, "not the start of a slice"},
-		{"root misaligned by 4", func(m *bufferManager) uint32 { r, _ := bufTestMsg(t, m, "x"); return r + 4 }, "not the start of a slice"},
-		{"root on slice data", func(m *bufferManager) uint32 { r, _ := bufTestMsg(t, m, "x"); return r + sliceHeaderSize }, "not the start of a slice"},
-		{"next past the region", func(m *bufferManager) uint32 {
+		{"root 0", func(*Buffer) uint32 { return 0 }, "before the first slice"},
+		{"root on the manager header", func(*Buffer) uint32 { return 4 }, "before the first slice"},
+		{"root on a list header", func(m *Buffer) uint32 { return m.lists[1].header }, "not the start of a slice"},
+		{"root past the region", func(m *Buffer) uint32 { return uint32(len(m.mem)) }, "not the start of a slice"},
+		{"root 0xFFFFFFF0", func(*Buffer) uint32 { return 0xFFFFFFF0 }, "not the start of a slice"},
+		{"root misaligned by 4", func(m *Buffer) uint32 { r, _ := bufTestMsg(t, m, "x"); return r + 4 }, "not the start of a slice"},
+		{"root on slice data", func(m *Buffer) uint32 { r, _ := bufTestMsg(t, m, "x"); return r + SliceHeaderSize }, "not the start of a slice"},
+		{"next past the region", func(m *Buffer) uint32 {
 			r, _ := bufTestMsg(t, m, "a", "")
 			setNext(m, r, 0xFFFFFF00)
 			return r
 		}, "not the start of a slice"},
-		{"self-loop", func(m *bufferManager) uint32 {
+		{"self-loop", func(m *Buffer) uint32 {
 			r, _ := bufTestMsg(t, m, "a")
 			setNext(m, r, r)
 			return r
 		}, "twice"},
-		{"cycle A-B-A with an empty slice", func(m *bufferManager) uint32 {
+		{"cycle A-B-A with an empty slice", func(m *Buffer) uint32 {
 			r, offs := bufTestMsg(t, m, "a", "")
 			setNext(m, offs[1], r)
 			return r
 		}, "twice"},
-		{"a slice linked twice", func(m *bufferManager) uint32 {
+		{"a slice linked twice", func(m *Buffer) uint32 {
 			r, offs := bufTestMsg(t, m, "a", "b", "c")
 			setNext(m, offs[2], offs[1])
 			return r
 		}, "twice"},
-		{"cap of another list", func(m *bufferManager) uint32 {
+		{"cap of another list", func(m *Buffer) uint32 {
 			r, _ := bufTestMsg(t, m, "a")
 			le.PutUint32(m.mem[r+sliceCapOff:], 64)
 			return r
 		}, "cap 64"},
-		{"size beyond cap", func(m *bufferManager) uint32 {
+		{"size beyond cap", func(m *Buffer) uint32 {
 			r, _ := bufTestMsg(t, m, "a")
 			le.PutUint32(m.mem[r+sliceSizeOff:], 17)
 			return r
 		}, "beyond its cap"},
-		{"start+size beyond cap", func(m *bufferManager) uint32 {
+		{"start+size beyond cap", func(m *Buffer) uint32 {
 			r, _ := bufTestMsg(t, m, "a")
 			le.PutUint32(m.mem[r+sliceStartOff:], 15)
 			le.PutUint32(m.mem[r+sliceSizeOff:], 2)
 			return r
 		}, "beyond its cap"},
-		{"start+size wrapping 32 bits", func(m *bufferManager) uint32 {
+		{"start+size wrapping 32 bits", func(m *Buffer) uint32 {
 			r, _ := bufTestMsg(t, m, "a", "")
 			le.PutUint32(m.mem[r+sliceStartOff:], 0xFFFFFFFF)
 			le.PutUint32(m.mem[r+sliceSizeOff:], 2)
@@ -239,15 +235,15 @@ func TestBufferReadChainRejects(t *testing.T) {
 
 // checkRejected reads the message at root, which must fail with ErrProtocol
 // naming want, free nothing and leave the caller's slices as they were.
-func checkRejected(t *testing.T, m *bufferManager, root uint32, want string) {
+func checkRejected(t *testing.T, m *Buffer, root uint32, want string) {
 	t.Helper()
 	before := fmt.Sprint(m.freeCounts())
-	dst := []segment{{off: 7}}
-	got, err := m.readChain(dst, root)
+	dst := []Segment{{Off: 7}}
+	got, err := m.ReadChain(dst, root)
 	if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), want) {
 		t.Errorf("readChain: %v; want ErrProtocol saying %q", err, want)
 	}
-	if len(got) != 1 || got[0].off != 7 {
+	if len(got) != 1 || got[0].Off != 7 {
 		t.Errorf("readChain returned %d slices on error, want the caller's one", len(got))
 	}
 	if after := fmt.Sprint(m.freeCounts()); after != before {
@@ -261,18 +257,18 @@ func TestBufferReadChainLongCycle(t *testing.T) {
 	const length = 64
 	for _, back := range []int{0, 31, 37} {
 		t.Run(fmt.Sprint("back to slice ", back), func(t *testing.T) {
-			m, peer := newHeapBuffer(t, listPlan{sliceCap: 16, count: 3 * length / 2})
+			m, peer := newHeapBuffer(t, ListPlan{SliceCap: 16, Count: 3 * length / 2})
 			parts := make([]string, length)
 			for i := range parts {
 				parts[i] = fmt.Sprintf("%02d", i)
 			}
 			root, offs := bufTestMsg(t, m, parts...)
-			got, err := peer.readChain(nil, root)
+			got, err := peer.ReadChain(nil, root)
 			if err != nil || len(got) != len(parts) {
 				t.Fatalf("the intact chain: %d slices, %v", len(got), err)
 			}
 			for _, sl := range got { // read and handed back, as by a writer taking them
-				peer.unhold(int(sl.list), sl.off)
+				peer.Unhold(int(sl.List), sl.Off)
 			}
 			le := binary.LittleEndian
 			le.PutUint32(m.mem[offs[len(offs)-1]+sliceNextOff:], offs[back])

@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 import (
 	"slices"
@@ -10,7 +10,7 @@ import (
 // no room wait for it in turn. Retrying at intervals would hand the room to
 // whoever looks first after a slice is freed, which favours the streams
 // just served and starves the others. So there is one queue per class of
-// slice asked for (bufferManager.class): only its head looks for room, at
+// slice asked for (Class): only its head looks for room, at
 // short intervals (headSpacePause) and at once whenever this process frees
 // a slice, and a writer that finds others queued joins the end. A writer
 // that leaves the queue (it got its room, or gave up) passes the turn on if
@@ -18,28 +18,31 @@ import (
 //
 // Writers that hold slices do not queue: the room they take lets an
 // exchange finish and free slices, and the list reserve keeps room for
-// them (bufferManager.alloc).
+// them (Alloc).
 type spaceQueue struct {
 	mu      sync.Mutex
 	waiters []chan struct{} // in arrival order; the first is the head
 	n       atomic.Int32    // len(waiters), read without the lock
 }
 
-// spaceQueues are a region's queues for this process: one per list, and
+// SpaceQueues are a region's queues for this process: one per list, and
 // one for writers that can use any list.
-type spaceQueues struct {
+type SpaceQueues struct {
 	qs      []spaceQueue
 	waiting atomic.Int32 // writers in all the queues
 }
 
-func (sq *spaceQueues) init(lists int) { sq.qs = make([]spaceQueue, lists) }
+func (sq *SpaceQueues) init(lists int) { sq.qs = make([]spaceQueue, lists) }
 
-// busy reports whether writers wait in queue li.
-func (sq *spaceQueues) busy(li int) bool { return sq.qs[li].n.Load() > 0 }
+// Waiting reports whether writers wait in any queue.
+func (sq *SpaceQueues) Waiting() bool { return sq.waiting.Load() > 0 }
 
-// join appends the writer whose wake-up channel is ch to queue li and
+// Waiters is the number of writers waiting in queue li.
+func (sq *SpaceQueues) Waiters(li int) int { return int(sq.qs[li].n.Load()) }
+
+// Join appends the writer whose wake-up channel is ch to queue li and
 // reports whether it is the head.
-func (sq *spaceQueues) join(li int, ch chan struct{}) bool {
+func (sq *SpaceQueues) Join(li int, ch chan struct{}) bool {
 	q := &sq.qs[li]
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -49,17 +52,17 @@ func (sq *spaceQueues) join(li int, ch chan struct{}) bool {
 	return len(q.waiters) == 1
 }
 
-// isHead reports whether ch heads queue li.
-func (sq *spaceQueues) isHead(li int, ch chan struct{}) bool {
+// IsHead reports whether ch heads queue li.
+func (sq *SpaceQueues) IsHead(li int, ch chan struct{}) bool {
 	q := &sq.qs[li]
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return len(q.waiters) > 0 && q.waiters[0] == ch
 }
 
-// leave takes ch out of queue li, and wakes the next writer if ch was the
+// Leave takes ch out of queue li, and wakes the next writer if ch was the
 // head (it got its room, or gave up).
-func (sq *spaceQueues) leave(li int, ch chan struct{}) {
+func (sq *SpaceQueues) Leave(li int, ch chan struct{}) {
 	q := &sq.qs[li]
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -76,7 +79,7 @@ func (sq *spaceQueues) leave(li int, ch chan struct{}) {
 }
 
 // freed wakes the head of every queue: this process just freed a slice.
-func (sq *spaceQueues) freed() {
+func (sq *SpaceQueues) freed() {
 	if sq.waiting.Load() == 0 {
 		return
 	}

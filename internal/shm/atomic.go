@@ -1,6 +1,6 @@
 //go:build !race || !amd64
 
-package shmipc
+package shm
 
 import "sync/atomic"
 

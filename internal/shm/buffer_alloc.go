@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 import (
 	"encoding/binary"
@@ -17,11 +17,19 @@ func corrupt(format string, args ...any) error {
 	return fmt.Errorf("%w: buffer region: %s", ErrProtocol, fmt.Sprintf(format, args...))
 }
 
+// Pop takes one free slice from list li (docs/protocol.md §6.8), as a peer
+// allocating a slice of that size does. It returns the absolute offset of
+// the slice header, or 0 when the list has no slice to spare. An error
+// means the list is corrupt.
+func (m *Buffer) Pop(li int) (uint32, error) {
+	return m.popLeaving(li, 0)
+}
+
 // popLeaving takes one free slice from list li (docs/protocol.md §6.8), unless
 // that would leave the list with fewer than keep free slices. It returns the
 // absolute offset of the slice header, or 0 when the list has no slice to
 // spare. An error means the list is corrupt.
-func (m *bufferManager) popLeaving(li int, keep int32) (uint32, error) {
+func (m *Buffer) popLeaving(li int, keep int32) (uint32, error) {
 	off, left, err := m.popList(li, keep)
 	if off != 0 && m.circ != nil {
 		err = m.circ.observe(m, li, left)
@@ -31,7 +39,7 @@ func (m *bufferManager) popLeaving(li int, keep int32) (uint32, error) {
 
 // popList is popLeaving without the circulation bookkeeping (keep 0: take
 // any but the last). It also returns the free count the list was left with.
-func (m *bufferManager) popList(li int, keep int32) (uint32, int32, error) {
+func (m *Buffer) popList(li int, keep int32) (uint32, int32, error) {
 	l := &m.lists[li]
 	free, head := m.i32(l.header+listFreeOff), m.u32(l.header+listHeadOff)
 	h := shmLoadUint32(head)
@@ -75,9 +83,9 @@ func (m *bufferManager) popList(li int, keep int32) (uint32, int32, error) {
 	return 0, 0, err
 }
 
-// push returns the slice at absolute offset off, which belongs to list li, to
+// Push returns the slice at absolute offset off, which belongs to list li, to
 // its free list (docs/protocol.md §6.9).
-func (m *bufferManager) push(li int, off uint32) error {
+func (m *Buffer) Push(li int, off uint32) error {
 	left, err := m.pushList(li, off)
 	if err == nil && m.circ != nil {
 		// Just before this push the list held one slice fewer.
@@ -88,11 +96,11 @@ func (m *bufferManager) push(li int, off uint32) error {
 
 // pushList is push without the circulation bookkeeping. It also returns the
 // free count the list was left with.
-func (m *bufferManager) pushList(li int, off uint32) (int32, error) {
+func (m *Buffer) pushList(li int, off uint32) (int32, error) {
 	l := &m.lists[li]
 	// Before the slice is on the list: from then on the peer may allocate
 	// it and publish it again.
-	m.unhold(li, off)
+	m.Unhold(li, off)
 	binary.LittleEndian.PutUint32(m.mem[off+sliceSizeOff:], 0)
 	binary.LittleEndian.PutUint32(m.mem[off+sliceStartOff:], 0)
 	m.setFlags(off, 0)
@@ -118,7 +126,7 @@ func (m *bufferManager) pushList(li int, off uint32) (int32, error) {
 
 // locate returns the list holding the slice whose header is at absolute
 // offset off, checking that off is exactly on a slice boundary.
-func (m *bufferManager) locate(off uint32) (int, error) {
+func (m *Buffer) locate(off uint32) (int, error) {
 	i := sort.Search(len(m.lists), func(i int) bool { return m.lists[i].area > off }) - 1
 	if i < 0 {
 		return 0, corrupt("offset %d lies before the first slice", off)
@@ -130,15 +138,15 @@ func (m *bufferManager) locate(off uint32) (int, error) {
 	return i, nil
 }
 
-// hold marks the slice at off of list li as held (bufferManager.held). It
+// hold marks the slice at off of list li as held (Buffer.held). It
 // reports false when it was held already.
-func (m *bufferManager) hold(li int, off uint32) bool {
+func (m *Buffer) hold(li int, off uint32) bool {
 	w, bit := m.heldBit(li, off)
 	return w.Or(bit)&bit == 0
 }
 
-// unhold clears the mark of hold.
-func (m *bufferManager) unhold(li int, off uint32) {
+// Unhold clears the mark of hold.
+func (m *Buffer) Unhold(li int, off uint32) {
 	w, bit := m.heldBit(li, off)
 	if w.Load()&bit != 0 {
 		w.And(^bit)
@@ -147,7 +155,7 @@ func (m *bufferManager) unhold(li int, off uint32) {
 
 // heldBit locates the bit of held for the slice at off of list li, which
 // locate has checked.
-func (m *bufferManager) heldBit(li int, off uint32) (*atomic.Uint64, uint64) {
+func (m *Buffer) heldBit(li int, off uint32) (*atomic.Uint64, uint64) {
 	l := &m.lists[li]
 	i := l.first + (off-l.area)/l.stride
 	// Slice i is bit p of cache line i mod lines: a line of 8 words holds
@@ -157,7 +165,7 @@ func (m *bufferManager) heldBit(li int, off uint32) (*atomic.Uint64, uint64) {
 	return &m.held[line*8+p/64&7], 1 << (p % 64)
 }
 
-// alloc pops one slice for n more bytes: from the smallest list whose
+// Alloc pops one slice for n more bytes: from the smallest list whose
 // slices hold n, or a larger one, or with split, the largest smaller slice
 // left of at least 1/maxSplitPieces of n (or of usable). It returns li = -1
 // when no list can give a slice.
@@ -168,7 +176,7 @@ func (m *bufferManager) heldBit(li int, off uint32) (*atomic.Uint64, uint64) {
 // could otherwise wait for room only its answer would free. Only the
 // creator leaves one: a mapper cannot see the parked slices (circulation.go)
 // of a list kept short on purpose, and could wait for ever.
-func (m *bufferManager) alloc(n int, split, leave bool) (li int, off uint32, err error) {
+func (m *Buffer) Alloc(n int, split, leave bool) (li int, off uint32, err error) {
 	leave = leave && m.circ != nil
 	start := m.firstFit(n)
 	largest := m.bySize[len(m.bySize)-1]
@@ -197,7 +205,7 @@ func (m *bufferManager) alloc(n int, split, leave bool) (li int, off uint32, err
 // slices hold at least floor bytes have room for n bytes beyond their
 // reserves. A writer that holds nothing begins a split message only then:
 // once it holds the first slice, it takes the rest from the reserves.
-func (m *bufferManager) roomFor(n, start, floor int) bool {
+func (m *Buffer) roomFor(n, start, floor int) bool {
 	room := 0
 	for k := start - 1; k >= 0 && room < n; k-- {
 		li := m.bySize[k]
@@ -215,14 +223,14 @@ func (m *bufferManager) roomFor(n, start, floor int) bool {
 
 // firstFit is the position in bySize of the smallest list whose slices
 // hold n bytes (len(bySize) if none does).
-func (m *bufferManager) firstFit(n int) int {
+func (m *Buffer) firstFit(n int) int {
 	return sort.Search(len(m.bySize), func(i int) bool { return int(m.lists[m.bySize[i]].sliceCap) >= n })
 }
 
-// class is the queue a writer asking for n bytes waits for room in
+// Class is the queue a writer asking for n bytes waits for room in
 // (space_queue.go): that of the smallest list whose slices hold them (or
 // the largest list), or with split, one queue of its own.
-func (m *bufferManager) class(n int, split bool) int {
+func (m *Buffer) Class(n int, split bool) int {
 	if split {
 		return len(m.lists)
 	}
@@ -232,7 +240,7 @@ func (m *bufferManager) class(n int, split bool) int {
 // take pops a slice of list li for this process's own use: from the free
 // list, or else one of its parked slices (circulation.go). With leave it
 // leaves the list's reserve, parked slices included.
-func (m *bufferManager) take(li int, leave bool) (uint32, error) {
+func (m *Buffer) take(li int, leave bool) (uint32, error) {
 	l := &m.lists[li]
 	var keep, parked int32
 	if leave {
@@ -250,15 +258,15 @@ func (m *bufferManager) take(li int, leave bool) (uint32, error) {
 	return m.circ.unparkOne(m, li)
 }
 
-// sliceData returns the whole data area of the slice at off in list li.
-func (m *bufferManager) sliceData(li int, off uint32) []byte {
-	d := off + sliceHeaderSize
+// SliceData returns the whole data area of the slice at off in list li.
+func (m *Buffer) SliceData(li int, off uint32) []byte {
+	d := off + SliceHeaderSize
 	return m.mem[d : d+m.lists[li].sliceCap : d+m.lists[li].sliceCap]
 }
 
-// linkSlice writes the header of a slice of an outgoing message: its size,
+// LinkSlice writes the header of a slice of an outgoing message: its size,
 // start 0, and a link to the next slice (next == 0 ends the message).
-func (m *bufferManager) linkSlice(off uint32, size int, next uint32) {
+func (m *Buffer) LinkSlice(off uint32, size int, next uint32) {
 	binary.LittleEndian.PutUint32(m.mem[off+sliceSizeOff:], uint32(size))
 	binary.LittleEndian.PutUint32(m.mem[off+sliceStartOff:], 0)
 	if next != 0 {
@@ -269,19 +277,19 @@ func (m *bufferManager) linkSlice(off uint32, size int, next uint32) {
 	}
 }
 
-// readChain appends the slices of the message whose root slice header is
+// ReadChain appends the slices of the message whose root slice header is
 // at root to dst, marking them held. Every header is read once and checked
 // (a slice of a list with that list's cap, start+size within it, not held
 // already), and empty slices are freed once the whole chain is checked. On
 // error nothing is freed (a corrupt chain may name free slices, or another
 // message's), the marks of this call are undone and dst is returned as is.
-func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error) {
+func (m *Buffer) ReadChain(dst []Segment, root uint32) ([]Segment, error) {
 	first := len(dst)
-	var empty [4]segment
+	var empty [4]Segment
 	empties := empty[:0]
-	fail := func(err error) ([]segment, error) {
+	fail := func(err error) ([]Segment, error) {
 		for _, sl := range slices.Concat(dst[first:], empties) {
-			m.unhold(int(sl.list), sl.off)
+			m.Unhold(int(sl.List), sl.Off)
 		}
 		return dst[:first], err
 	}
@@ -306,20 +314,20 @@ func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error)
 		next := shmLoadUint32(m.u32(off + sliceNextOff))
 		flags := m.flags(off)
 		want := m.lists[li].sliceCap
-		sl := segment{list: int32(li), off: off}
+		sl := Segment{List: int32(li), Off: off}
 		if sliceCap != want {
-			m.unhold(li, off)
+			m.Unhold(li, off)
 			return fail(corrupt("slice at %d has cap %d, its list has %d", off, sliceCap, want))
 		}
 		if uint64(start)+uint64(size) > uint64(want) {
-			m.unhold(li, off)
+			m.Unhold(li, off)
 			return fail(corrupt("slice at %d has start %d and size %d beyond its cap %d", off, start, size, want))
 		}
 		if size == 0 {
 			empties = append(empties, sl)
 		} else {
-			d := off + sliceHeaderSize + start
-			sl.data = m.mem[d : d+size : d+size]
+			d := off + SliceHeaderSize + start
+			sl.Data = m.mem[d : d+size : d+size]
 			dst = append(dst, sl)
 		}
 		if flags&flagHasNext == 0 {
@@ -328,7 +336,7 @@ func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error)
 		off = next
 	}
 	for _, sl := range empties {
-		if err := m.push(int(sl.list), sl.off); err != nil {
+		if err := m.Push(int(sl.List), sl.Off); err != nil {
 			return fail(err)
 		}
 	}
@@ -336,17 +344,17 @@ func (m *bufferManager) readChain(dst []segment, root uint32) ([]segment, error)
 }
 
 // seen reports whether a slice at off is among segs, to word an error.
-func seen(segs []segment, off uint32) bool {
-	return slices.ContainsFunc(segs, func(s segment) bool { return s.off == off })
+func seen(segs []Segment, off uint32) bool {
+	return slices.ContainsFunc(segs, func(s Segment) bool { return s.Off == off })
 }
 
-// segment is one piece of a received or outgoing message: a slice of the
+// Segment is one piece of a received or outgoing message: a slice of the
 // buffer region (list >= 0) or private memory (list < 0).
-type segment struct {
-	data []byte
-	n    int // writer: bytes used in data
-	list int32
-	off  uint32
+type Segment struct {
+	Data []byte
+	N    int // writer: bytes used in data
+	List int32
+	Off  uint32
 }
 
-const heapSegment = -1
+const HeapSegment = -1

@@ -1,22 +1,17 @@
-package shmipc
+package shm
 
 import (
 	"slices"
-	"time"
 
 	"golang.org/x/sys/unix"
 )
 
 // Giving memory back. A buffer region's pages stay committed once written,
-// so when a list has been quiet for giveBackPeriod, the process that created
+// so when a list has been quiet for Periods.GiveBack, the process that created
 // the region (which holds its descriptor) punches holes in the data pages
 // of its free slices (fallocate FALLOC_FL_PUNCH_HOLE). Each slice is popped
 // while its pages go, so no peer can be writing to it; headers are never
 // punched. A slice handed out again faults its pages back in, zero-filled.
-
-// giveBackPeriod is how long a list must be quiet before the data pages of
-// its free slices are given back; a region takes it when created.
-var giveBackPeriod = time.Second
 
 // listSample is what a list's header said at one look. Its head and tail
 // tell traffic that left the free count and counters where they were.
@@ -26,7 +21,7 @@ type listSample struct {
 }
 
 // sample reads list li's header words.
-func (m *bufferManager) sample(li int) listSample {
+func (m *Buffer) sample(li int) listSample {
 	h := m.lists[li].header
 	return listSample{
 		free:    m.freeCount(li),
@@ -39,15 +34,15 @@ func (m *bufferManager) sample(li int) listSample {
 
 // dataPages returns the range of whole pages inside the data of the slice
 // whose header is at off in list li: [first, end) in bytes, empty if none.
-func (m *bufferManager) dataPages(li int, off uint32) (first, end int) {
-	first = (int(off) + sliceHeaderSize + pageSize - 1) / pageSize * pageSize
+func (m *Buffer) dataPages(li int, off uint32) (first, end int) {
+	first = (int(off) + SliceHeaderSize + pageSize - 1) / pageSize * pageSize
 	end = (int(off) + int(m.lists[li].stride)) / pageSize * pageSize
 	return first, max(first, end)
 }
 
 // punch gives back the data pages of the slice at off in list li, which
 // this process has popped.
-func (m *bufferManager) punch(li int, off uint32) {
+func (m *Buffer) punch(li int, off uint32) {
 	if first, end := m.dataPages(li, off); first < end {
 		_ = unix.Fallocate(m.region.fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, int64(first), int64(end-first))
 	}
@@ -59,7 +54,7 @@ func (m *bufferManager) punch(li int, off uint32) {
 // head as the others are pushed back behind it. It asks the kernel which
 // pages are in memory for the list's slices alone, not the whole region:
 // mincore's cost follows the pages it covers (2 ms for 128 MiB).
-func (m *bufferManager) giveBackList(li int) {
+func (m *Buffer) giveBackList(li int) {
 	l := &m.lists[li]
 	base := int(l.area) / pageSize * pageSize
 	resident := residentPages(m.mem[base:min(len(m.mem), int(l.area+l.count*l.stride))])

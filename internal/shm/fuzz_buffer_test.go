@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 // FuzzBufferRegion and FuzzReadChain, the buffer region targets, with their
 // seed scripts and layouts.
@@ -49,13 +49,13 @@ func fzCorruptScript() []byte {
 }
 
 func FuzzBufferRegion(f *testing.F) {
-	valid := func(plans []listPlan) []byte {
+	valid := func(plans []ListPlan) []byte {
 		mem := make([]byte, bufferRegionSize(plans))
-		initBufferRegion(mem, plans)
+		InitBuffer(mem, plans)
 		return mem
 	}
-	small := valid([]listPlan{{sliceCap: 4, count: 3}, {sliceCap: 12, count: 2}})
-	three := valid([]listPlan{{sliceCap: 8, count: 8}, {sliceCap: 32, count: 4}, {sliceCap: 64, count: 2}})
+	small := valid([]ListPlan{{SliceCap: 4, Count: 3}, {SliceCap: 12, Count: 2}})
+	three := valid([]ListPlan{{SliceCap: 8, Count: 8}, {SliceCap: 32, Count: 4}, {SliceCap: 64, Count: 2}})
 	script := fzBufferScript()
 	corrupt := fzCorruptScript()
 	mod := func(b []byte, off int, v uint32) []byte {
@@ -66,21 +66,21 @@ func FuzzBufferRegion(f *testing.F) {
 	seeds := [][]byte{
 		small,
 		three,
-		valid([]listPlan{{sliceCap: 4, count: 1}}),
-		valid([]listPlan{{sliceCap: 1 << 10, count: 2}}),
-		mod(small, 0, 0),                                  // no lists
-		mod(small, 0, 3),                                  // more lists than fit
-		mod(small, 4, uint32(len(small))),                 // used too large
-		mod(small, managerHeaderSize+listCapOff, 6),       // cap not a multiple of 4
-		mod(small, managerHeaderSize+listCapOff, 12),      // duplicate cap
-		mod(small, managerHeaderSize+listCountOff, 0),     // no slices
-		mod(small, managerHeaderSize+listCountOff, 1<<30), // past the end
-		mod(small, managerHeaderSize+listCapOff, math.MaxUint32-3),
-		mod(small, managerHeaderSize+listHeadOff, 3),
-		mod(small, managerHeaderSize+listTailOff, 1<<31),
-		mod(small, managerHeaderSize+listFreeOff, math.MaxInt32),
-		mod(three, managerHeaderSize+listHeaderSize+sliceNextOff, 7),
-		small[:managerHeaderSize+listHeaderSize],
+		valid([]ListPlan{{SliceCap: 4, Count: 1}}),
+		valid([]ListPlan{{SliceCap: 1 << 10, Count: 2}}),
+		mod(small, 0, 0),                                 // no lists
+		mod(small, 0, 3),                                 // more lists than fit
+		mod(small, 4, uint32(len(small))),                // used too large
+		mod(small, BufferHeaderSize+listCapOff, 6),       // cap not a multiple of 4
+		mod(small, BufferHeaderSize+listCapOff, 12),      // duplicate cap
+		mod(small, BufferHeaderSize+listCountOff, 0),     // no slices
+		mod(small, BufferHeaderSize+listCountOff, 1<<30), // past the end
+		mod(small, BufferHeaderSize+listCapOff, math.MaxUint32-3),
+		mod(small, BufferHeaderSize+listHeadOff, 3),
+		mod(small, BufferHeaderSize+listTailOff, 1<<31),
+		mod(small, BufferHeaderSize+listFreeOff, math.MaxInt32),
+		mod(three, BufferHeaderSize+ListHeaderSize+sliceNextOff, 7),
+		small[:BufferHeaderSize+ListHeaderSize],
 		{},
 	}
 	for i, s := range seeds {
@@ -89,9 +89,9 @@ func FuzzBufferRegion(f *testing.F) {
 	}
 
 	f.Fuzz(func(t *testing.T, data, script []byte, creator bool) {
-		mem := alignedBytes(max(len(data), managerHeaderSize))
+		mem := alignedBytes(max(len(data), BufferHeaderSize))
 		copy(mem, data)
-		m, err := newBufferManager(heapRegion(mem), creator)
+		m, err := NewBuffer(RegionOf(mem), creator)
 		if err != nil {
 			if m != nil {
 				t.Fatalf("newBufferManager returned a manager and error %v", err)
@@ -102,16 +102,16 @@ func FuzzBufferRegion(f *testing.F) {
 	})
 }
 
-// fzLayouts are the valid regions FuzzReadChain starts from.
-var fzLayouts = []struct {
-	size  uint32
-	sizes []SizePercentPair
-}{
-	{1 << 20, ReferenceSliceSizes()},
-	{16 << 10, []SizePercentPair{{64, 50}, {256, 30}, {1024, 20}}},
-	{4 << 10, []SizePercentPair{{4, 100}}},
-	{1 << 10, []SizePercentPair{{4, 50}, {8, 50}}},
-	{4 << 10, []SizePercentPair{{128, 40}, {32, 40}, {512, 20}}},
+// fzLayouts are the valid regions FuzzReadChain starts from: those
+// Config's BufferSliceSizes make of ReferenceSliceSizes() in 1 MiB; of
+// {64, 50%}, {256, 30%}, {1024, 20%} in 16 KiB; {4, 100%} in 4 KiB;
+// {4, 50%}, {8, 50%} in 1 KiB; and {128, 40%}, {32, 40%}, {512, 20%} in 4 KiB.
+var fzLayouts = [][]ListPlan{
+	{{8172, 63}, {32748, 9}, {131052, 1}},
+	{{64, 96}, {256, 17}, {1024, 3}},
+	{{4, 168}},
+	{{4, 19}, {8, 16}},
+	{{32, 30}, {128, 10}, {512, 1}},
 }
 
 func FuzzReadChain(f *testing.F) {
@@ -131,16 +131,12 @@ func FuzzReadChain(f *testing.F) {
 		size int
 	}
 	templates := make([]template, len(fzLayouts))
-	for i, l := range fzLayouts {
-		plans, err := planLists(l.size, l.sizes)
-		if err != nil {
-			f.Fatalf("layout %d: %v", i, err)
-		}
+	for i, plans := range fzLayouts {
 		// The region ends right after its last slice, so a slice past the
 		// last one would be outside the mapping.
 		size := int(bufferRegionSize(plans))
 		mem := make([]byte, size)
-		initBufferRegion(mem, plans)
+		InitBuffer(mem, plans)
 		templates[i] = template{mem: mem, size: size}
 	}
 
@@ -148,7 +144,7 @@ func FuzzReadChain(f *testing.F) {
 		tp := templates[int(layout&0x7F)%len(templates)]
 		mem := alignedBytes(tp.size)[:tp.size]
 		copy(mem, tp.mem)
-		m, err := newBufferManager(heapRegion(mem), layout&0x80 == 0)
+		m, err := NewBuffer(RegionOf(mem), layout&0x80 == 0)
 		if err != nil {
 			t.Fatalf("valid layout %d: %v", layout, err)
 		}

@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 import "unsafe"
 
@@ -15,11 +15,11 @@ const prefetchMax = 16 << 10
 //go:noescape
 func prefetchLinesW(p unsafe.Pointer, n uintptr)
 
-// prefetchForWrite starts taking the first prefetchMax bytes of p for
-// writing, without waiting for them: a kept slice (reuse.go) was written by
+// PrefetchForWrite starts taking the first prefetchMax bytes of p for
+// writing, without waiting for them: a slice kept for the next message was written by
 // the peer on another core, and its lines are fetched while the stream
 // waits for its peer rather than when the next message is copied in.
-func prefetchForWrite(p []byte) {
+func PrefetchForWrite(p []byte) {
 	if len(p) > 0 {
 		prefetchLinesW(unsafe.Pointer(&p[0]), uintptr(min(len(p), prefetchMax)))
 	}

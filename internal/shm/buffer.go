@@ -1,4 +1,4 @@
-package shmipc
+package shm
 
 import (
 	"encoding/binary"
@@ -10,9 +10,9 @@ import (
 
 // Buffer region layout (docs/protocol.md §6). All integers are little-endian.
 const (
-	managerHeaderSize = 8 // u16 list count, u16 reserved, u32 used
-	listHeaderSize    = 36
-	sliceHeaderSize   = 20
+	BufferHeaderSize = 8 // u16 list count, u16 reserved, u32 used
+	ListHeaderSize   = 36
+	SliceHeaderSize  = 20
 
 	// list header fields
 	listFreeOff    = 0  // i32, atomic
@@ -34,7 +34,7 @@ const (
 	flagInUse   = 0x02
 
 	// maxReserve is how many free slices a list keeps for writers that
-	// hold slices (bufferManager.alloc): min(maxReserve, count/4). It
+	// hold slices (Alloc): min(maxReserve, count/4). It
 	// is about liveness, not room: one slice lets an answer go out and free
 	// its request.
 	maxReserve = 2
@@ -49,7 +49,20 @@ const (
 	// pushAttempts bounds the retries of one push. The protocol sets no
 	// limit; a peer that keeps the tail moving this long is broken.
 	pushAttempts = 1 << 20
+
+	// keepShare bounds the share of a list whose slices the streams of this
+	// process may keep (MayKeep), and keepMaxCap the largest slice they
+	// keep: the reference layout's largest class. Larger slices are few,
+	// and a stream that kept one would hold a MiB or more between messages.
+	keepShare  = 8
+	keepMaxCap = 128 << 10
 )
+
+// ListPlan is one size class of a region to be created (InitBuffer).
+type ListPlan struct {
+	SliceCap uint32 // data bytes of each slice
+	Count    uint32 // slices of the list
+}
 
 // sliceList is the local, validated description of one list of the region.
 // Fields read from shared memory at mapping time are never read again.
@@ -62,7 +75,7 @@ type sliceList struct {
 	first    uint32 // the index of its first slice among all the region's (held)
 	reserve  int32  // free slices left for writers that hold slices (alloc)
 	// keepLimit is how many streams of this process may keep a slice of
-	// the list (0: none; reuse.go).
+	// the list (0: none; MayKeep).
 	keepLimit int32
 }
 
@@ -71,11 +84,11 @@ func (l *sliceList) validRelative(rel uint32) bool {
 	return rel%l.stride == 0 && rel/l.stride < l.count
 }
 
-// bufferManager allocates and frees slices of one buffer region. It is safe
+// Buffer allocates and frees slices of one buffer region. It is safe
 // for concurrent use, within and across processes: the free lists are
 // lock-free, as the protocol requires.
-type bufferManager struct {
-	region   *region
+type Buffer struct {
+	region   *Region
 	mem      []byte
 	lists    []sliceList // in region order, which is ascending offset
 	bySize   []int       // indexes into lists, ascending sliceCap
@@ -90,8 +103,8 @@ type bufferManager struct {
 	sessions      atomic.Int32 // sessions of this process using the region
 	circ          *circulation // slices taken out of circulation (creator only)
 
-	// held has a bit per slice of the region, set from readChain until the
-	// slice is pushed back or a writer of this process takes it (reuse.go).
+	// held has a bit per slice of the region, set from ReadChain until the
+	// slice is pushed back or a writer of this process takes it (Unhold).
 	// A correct peer cannot publish a slice whose bit is set, as it cannot
 	// allocate one this process has not freed; unchecked, one slice could be
 	// delivered (and freed) any number of times. Neighbouring slices are on
@@ -99,45 +112,45 @@ type bufferManager struct {
 	held      []atomic.Uint64
 	heldShift uint // log2 of the number of cache lines of held
 
-	space spaceQueues // this process's writers waiting for room, in turn (space_queue.go)
+	space SpaceQueues // this process's writers waiting for room, in turn (Space)
 
-	keepers []atomic.Int32 // per list, streams of this process that may keep a slice of it (reuse.go)
+	keepers []atomic.Int32 // per list, streams of this process that may keep a slice of it (MayKeep)
 }
 
-// initBufferRegion lays out a new region as docs/protocol.md §6.5 says. mem must
+// InitBuffer lays out a new region as docs/protocol.md §6.5 says. mem must
 // be zero-filled: the fields that start at zero are not written.
-func initBufferRegion(mem []byte, plans []listPlan) {
+func InitBuffer(mem []byte, plans []ListPlan) {
 	binary.LittleEndian.PutUint16(mem[0:], uint16(len(plans)))
-	cur := uint32(managerHeaderSize)
+	cur := uint32(BufferHeaderSize)
 	for _, p := range plans {
-		stride := p.sliceCap + sliceHeaderSize
+		stride := p.SliceCap + SliceHeaderSize
 		h := mem[cur:]
-		binary.LittleEndian.PutUint32(h[listFreeOff:], p.count)
-		binary.LittleEndian.PutUint32(h[listCountOff:], p.count)
-		binary.LittleEndian.PutUint32(h[listTailOff:], (p.count-1)*stride)
-		binary.LittleEndian.PutUint32(h[listCapOff:], p.sliceCap)
-		area := cur + listHeaderSize
-		for k := uint32(0); k < p.count; k++ {
+		binary.LittleEndian.PutUint32(h[listFreeOff:], p.Count)
+		binary.LittleEndian.PutUint32(h[listCountOff:], p.Count)
+		binary.LittleEndian.PutUint32(h[listTailOff:], (p.Count-1)*stride)
+		binary.LittleEndian.PutUint32(h[listCapOff:], p.SliceCap)
+		area := cur + ListHeaderSize
+		for k := uint32(0); k < p.Count; k++ {
 			s := mem[area+k*stride:]
-			binary.LittleEndian.PutUint32(s[sliceCapOff:], p.sliceCap)
-			if k < p.count-1 {
+			binary.LittleEndian.PutUint32(s[sliceCapOff:], p.SliceCap)
+			if k < p.Count-1 {
 				binary.LittleEndian.PutUint32(s[sliceNextOff:], (k+1)*stride)
 				s[sliceFlagsOff] = flagHasNext
 			}
 		}
-		cur = area + p.count*stride
+		cur = area + p.Count*stride
 	}
-	binary.LittleEndian.PutUint32(mem[4:], cur-managerHeaderSize)
+	binary.LittleEndian.PutUint32(mem[4:], cur-BufferHeaderSize)
 }
 
-// newBufferManager reads and checks the layout of a mapped buffer region
+// NewBuffer reads and checks the layout of a mapped buffer region
 // (docs/protocol.md §6.6): every list must lie inside the mapping and hold a
 // slice, and slice sizes must be distinct non-zero multiples of 4. The
 // values are copied; the manager never reads those header fields again.
-func newBufferManager(r *region, creator bool) (*bufferManager, error) {
+func NewBuffer(r *Region, creator bool) (*Buffer, error) {
 	mem := r.mem
 	size := uint64(len(mem))
-	if size < managerHeaderSize {
+	if size < BufferHeaderSize {
 		return nil, fmt.Errorf("buffer region of %d bytes has no header", size)
 	}
 	n := int(binary.LittleEndian.Uint16(mem[0:]))
@@ -145,21 +158,21 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 	if n == 0 {
 		return nil, fmt.Errorf("buffer region has no lists")
 	}
-	if managerHeaderSize+used > size {
+	if BufferHeaderSize+used > size {
 		return nil, fmt.Errorf("buffer region claims %d bytes of lists but is %d bytes long", used, size)
 	}
-	limit := managerHeaderSize + used
-	if uint64(n)*listHeaderSize > used {
+	limit := BufferHeaderSize + used
+	if uint64(n)*ListHeaderSize > used {
 		return nil, fmt.Errorf("buffer region claims %d lists in %d bytes", n, used)
 	}
-	m := &bufferManager{region: r, mem: mem, lists: make([]sliceList, n), bySize: make([]int, n), counter: mapperCounter}
+	m := &Buffer{region: r, mem: mem, lists: make([]sliceList, n), bySize: make([]int, n), counter: mapperCounter}
 	if creator {
 		m.counter = creatorCounter
 	}
-	cur := uint64(managerHeaderSize)
+	cur := uint64(BufferHeaderSize)
 	var total uint64
 	for i := range m.lists {
-		if cur+listHeaderSize > limit {
+		if cur+ListHeaderSize > limit {
 			return nil, fmt.Errorf("list %d header at %d lies outside the %d bytes in use", i, cur, limit)
 		}
 		count := uint64(binary.LittleEndian.Uint32(mem[cur+listCountOff:]))
@@ -170,14 +183,14 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 		if sliceCap == 0 || sliceCap%4 != 0 {
 			return nil, fmt.Errorf("list %d at %d has slice size %d, which is not a positive multiple of 4", i, cur, sliceCap)
 		}
-		stride := sliceCap + sliceHeaderSize
-		end := cur + listHeaderSize + count*stride
+		stride := sliceCap + SliceHeaderSize
+		end := cur + ListHeaderSize + count*stride
 		if end > limit {
 			return nil, fmt.Errorf("list %d at %d (%d slices of %d bytes) ends at %d, past the %d bytes in use", i, cur, count, sliceCap, end, limit)
 		}
 		m.lists[i] = sliceList{
 			header:   uint32(cur),
-			area:     uint32(cur + listHeaderSize),
+			area:     uint32(cur + ListHeaderSize),
 			stride:   uint32(stride),
 			sliceCap: uint32(sliceCap),
 			count:    uint32(count),
@@ -217,19 +230,19 @@ func newBufferManager(r *region, creator bool) (*bufferManager, error) {
 	return m, nil
 }
 
-func (m *bufferManager) i32(off uint32) *int32 {
+func (m *Buffer) i32(off uint32) *int32 {
 	return (*int32)(unsafe.Pointer(&m.mem[off]))
 }
 
 // freeCount is list li's free count, which the peer writes too, clamped to
 // [0, count] so that arithmetic and loops it bounds stay within the list.
-func (m *bufferManager) freeCount(li int) int32 {
+func (m *Buffer) freeCount(li int) int32 {
 	l := &m.lists[li]
 	n := shmLoadInt32(m.i32(l.header + listFreeOff))
 	return min(max(n, 0), int32(l.count))
 }
 
-func (m *bufferManager) u32(off uint32) *uint32 {
+func (m *Buffer) u32(off uint32) *uint32 {
 	return (*uint32)(unsafe.Pointer(&m.mem[off]))
 }
 
@@ -237,10 +250,119 @@ func (m *bufferManager) u32(off uint32) *uint32 {
 // 4-byte word whose other bytes are zero (docs/protocol.md §6.4). It and setFlags
 // are atomic: a pop that sees HAS_NEXT also sees the next the push stored
 // before setting it, on weakly ordered CPUs too.
-func (m *bufferManager) flags(off uint32) byte {
+func (m *Buffer) flags(off uint32) byte {
 	return byte(shmLoadUint32(m.u32(off + sliceFlagsOff)))
 }
 
-func (m *bufferManager) setFlags(off uint32, f byte) {
+func (m *Buffer) setFlags(off uint32, f byte) {
 	shmStoreUint32(m.u32(off+sliceFlagsOff), uint32(f))
+}
+
+// CreateBuffer creates a buffer region of plans (CreateRegion), lays it
+// out, and returns its creator's manager, holding one reference, with
+// circulation control running at periods p. The region keeps its descriptor open, to
+// be handed to peers (Region.Fd).
+func CreateBuffer(memfd bool, path string, size int, perm uint32, plans []ListPlan, p Periods) (m *Buffer, err error) {
+	r, fd, err := CreateRegion(memfd, path, size, perm)
+	if err != nil {
+		return nil, err
+	}
+	defer CloseFds(fd)
+	defer func() { // deferred: a fault unwinding from here must not keep the region
+		if m == nil {
+			r.Release()
+		}
+	}()
+	if err := r.KeepFd(fd); err != nil {
+		return nil, err
+	}
+	InitBuffer(r.mem, plans)
+	if m, err = NewBuffer(r, true); err != nil {
+		return nil, err
+	}
+	r.onLastRelease = m.unparkAll
+	m.startCirculation(p)
+	return m, nil
+}
+
+// Region is the mapped region of m.
+func (m *Buffer) Region() *Region { return m.region }
+
+// OnLastRelease makes the region's last release run f, after every slice
+// this process parked has gone back, before it is unmapped.
+func (m *Buffer) OnLastRelease(f func()) {
+	m.region.OnLastRelease(func() {
+		m.unparkAll()
+		f()
+	})
+}
+
+// AddSession counts the sessions of this process that use the region
+// (SessionEnding); Sessions is their number.
+func (m *Buffer) AddSession(delta int32) { m.sessions.Add(delta) }
+
+// Sessions is the number of sessions of this process using the region.
+func (m *Buffer) Sessions() int32 { return m.sessions.Load() }
+
+// Space is this process's queues of writers waiting for room.
+func (m *Buffer) Space() *SpaceQueues { return &m.space }
+
+// SliceCap is the data capacity of a slice of list li.
+func (m *Buffer) SliceCap(li int) int { return int(m.lists[li].sliceCap) }
+
+// NeverFits reports whether a message of size bytes whose next piece is
+// want bytes can never come from the region: a contiguous piece larger than
+// any slice, a message over half of what the region can hand out, or one
+// larger than any slice and over half of what it can hand out in pieces
+// (splitCapacity).
+func (m *Buffer) NeverFits(size uint64, want int, contiguous bool) bool {
+	if contiguous {
+		return want > int(m.usable) || size > m.capacity/2
+	}
+	return size > m.capacity/2 || size > uint64(m.usable) && size > m.splitCapacity/2
+}
+
+// Keepable reports whether the streams of this process may keep slices of
+// list li for their next message (MayKeep).
+func (m *Buffer) Keepable(li int32) bool {
+	return li >= 0 && int(li) < len(m.lists) && m.lists[li].keepLimit > 0
+}
+
+// MayKeep asks for one more stream's permission to keep slices of list li,
+// within 1/keepShare of the list, and reports whether it got it; Unkeep
+// gives a permission back.
+func (m *Buffer) MayKeep(li int) bool {
+	if m.keepers[li].Add(1) > m.lists[li].keepLimit {
+		m.keepers[li].Add(-1)
+		return false
+	}
+	return true
+}
+
+// Unkeep gives back a permission MayKeep granted for list li.
+func (m *Buffer) Unkeep(li int) { m.keepers[li].Add(-1) }
+
+// ListState is what Lists says of one list.
+type ListState struct {
+	SliceCap, Count uint32
+	Free            int32 // free slices, parked ones included
+	Parked          int32 // of those, the ones this process has parked
+}
+
+// Lists returns the state of each list, in region order.
+func (m *Buffer) Lists() []ListState {
+	ls := make([]ListState, len(m.lists))
+	c := m.circ
+	if c != nil {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+	}
+	for i, l := range m.lists {
+		ls[i] = ListState{SliceCap: l.sliceCap, Count: l.count, Free: m.freeCount(i)}
+		if c != nil {
+			ls[i].Parked = int32(len(c.parked[i]))
+			ls[i].Free += ls[i].Parked
+		}
+	}
+	return ls
 }
