@@ -127,7 +127,7 @@ func circListFor(t *testing.T, m *shm.Buffer, size int) int {
 // TestCommittedFollowsInFlight runs sustained traffic against a server
 // process with few messages in flight, of large classes (1 MiB and 128 KiB
 // slices), and checks that the buffer region's committed memory stays
-// within the bound of circulation.go, headers + Σ over classes of
+// within the bound of internal/shm circulation.go, headers + Σ over classes of
 // min(slices, peak in flight + spare) × slice size, with 1 MiB of slack,
 // where without circulation control every slice of both classes would be
 // committed. Once traffic stops, committed memory must return to its idle

@@ -63,7 +63,7 @@ type Session struct {
 	closeOnce sync.Once
 	err       error // why the session ended; written before closed is closed
 	// sendErr is the failure of a write that found the peer gone; sending
-	// stops while the receive loop reads to the end (peergone.go).
+	// stops while the receive loop reads to the end (uds_conn.go).
 	sendErr    atomic.Pointer[error]
 	localClose bool
 	loopDone   chan struct{}
@@ -162,7 +162,7 @@ func (s *Session) OpenStream() (*Stream, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.sendable(); err != nil {
-		return nil, err // ended, or ending: the peer has gone (peergone.go)
+		return nil, err // ended, or ending: the peer has gone (uds_conn.go)
 	}
 	if len(s.streams) >= s.conf.MaxStreams {
 		return nil, fmt.Errorf("%w: %d streams are open, the limit set by Config.MaxStreams", ErrLimitExceeded, len(s.streams))

@@ -5,7 +5,7 @@ package shm
 import "sync/atomic"
 
 // Atomic operations on words of shared memory. Outside race-detector
-// builds they are sync/atomic's; see shmatomic_race_amd64.go for why race
+// builds they are sync/atomic's; see atomic_race_amd64.go for why race
 // builds on amd64 have their own.
 
 func shmLoadInt32(p *int32) int32                  { return atomic.LoadInt32(p) }

@@ -59,7 +59,7 @@ func shmCASUint32(p *uint32, old, new uint32) bool {
 	return ok
 }
 
-// The operations themselves (shmatomic_race_amd64.s).
+// The operations themselves (atomic_race_amd64.s).
 
 //go:noescape
 func shmLoadInt32Asm(p *int32) int32
