@@ -349,10 +349,11 @@ func seen(segs []Segment, off uint32) bool {
 }
 
 // Segment is one piece of a received or outgoing message: a slice of the
-// buffer region (list >= 0) or private memory (list < 0).
+// buffer region, of list List with its header at Off, or private memory
+// (List HeapSegment).
 type Segment struct {
 	Data []byte
-	N    int // writer: bytes used in data
+	N    int // a writer's: bytes used in Data
 	List int32
 	Off  uint32
 }

@@ -33,6 +33,8 @@ func QueueRegionSize(cap uint32) int {
 	return 2 * (queueHeaderSize + queueElemSize*int(cap))
 }
 
+// Elem is an IO queue element: a stream id, the offset of its message's
+// root slice header (0 for none) and the stream's status.
 type Elem struct {
 	ID     uint32
 	Offset uint32
