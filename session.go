@@ -447,16 +447,11 @@ func (r *recentIDs) has(id uint32) bool {
 }
 
 // access runs f, which touches the session's shared regions, with memory
-// faults turned into the session's error (the trust boundary, shm's
-// access.go). Every code path that touches a region runs inside access, or,
-// in a method that is one access from its first line to its last, begins
-// with `defer s.endAccess(&err, debug.SetPanicOnFault(true))`. The fault is
-// recovered inside access, so a caller may hold locks around an access.
-// Work outside any session (circulation control, the kept slices a session
-// returns as it ends) runs inside shm.Quietly instead, and the handshake
-// uses shm.FaultError. Slices handed to the application (ReadBytes, Peek,
-// Reserve) are touched outside access; Config.RequireSealedMemory keeps
-// such faults away.
+// faults turned into the session's error (the trust boundary: shm's
+// access.go). Every code path that touches a region runs inside access, or
+// begins with `defer s.endAccess(&err, debug.SetPanicOnFault(true))`; a
+// caller may hold locks around it. Slices handed to the application
+// (ReadBytes, Peek, Reserve) are touched outside it: RequireSealedMemory.
 func (s *Session) access(f func() error) (err error) {
 	defer s.endAccess(&err, debug.SetPanicOnFault(true))
 	return f()

@@ -258,10 +258,9 @@ func (m *Buffer) setFlags(off uint32, f byte) {
 	shmStoreUint32(m.u32(off+sliceFlagsOff), uint32(f))
 }
 
-// CreateBuffer creates a buffer region of plans (CreateRegion), lays it
-// out, and returns its creator's manager, holding one reference, with
-// circulation control running at periods p. The region keeps its descriptor open, to
-// be handed to peers (Region.Fd).
+// CreateBuffer creates a buffer region (CreateRegion) laid out as plans and
+// returns its creator's manager, holding one reference, with circulation
+// control at periods p. It keeps the descriptor open for peers (Region.Fd).
 func CreateBuffer(memfd bool, path string, size int, perm uint32, plans []ListPlan, p Periods) (m *Buffer, err error) {
 	r, fd, err := CreateRegion(memfd, path, size, perm)
 	if err != nil {
@@ -297,8 +296,7 @@ func (m *Buffer) OnLastRelease(f func()) {
 	})
 }
 
-// AddSession counts the sessions of this process that use the region
-// (SessionEnding); Sessions is their number.
+// AddSession counts the sessions of this process that use the region.
 func (m *Buffer) AddSession(delta int32) { m.sessions.Add(delta) }
 
 // Sessions is the number of sessions of this process using the region.
