@@ -399,7 +399,7 @@ func TestWriterHoldingPartWaitsBriefly(t *testing.T) {
 		// is the server's stream: the side that did not create the region
 		// takes any slice but the last (a writer of the creator's that
 		// holds nothing would wait for room for all of its message,
-		// bufferManager.roomFor), so it takes three and waits for a
+		// shm.Buffer.Alloc), so it takes three and waits for a
 		// fourth. The small slices are too small to split it over.
 		var holders []*Stream
 		for range lists[1].Slices - 4 {

@@ -159,7 +159,7 @@ func blockedIn(fn string, creator uint64) int {
 // refusedMinAge or the quiet give-back, a waited-out timeout, or a child
 // process), and that were checked to use no process-global state: they set
 // no package variable and install no hook (consumeHook, tcpDiagOff,
-// fallbackFrameData, giveBackPeriod...), assert nothing process-wide
+// fallbackFrameData, circulationPeriods...), assert nothing process-wide
 // (goroutines, fds, mappings, heap, RSS, Shmem, AggregateStats), and share
 // no buffer region with another test's sessions (theirs have a private
 // prefix, or a server in another process). Their assertions hold on a

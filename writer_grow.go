@@ -125,6 +125,6 @@ const (
 	headSpacePause = 50 * time.Microsecond
 	// heldSpaceWait is how long a writer that holds part of its message
 	// waits for more before the rest goes as fallback data: one look of the
-	// region's creator (circulationPeriod), which unparks slices.
+	// region's creator (circulationPeriods.Look), which unparks slices.
 	heldSpaceWait = 50 * time.Millisecond
 )
