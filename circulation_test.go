@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/goshm/shmipc/internal/proctest"
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // TestCirculationChild is the server process of the circulation tests: on
@@ -112,10 +113,10 @@ func circStream(sess *Session, size int, stop <-chan struct{}, rounds *atomic.In
 
 // circListFor returns the list that serves a message of size bytes in one
 // slice: the smallest whose slices hold it.
-func circListFor(t *testing.T, m *bufferManager, size int) int {
+func circListFor(t *testing.T, m *shm.Buffer, size int) int {
 	t.Helper()
-	for _, li := range m.bySize {
-		if int(m.lists[li].sliceCap) >= size {
+	for li, l := range m.Lists() { // in ascending size, as Config lays them out
+		if int(l.SliceCap) >= size {
 			return li
 		}
 	}
@@ -126,7 +127,7 @@ func circListFor(t *testing.T, m *bufferManager, size int) int {
 // TestCommittedFollowsInFlight runs sustained traffic against a server
 // process with few messages in flight, of large classes (1 MiB and 128 KiB
 // slices), and checks that the buffer region's committed memory stays
-// within the bound of circulation.go, headers + Σ over classes of
+// within the bound of internal/shm circulation.go, headers + Σ over classes of
 // min(slices, peak in flight + spare) × slice size, with 1 MiB of slack,
 // where without circulation control every slice of both classes would be
 // committed. Once traffic stops, committed memory must return to its idle
@@ -146,9 +147,6 @@ func TestCommittedFollowsInFlight(t *testing.T) {
 	}
 	defer sess.Close()
 	m := sess.buf
-	if m.circ == nil {
-		t.Fatal("the client's buffer region has no circulation control")
-	}
 	idle := sess.Stats().Buffer.Committed
 
 	// Streams by message size. A stream has at most three slices in
@@ -160,12 +158,14 @@ func TestCommittedFollowsInFlight(t *testing.T) {
 	}
 	var bound, all uint64
 	for _, ld := range loads {
-		li := circListFor(t, m, ld.size)
-		l := &m.lists[li]
+		l := m.Lists()[circListFor(t, m, ld.size)]
 		peak := int32(3 * ld.streams)
-		cycling := min(int32(l.count), peak+m.spareFor(li, peak))
-		bound += uint64(cycling) * uint64(l.stride)
-		all += uint64(l.count) * uint64(l.stride)
+		// The spare of a busy list: at least 2 slices and 1 MiB.
+		spare := min(max(2, int32((1<<20+l.SliceCap-1)/l.SliceCap), (peak+3)/4), int32(l.Count))
+		cycling := min(int32(l.Count), peak+spare)
+		stride := uint64(l.SliceCap) + shm.SliceHeaderSize
+		bound += uint64(cycling) * stride
+		all += uint64(l.Count) * stride
 	}
 	const slack = 1 << 20
 	limit := idle + bound + slack
@@ -201,9 +201,9 @@ func TestCommittedFollowsInFlight(t *testing.T) {
 			}
 			return false
 		})
-		time.Sleep(2 * circulationPeriod)
+		time.Sleep(2 * circulationPeriods.Look)
 	} else {
-		time.Sleep(10 * circulationPeriod)
+		time.Sleep(10 * circulationPeriods.Look)
 	}
 	var peak, shmemPeak uint64
 	var parked int32
@@ -252,7 +252,7 @@ func TestCommittedFollowsInFlight(t *testing.T) {
 			t.Logf("committed %s %v after traffic stopped", mib(now), time.Since(stopped).Round(time.Millisecond))
 			break
 		}
-		if time.Since(stopped) > giveBackPeriod+time.Minute {
+		if time.Since(stopped) > circulationPeriods.GiveBack+time.Minute {
 			circLogLists(t, sess, "once quiet")
 			t.Fatalf("committed %d bytes %v after traffic stopped; %d when idle", now, time.Since(stopped).Round(time.Second), idle)
 		}
@@ -266,24 +266,11 @@ func TestCommittedFollowsInFlight(t *testing.T) {
 	}
 }
 
-// circLogLists logs the state of every list of sess's buffer region: its
-// resident data, free and parked slices, and the circulation control's
-// view of it.
+// circLogLists logs the state of every list of sess's buffer region.
 func circLogLists(t *testing.T, sess *Session, when string) {
 	t.Helper()
-	m := sess.buf
-	res := residentPages(m.mem)
-	st := sess.Stats()
-	c := m.circ
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	for li, l := range m.lists {
-		n := 0
-		for p := int(l.header) / pageSize; res != nil && p < int(l.end())/pageSize; p++ {
-			n += int(res[p] & 1)
-		}
-		t.Logf("%s: list of %d-byte slices: %d KiB resident, %d free, %d parked; spare %d, floor %d, peaks %v, quiet %v",
-			when, l.sliceCap, n*pageSize>>10, st.Lists[li].Free, st.Lists[li].Parked, c.spare[li], c.lists[li].floor.Load(), c.peaks[li], c.quiet[li])
+	for _, l := range sess.Stats().Lists {
+		t.Logf("%s: list of %d-byte slices: %d free, %d parked", when, l.SliceSize, l.Free, l.Parked)
 	}
 }
 
@@ -294,9 +281,9 @@ func circLogLists(t *testing.T, sess *Session, when string) {
 // finding the list short, without this process allocating anything; and
 // once it pushes them back, every list is full.
 func TestParkedSlicesReachThePeer(t *testing.T) {
-	old := giveBackPeriod
-	giveBackPeriod = time.Minute // no quiet give-back: only the refills return slices
-	defer func() { giveBackPeriod = old }()
+	old := circulationPeriods
+	circulationPeriods.GiveBack = time.Minute // no quiet give-back: only the refills return slices
+	defer func() { circulationPeriods = old }()
 	conf := DefaultConfig()
 	sess := dialEchoSession(t, conf)
 	m := sess.buf
@@ -307,7 +294,7 @@ func TestParkedSlicesReachThePeer(t *testing.T) {
 	deadline := time.Now().Add(10 * time.Second)
 	for sess.Stats().Lists[li].Parked == 0 {
 		if time.Now().After(deadline) {
-			t.Fatalf("no slice of the %d-byte class parked after 10 s of traffic: %+v", m.lists[li].sliceCap, sess.Stats().Lists[li])
+			t.Fatalf("no slice of the %d-byte class parked after 10 s of traffic: %+v", m.Lists()[li].SliceCap, sess.Stats().Lists[li])
 		}
 		for range 20 {
 			fpEcho(t, sess, msg).Close()
@@ -317,7 +304,7 @@ func TestParkedSlicesReachThePeer(t *testing.T) {
 
 	peer := regionPeer(t, m)
 	pm := peer.buf
-	count := int(m.lists[li].count)
+	count := int(m.Lists()[li].Count)
 	var held []uint32
 	var waits int
 	var longest time.Duration
@@ -326,7 +313,7 @@ func TestParkedSlicesReachThePeer(t *testing.T) {
 		var off uint32
 		for {
 			var err error
-			if off, err = pm.pop(li); err != nil {
+			if off, err = pm.Pop(li); err != nil {
 				t.Fatal(err)
 			}
 			if off != 0 {
@@ -348,53 +335,21 @@ func TestParkedSlicesReachThePeer(t *testing.T) {
 		t.Errorf("%d slices still parked while the peer holds all it can: %+v", st.Parked, st)
 	}
 	for _, off := range held {
-		if err := pm.push(li, off); err != nil {
+		if err := pm.Push(li, off); err != nil {
 			t.Fatal(err)
 		}
 	}
 	fpWaitFull(t, sess)
 }
 
-// TestNoParkingAfterUnparkAll: once unparkAll has put every parked slice
-// back (a session ending, so that the peer finds its lists full), nothing
-// parks again for parkHold, even a park that circulation decided on
-// before: parkOne itself refuses.
-func TestNoParkingAfterUnparkAll(t *testing.T) {
-	conf := DefaultConfig()
-	conf.ShareMemoryPathPrefix = shmPrefix(t, "park")
-	m, err := createBuffer(conf, conf.ShareMemoryPathPrefix+"_buffer")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.region.release()
-	m.sessions.Add(1) // as if a session used the region
-	defer m.sessions.Add(-1)
-	li := m.bySize[0]
-	count := int32(m.lists[li].count)
-
-	if !m.circ.parkOne(m, li, 0) {
-		t.Fatal("parkOne parked nothing in a full list with parking allowed")
-	}
-	if free, parked := m.counts(); parked[li] != 1 || free[li] != count {
-		t.Fatalf("after one park: %d free of %d, %d parked; want all free, 1 parked", free[li], count, parked[li])
-	}
-	m.unparkAll()
-	if m.circ.parkOne(m, li, 0) {
-		t.Error("parkOne parked a slice right after unparkAll")
-	}
-	if got := atomic.LoadInt32(m.i32(m.lists[li].header + listFreeOff)); got != count {
-		t.Errorf("the list holds %d of its %d slices after unparkAll", got, count)
-	}
-}
-
 // regionPeer returns the server session of this process that maps m, a
 // client's buffer region.
-func regionPeer(t *testing.T, m *bufferManager) *Session {
+func regionPeer(t *testing.T, m *shm.Buffer) *Session {
 	t.Helper()
 	registry.Lock()
 	defer registry.Unlock()
 	for s := range registry.live {
-		if !s.isClient && s.buf.region.path == m.region.path {
+		if !s.isClient && s.buf.Region().Path() == m.Region().Path() {
 			return s
 		}
 	}

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"github.com/goshm/shmipc/internal/wire"
 	"golang.org/x/sys/unix"
 )
@@ -236,16 +237,16 @@ func TestCleanupFailedHandshake(t *testing.T) {
 					return err
 				}
 				defer unix.Close(bfd)
-				qfd, err := clMemfd(queuePath, queueRegionSize(16), false)
+				qfd, err := clMemfd(queuePath, shm.QueueRegionSize(16), false)
 				if err != nil {
 					return err
 				}
 				defer unix.Close(qfd)
-				mem, err := unix.Mmap(qfd, 0, queueRegionSize(16), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+				mem, err := unix.Mmap(qfd, 0, shm.QueueRegionSize(16), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 				if err != nil {
 					return err
 				}
-				initQueueRegion(mem, 16)
+				shm.InitQueues(mem, 16)
 				if err := unix.Munmap(mem); err != nil {
 					return err
 				}
@@ -392,7 +393,7 @@ func clInitBuffer(fd, size int) error {
 	if err != nil {
 		return err
 	}
-	initBufferRegion(mem, plans)
+	shm.InitBuffer(mem, plans)
 	return unix.Munmap(mem)
 }
 

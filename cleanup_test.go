@@ -9,11 +9,18 @@ package shmipc
 // so they must not run in parallel with other tests.
 
 import (
+	"bytes"
+	"errors"
 	"fmt"
+	"io"
+	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/proctest"
 )
 
 // TestCleanupShmFiles checks that no file under the prefix is left once the
@@ -194,6 +201,246 @@ func TestCleanupFdsAndMappings(t *testing.T) {
 			}
 			srv.close(t)
 			clCheckBack(t, "after closing every session and the listener", base, prefix)
+		})
+	}
+}
+
+// Cleanup of a session closed while its streams still hold unread data.
+
+// TestCleanupCloseSessionWithUnreadData closes a session while streams on
+// both sides still hold unread data (and one holds a zero-copy slice it has
+// read), then closes the streams: everything must go away. It also checks
+// what the streams see in between.
+func TestCleanupCloseSessionWithUnreadData(t *testing.T) {
+	for _, mode := range bothModes {
+		for _, closer := range []string{"client", "server"} {
+			t.Run(mode.String()+"/"+closer+"-closes", func(t *testing.T) {
+				prefix := shmPrefix(t, "cl")
+				conf := clConfig(mode, prefix)
+				sock := filepath.Join(t.TempDir(), "s.sock")
+				base := clBaseline(t, prefix)
+
+				ln, err := Listen("unix", sock, conf)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer ln.Close()
+				sess, err := Dial("unix", sock, conf)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer sess.Close()
+
+				const nStreams = 3
+				toServer := []int{64, 20 << 10, 200 << 10} // three slice classes
+				const toClient = 50 << 10
+				var cs, ss []*Stream
+				for i := range nStreams {
+					st, err := sess.OpenStream()
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer st.Close()
+					for k, n := range toServer {
+						if _, err := st.Write(mpPayload(n, uint64(i*10+k))); err != nil {
+							t.Fatal(err)
+						}
+					}
+					cs = append(cs, st)
+				}
+				for range nStreams {
+					st := acceptWithin(t, ln, 10*time.Second)
+					defer st.Close()
+					if _, err := st.Write(mpPayload(toClient, uint64(st.ID()))); err != nil {
+						t.Fatal(err)
+					}
+					ss = append(ss, st)
+				}
+				total := 0
+				for _, n := range toServer {
+					total += n
+				}
+				for _, st := range ss {
+					clWaitLen(t, st, total)
+				}
+				for _, st := range cs {
+					clWaitLen(t, st, toClient)
+				}
+				// The client reads part of stream 0 zero-copy and keeps
+				// the slice: the mapping must outlive the session for it.
+				want := mpPayload(toClient, uint64(cs[0].ID()))[:100]
+				held, err := cs[0].BufferReader().ReadBytes(100)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.Equal(held, want) {
+					t.Fatalf("zero-copy read: got %x, want %x", held[:8], want[:8])
+				}
+
+				srvSess := ss[0].Session()
+				var peer *Session
+				switch closer {
+				case "client":
+					sess.Close()
+					peer = srvSess
+				case "server":
+					srvSess.Close()
+					peer = sess
+				}
+				waitSessionClosed(t, peer, 5*time.Second)
+				if err := peer.Err(); !clPeerGone(err) {
+					t.Errorf("%s session after its peer closed: Err() = %v, want ErrSessionClosed wrapping io.EOF or ECONNRESET", peer.role(), err)
+				}
+
+				if !bytes.Equal(held, want) {
+					t.Errorf("zero-copy slice read before the session ended changed: got %x, want %x", held[:8], want[:8])
+				}
+				// A session ended by the peer leaves received data
+				// readable; then reads fail with the session's error.
+				peerStreams := ss
+				if closer == "server" {
+					peerStreams = cs[1:]
+				}
+				for _, st := range peerStreams {
+					n := st.BufferReader().Len()
+					if n == 0 {
+						t.Errorf("%s stream %d: unread data dropped when the peer closed the session", peer.role(), st.ID())
+						continue
+					}
+					if _, err := st.BufferReader().Discard(n); err != nil {
+						t.Errorf("%s stream %d: reading the %d bytes left after the peer closed the session: %v", peer.role(), st.ID(), n, err)
+					}
+					if _, err := st.Read(make([]byte, 1)); !errors.Is(err, ErrSessionClosed) {
+						t.Errorf("%s stream %d: read past the data left after the peer closed the session: %v, want ErrSessionClosed", peer.role(), st.ID(), err)
+					}
+				}
+
+				for _, st := range append(cs, ss...) {
+					if err := st.Close(); err != nil {
+						t.Errorf("%s stream %d: Close after the session ended: %v", st.Session().role(), st.ID(), err)
+					}
+				}
+				sess.Close()
+				if err := ln.Close(); err != nil {
+					t.Error(err)
+				}
+				clCheckBack(t, "after closing the sessions and then their streams", base, prefix)
+			})
+		}
+	}
+}
+
+// clWaitLen waits until st has n unread bytes.
+func clWaitLen(t testing.TB, st *Stream, n int) {
+	t.Helper()
+	waitUntil(t, fmt.Sprintf("%d bytes arrive on stream %d", n, st.ID()), 5*time.Second, func() bool { return st.BufferReader().Len() >= n })
+}
+
+// Slices of a message for a stream the server refuses go back to the buffer
+// region: a client's sessions share one region (region_pool.go), so a slice
+// lost with one session is lost to the others.
+
+// TestRefusedChild is the server process of TestRefusedStreamFreesSlices: a
+// listener on SOCK with Config.MaxPendingAccepts PENDING and MaxStreams
+// STREAMS that accepts nothing until the file GO exists, then reads every
+// stream to its end and closes it.
+func TestRefusedChild(t *testing.T) {
+	if proctest.Role() == "" {
+		t.Skip("runs only as the child process of TestRefusedStreamFreesSlices")
+	}
+	conf := DefaultConfig()
+	var err error
+	if conf.MaxPendingAccepts, err = strconv.Atoi(proctest.MustArg(t, "PENDING")); err != nil {
+		t.Fatal(err)
+	}
+	if conf.MaxStreams, err = strconv.Atoi(proctest.MustArg(t, "STREAMS")); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := Listen("unix", proctest.MustArg(t, "SOCK"), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	gate := proctest.MustArg(t, "GO")
+	go func() {
+		for {
+			if _, err := os.Stat(gate); err == nil {
+				break
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		serveStreams(ln, func(st *Stream) {
+			defer st.Close()
+			_, _ = io.Copy(io.Discard, st)
+		})
+	}()
+	proctest.Ready()
+	<-proctest.StdinClosed()
+}
+
+// TestRefusedStreamFreesSlices: two sessions of this process share a buffer
+// region with a server process; the first opens one stream more than the
+// server takes (Config.MaxPendingAccepts, or MaxStreams), each with a
+// message in shared memory, and the server ends that session. Once the
+// server has read the streams it did take, every slice is free again, as
+// the session that goes on sees it.
+func TestRefusedStreamFreesSlices(t *testing.T) {
+	for _, tc := range []struct {
+		name             string
+		pending, streams int
+	}{
+		{"MaxPendingAccepts", 2, 1 << 16},
+		{"MaxStreams", 1 << 12, 1}, // more than twice 1 open
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			sock, gate := filepath.Join(dir, "refused.sock"), filepath.Join(dir, "go")
+			c, _ := startChild(t, proctest.Config{TestName: "TestRefusedChild", Role: "server", Args: map[string]string{
+				"SOCK": sock, "GO": gate, "PENDING": strconv.Itoa(tc.pending), "STREAMS": strconv.Itoa(tc.streams),
+			}})
+			defer c.Stop(10 * time.Second)
+			conf := peerConfig(t, MemMapTypeMemFd, 0)
+			conf.ShareMemoryBufferCap = 4 << 20
+			a, err := Dial("unix", sock, conf)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer a.Close()
+			b, err := Dial("unix", sock, conf)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer b.Close()
+			if a.buf != b.buf {
+				t.Fatal("the two sessions do not share a buffer region")
+			}
+			before := fmt.Sprint(freeCounts(b.buf))
+			for i := range 3 {
+				st, err := a.OpenStream()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := st.Write([]byte("message on stream " + strconv.Itoa(i))); err != nil {
+					t.Fatalf("write on stream %d: %v", i, err)
+				}
+			}
+			waitUntil(t, "the server ends the session with one stream too many", 10*time.Second, a.IsClosed)
+			if err := os.WriteFile(gate, nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			a.Close()
+			var after string
+			deadline := time.Now().Add(5 * time.Second)
+			for after != before && time.Now().Before(deadline) {
+				time.Sleep(10 * time.Millisecond)
+				after = fmt.Sprint(freeCounts(b.buf))
+			}
+			if after != before {
+				t.Errorf("free slices of the shared region: %s before, %s after the refused session ended", before, after)
+			}
+			if b.IsClosed() {
+				t.Errorf("the other session ended: %v", b.Err())
+			}
 		})
 	}
 }

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"slices"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // MemMapType says how the client shares its memory regions with the server.
@@ -241,9 +243,9 @@ func DefaultConfig() *Config {
 		QueueCap:               8192,
 		ShareMemoryBufferCap:   128 << 20,
 		BufferSliceSizes: []SizePercentPair{
-			{Size: 8<<10 - sliceHeaderSize, Percent: 15},
-			{Size: 32<<10 - sliceHeaderSize, Percent: 6},
-			{Size: 128<<10 - sliceHeaderSize, Percent: 7},
+			{Size: 8<<10 - shm.SliceHeaderSize, Percent: 15},
+			{Size: 32<<10 - shm.SliceHeaderSize, Percent: 6},
+			{Size: 128<<10 - shm.SliceHeaderSize, Percent: 7},
 			{Size: 1<<20 + 4<<10, Percent: 7},
 			{Size: 4<<20 + 4<<10, Percent: 65},
 		},
@@ -301,8 +303,8 @@ func (c *Config) Verify() error {
 	if c.ConnectionWriteTimeout <= 0 {
 		return bad("ConnectionWriteTimeout %v must be positive", c.ConnectionWriteTimeout)
 	}
-	if c.QueueCap == 0 || c.QueueCap%16 != 0 || c.QueueCap > maxQueueCap {
-		return bad("QueueCap %d must be a positive multiple of 16 no larger than %d", c.QueueCap, maxQueueCap)
+	if c.QueueCap == 0 || c.QueueCap%16 != 0 || c.QueueCap > shm.MaxQueueCap {
+		return bad("QueueCap %d must be a positive multiple of 16 no larger than %d", c.QueueCap, shm.MaxQueueCap)
 	}
 	if c.ShareMemoryBufferCap < minBufferCap {
 		return bad("ShareMemoryBufferCap %d is below the minimum of %d", c.ShareMemoryBufferCap, minBufferCap)
@@ -360,9 +362,9 @@ func (c *Config) Verify() error {
 // use by default, with a 32 MiB region (ReferenceBufferCap).
 func ReferenceSliceSizes() []SizePercentPair {
 	return []SizePercentPair{
-		{Size: 8<<10 - sliceHeaderSize, Percent: 50},
-		{Size: 32<<10 - sliceHeaderSize, Percent: 30},
-		{Size: 128<<10 - sliceHeaderSize, Percent: 20},
+		{Size: 8<<10 - shm.SliceHeaderSize, Percent: 50},
+		{Size: 32<<10 - shm.SliceHeaderSize, Percent: 30},
+		{Size: 128<<10 - shm.SliceHeaderSize, Percent: 20},
 	}
 }
 
@@ -386,16 +388,10 @@ const maxMemfdPrefix = 4096
 // pathUniquePart stands for what a client appends to the prefix: "_<pid>_<random>".
 const pathUniquePart = "_4294967295_ffffffffffffffff"
 
-// listPlan is one size class of a region to be created.
-type listPlan struct {
-	sliceCap uint32
-	count    uint32
-}
-
 // planLists computes the lists of a new region exactly as docs/protocol.md §6.5
 // does: sorted by size, each taking its percentage of the space left after
 // the headers.
-func planLists(size uint32, pairs []SizePercentPair) ([]listPlan, error) {
+func planLists(size uint32, pairs []SizePercentPair) ([]shm.ListPlan, error) {
 	if len(pairs) == 0 {
 		return nil, fmt.Errorf("BufferSliceSizes is empty")
 	}
@@ -416,22 +412,22 @@ func planLists(size uint32, pairs []SizePercentPair) ([]listPlan, error) {
 	if total != 100 {
 		return nil, fmt.Errorf("slice size percentages add up to %d, not 100", total)
 	}
-	headers := uint64(len(sorted))*listHeaderSize + managerHeaderSize
+	headers := uint64(len(sorted))*shm.ListHeaderSize + shm.BufferHeaderSize
 	if uint64(size) <= headers {
 		return nil, fmt.Errorf("buffer size %d cannot hold %d lists", size, len(sorted))
 	}
 	rest := uint64(size) - headers
-	plans := make([]listPlan, len(sorted))
+	plans := make([]shm.ListPlan, len(sorted))
 	for i, p := range sorted {
-		count := rest * uint64(p.Percent) / 100 / (uint64(p.Size) + sliceHeaderSize)
+		count := rest * uint64(p.Percent) / 100 / (uint64(p.Size) + shm.SliceHeaderSize)
 		if count == 0 {
 			return nil, fmt.Errorf("slice size %d at %d%% of %d bytes gives no slices (a smaller region needs smaller BufferSliceSizes, e.g. ReferenceSliceSizes())", p.Size, p.Percent, size)
 		}
-		plans[i] = listPlan{sliceCap: p.Size, count: uint32(count)}
+		plans[i] = shm.ListPlan{SliceCap: p.Size, Count: uint32(count)}
 	}
-	// A free list never hands out its last slice (bufferManager.alloc): a
+	// A free list never hands out its last slice (shm.Buffer.Alloc): a
 	// layout of one-slice classes would send everything over the socket.
-	if !slices.ContainsFunc(plans, func(p listPlan) bool { return p.count >= 2 }) {
+	if !slices.ContainsFunc(plans, func(p shm.ListPlan) bool { return p.Count >= 2 }) {
 		return nil, fmt.Errorf("no slice size gets the 2 slices a size class needs to hand one out (a list keeps its last) in %d bytes: use smaller BufferSliceSizes, e.g. ReferenceSliceSizes()", size)
 	}
 	return plans, nil

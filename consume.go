@@ -6,6 +6,8 @@ import (
 	"runtime/metrics"
 	"sync/atomic"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // Consuming the receive queue: only the receive token's holder moves the
@@ -94,11 +96,11 @@ func (s *Session) loopRelease() error {
 // clearWorking clears the working flag and looks once more (recvtoken.go):
 // true if the queue is empty or the session ended, else the flag is set.
 func (s *Session) clearWorking() bool {
-	s.recvQ.setWorking(false)
-	if s.recvQ.isEmpty() || s.IsClosed() { // a corrupt queue never looks empty
+	s.recvQ.SetWorking(false)
+	if s.recvQ.IsEmpty() || s.IsClosed() { // a corrupt queue never looks empty
 		return true
 	}
-	s.recvQ.setWorking(true)
+	s.recvQ.SetWorking(true)
 	return false
 }
 
@@ -120,7 +122,7 @@ func (s *Session) takeHanded() error {
 func (s *Session) consume() error {
 	if !s.cons.consuming {
 		s.cons.consuming = true
-		s.recvQ.setWorking(true)
+		s.recvQ.SetWorking(true)
 	}
 	first := true
 	s.cons.multi = false
@@ -213,17 +215,17 @@ func (s *Session) drain(mode, limit int) (n int, stopped bool, err error) {
 			// the queue full must not keep the drain going.
 			return n, false, nil
 		}
-		e, ok, err := s.recvQ.peek()
+		e, ok, err := s.recvQ.Peek()
 		if err != nil || !ok {
 			return n, false, err
 		}
-		if s.stall != nil && e.id == s.stall.st.id {
+		if s.stall != nil && e.ID == s.stall.st.id {
 			return n, true, nil // after the stream's waiting frame (serveStalled)
 		}
-		if mode == drainReader && e.status&statusMask == statusClosed {
+		if mode == drainReader && e.Status&shm.StatusMask == shm.StatusClosed {
 			return n, true, nil
 		}
-		s.recvQ.skip()
+		s.recvQ.Skip()
 		if err := s.handleElem(e); err != nil {
 			return n, false, err
 		}
@@ -244,7 +246,7 @@ var consumeHook atomic.Pointer[func(s *Session, socket bool)]
 // closed ends with all its data and io.EOF. Taking no more than the queue
 // held keeps a peer that goes on publishing from holding up the loop.
 func (s *Session) drainBefore() error {
-	_, _, err := s.drain(drainAll, int(min(s.recvQ.depth(), int64(s.recvQ.cap))))
+	_, _, err := s.drain(drainAll, int(min(s.recvQ.Depth(), int64(s.recvQ.Cap()))))
 	return err
 }
 
@@ -270,11 +272,11 @@ func (s *Session) spin() int {
 	w := spinWatch{begin: now, last: now, lastYield: now, lastSocket: now, lastLook: now, alone: procs.get(now) == 1}
 	for {
 		for range pollCheckEvery {
-			if !s.recvQ.looksEmpty() {
+			if !s.recvQ.LooksEmpty() {
 				s.cons.hit()
 				return spinFound
 			}
-			cpuRelax()
+			shm.CPURelax()
 		}
 		if !s.cons.multi && s.waiting.Load() == 0 {
 			return spinGaveUp // the next reader to wait polls for itself

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 	"unsafe"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // Unit tests of consuming (consume.go, spin.go): the spin budget of one
@@ -21,8 +23,8 @@ import (
 // pollPeer is the far side of a pollSession: it produces into the session's
 // receive queue and allocates in the shared buffer region.
 type pollPeer struct {
-	send *ioQueue
-	buf  *bufferManager
+	send *shm.Queue
+	buf  *shm.Buffer
 	flag *uint32 // the working flag of the session's receive queue
 }
 
@@ -31,36 +33,44 @@ type pollPeer struct {
 // element it takes is freed (docs/protocol.md §9.2).
 func newPollSession(t *testing.T) (*Session, *pollPeer) {
 	t.Helper()
-	mem, client, server := newHeapQueues(t, 16)
-	buf, peerBuf := newHeapBuffer(t, listPlan{sliceCap: 64, count: 16})
+	// The regions in Go memory, 8-byte aligned as a mapping is, each
+	// mapped twice, as the two processes of a session do.
+	mem := unsafe.Slice((*byte)(unsafe.Pointer(&make([]uint64, shm.QueueRegionSize(16)/8)[0])), shm.QueueRegionSize(16))
+	shm.InitQueues(mem, 16)
+	_, client := mustMapQueues(t, mem)
+	_, server := mustMapQueues(t, mem)
+	plans := []shm.ListPlan{{SliceCap: 64, Count: 16}}
+	bufMem := make([]byte, bufferRegionSize(plans))
+	shm.InitBuffer(bufMem, plans)
+	buf, peerBuf := mustBuffer(t, bufMem, true), mustBuffer(t, bufMem, false)
 	s := &Session{
 		conf:     DefaultConfig(),
 		isClient: true,
 		buf:      buf,
-		recvQ:    client[1],
+		recvQ:    client,
 		streams:  make(map[uint32]*Stream),
 		closed:   make(chan struct{}),
 	}
 	s.cons.init(time.Millisecond)
 	half := len(mem) / 2
-	return s, &pollPeer{send: server[1], buf: peerBuf, flag: (*uint32)(unsafe.Pointer(&mem[half+queueFlagOff]))}
+	return s, &pollPeer{send: server, buf: peerBuf, flag: (*uint32)(unsafe.Pointer(&mem[half+queueFlagOff]))}
 }
 
 // data publishes a one-slice message for stream id.
 func (p *pollPeer) data(t *testing.T, id uint32) {
 	t.Helper()
-	li, off, err := p.buf.alloc(4, false, false)
+	li, off, err := p.buf.Alloc(4, false, false)
 	if err != nil || li < 0 {
 		t.Fatalf("alloc: %d %v", li, err)
 	}
-	copy(p.buf.sliceData(li, off), "data")
-	p.buf.linkSlice(off, 4, 0)
-	p.put(t, queueElem{id: id, offset: off, status: statusOpened})
+	copy(p.buf.SliceData(li, off), "data")
+	p.buf.LinkSlice(off, 4, 0)
+	p.put(t, shm.Elem{ID: id, Offset: off, Status: shm.StatusOpened})
 }
 
-func (p *pollPeer) put(t *testing.T, e queueElem) {
+func (p *pollPeer) put(t *testing.T, e shm.Elem) {
 	t.Helper()
-	if ok, err := p.send.put(e); !ok || err != nil {
+	if ok, err := p.send.Put(e); !ok || err != nil {
 		t.Fatalf("put %+v: %v %v", e, ok, err)
 	}
 }
@@ -203,10 +213,10 @@ func TestConsumeWorkingFlag(t *testing.T) {
 	if peer.working() || s.cons.consuming {
 		t.Fatal("consume left the flag set with an empty queue")
 	}
-	if !s.recvQ.isEmpty() {
+	if !s.recvQ.IsEmpty() {
 		t.Fatal("consume left an element in the queue")
 	}
-	if !peer.send.markWorking() {
+	if !peer.send.MarkWorking() {
 		t.Fatal("the peer cannot tell that a wake-up is due")
 	}
 	if err := s.consume(); err != nil { // the flag is set: the loop was woken
@@ -230,7 +240,7 @@ func TestDrainBeforeIgnoresPendingClose(t *testing.T) {
 	if err := s.drainBefore(); err != nil {
 		t.Fatal(err)
 	}
-	if !s.recvQ.isEmpty() {
+	if !s.recvQ.IsEmpty() {
 		t.Error("drainBefore left elements in the queue behind a pending close")
 	}
 }
@@ -385,4 +395,25 @@ func goroutineID() uint64 {
 	}
 	id, _ := strconv.ParseUint(string(b), 10, 64)
 	return id
+}
+
+// mustMapQueues maps the queue region mem (shm.MapQueues).
+func mustMapQueues(t *testing.T, mem []byte) (c2s, s2c *shm.Queue) {
+	t.Helper()
+	c2s, s2c, err := shm.MapQueues(mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c2s, s2c
+}
+
+// mustBuffer returns a manager of the buffer region in mem, the creator's
+// view or the peer's.
+func mustBuffer(t *testing.T, mem []byte, creator bool) *shm.Buffer {
+	t.Helper()
+	m, err := shm.NewBuffer(shm.RegionOf(mem), creator)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
 }

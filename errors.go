@@ -6,6 +6,8 @@ import (
 	"net"
 	"os"
 	"strings"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // Errors returned by this package. Returned errors wrap these sentinels with
@@ -23,7 +25,7 @@ var (
 	// ErrProtocol means the peer sent something the protocol forbids: a bad
 	// frame, or a value in shared memory outside what it may be. The session
 	// is closed and its error says what was wrong.
-	ErrProtocol = errors.New("shmipc: protocol violation")
+	ErrProtocol = shm.ErrProtocol
 
 	// ErrSessionClosed is returned by the methods of a closed session and of
 	// its streams. When the session ended for a reason other than Close, the

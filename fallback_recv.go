@@ -6,6 +6,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"github.com/goshm/shmipc/internal/wire"
 )
 
@@ -44,7 +45,7 @@ func (s *Session) handleFallback(payload []byte) error {
 	if id == 0 {
 		return fmt.Errorf("%w: FallbackData for stream id 0", ErrProtocol)
 	}
-	if status&statusMask != statusOpened {
+	if status&shm.StatusMask != shm.StatusOpened {
 		return fmt.Errorf("%w: FallbackData for stream %d has status %#x", ErrProtocol, id, status)
 	}
 	c := s.counters.of(id)
@@ -113,7 +114,7 @@ func (s *Session) serveStalled() error {
 	f := s.stall
 	if !s.cons.consuming {
 		s.cons.consuming = true
-		s.recvQ.setWorking(true)
+		s.recvQ.SetWorking(true)
 	}
 	timer := time.NewTimer(minStallPause)
 	defer timer.Stop()

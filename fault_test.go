@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"golang.org/x/sys/unix"
 )
 
@@ -201,9 +202,9 @@ func TestServerBufferMapFaultKeepsNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer r.release()
-	defer closeFds(fd)
-	initBufferRegion(r.mem, plans)
+	defer r.Release()
+	defer shm.CloseFds(fd)
+	shm.InitBuffer(r.Mem(), plans)
 	stop := make(chan struct{})
 	flipped := make(chan struct{})
 	go func() {
@@ -216,7 +217,7 @@ func TestServerBufferMapFaultKeepsNothing(t *testing.T) {
 			}
 			_ = unix.Ftruncate(fd, 0)
 			_ = unix.Ftruncate(fd, int64(size))
-			quietly(func() { initBufferRegion(r.mem, plans) }) // valid again for the next look
+			shm.Quietly(func() { shm.InitBuffer(r.Mem(), plans) }) // valid again for the next look
 		}
 	}()
 	fds := func() int {
@@ -232,14 +233,14 @@ func TestServerBufferMapFaultKeepsNothing(t *testing.T) {
 		func() {
 			defer func() {
 				if rec := recover(); rec != nil {
-					_ = faultError(rec) // re-panics anything but a memory fault
+					_ = shm.FaultError(rec) // re-panics anything but a memory fault
 					faults++
 				}
 			}()
 			defer debug.SetPanicOnFault(debug.SetPanicOnFault(true)) // as the handshake does
 			m, err := mapServerBuffer(p, fd, false, peerID{})
 			if err == nil {
-				m.region.release()
+				m.Region().Release()
 			}
 		}()
 	}
@@ -282,7 +283,7 @@ func TestWriterFaultLeavesSpaceQueue(t *testing.T) {
 			}
 		}
 	}()
-	waitUntil(t, "the writer waits for room", peerTimeout, func() bool { return c.buf.space.waiting.Load() > 0 })
+	waitUntil(t, "the writer waits for room", peerTimeout, func() bool { return c.buf.Space().Waiting() })
 	bufs, _ := filepath.Glob(conf.ShareMemoryPathPrefix + "_*_buffer")
 	if len(bufs) != 1 {
 		t.Fatalf("buffer files %v", bufs)
@@ -293,7 +294,7 @@ func TestWriterFaultLeavesSpaceQueue(t *testing.T) {
 	if err := <-done; !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "memory fault") {
 		t.Fatalf("write error %v, want a memory fault wrapping ErrProtocol", err)
 	}
-	if n := c.buf.space.waiting.Load(); n != 0 {
-		t.Errorf("%d writers still counted as waiting for room after the fault", n)
+	if c.buf.Space().Waiting() {
+		t.Error("writers still counted as waiting for room after the fault")
 	}
 }

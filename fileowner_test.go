@@ -26,6 +26,7 @@ import (
 	"unsafe"
 
 	"github.com/goshm/shmipc/internal/proctest"
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 const (
@@ -109,8 +110,8 @@ func foAttacker(t *testing.T) {
 		echo, err = foReadFallback(c, echo)
 	}
 	if err == nil && string(echo) == opener {
-		half := len(own.queue.mem) / 2
-		send := rawQueue{mem: own.queue.mem[:half], cap: conf.QueueCap}
+		half := len(own.queue.Mem()) / 2
+		send := rawQueue{mem: own.queue.Mem()[:half], cap: conf.QueueCap}
 		send.put(2, uint32(offset), 0)
 		if _, err = c.Write(rawFrame(8, rawMagic, 2, 1)); err == nil {
 			echo, err = foReadFallback(c, echo)
@@ -277,8 +278,8 @@ func TestFileModeForeignBufferRefused(t *testing.T) {
 				t.Fatalf("the victim's message: %q, %v", msg, err)
 			}
 			go serveStreams(vs, echoStream)
-			bufPath := vs.buf.region.path
-			offset := uintptr(unsafe.Pointer(&msg[0])) - uintptr(unsafe.Pointer(&vs.buf.mem[0])) - sliceHeaderSize
+			bufPath := vs.buf.Region().Path()
+			offset := uintptr(unsafe.Pointer(&msg[0])) - uintptr(unsafe.Pointer(&vs.buf.Region().Mem()[0])) - shm.SliceHeaderSize
 
 			attacker, _ := startChild(t, proctest.Config{
 				TestName: foChildTest,
@@ -296,8 +297,8 @@ func TestFileModeForeignBufferRefused(t *testing.T) {
 				t.Errorf("the server accepted a client of uid %d that named %s, a buffer file of uid 0", foAttackerUID, bufPath)
 			} else {
 				want := fmt.Sprintf("region file %s is owned by uid 0, the peer is uid %d", bufPath, foAttackerUID)
-				if !errors.Is(ar.err, ErrHandshake) || !errors.Is(ar.err, errRegionNotOwned) || !strings.Contains(ar.err.Error(), want) {
-					t.Errorf("the attacker's handshake failed with %q;\nwant an ErrHandshake wrapping errRegionNotOwned and saying %q", ar.err, want)
+				if !errors.Is(ar.err, ErrHandshake) || !errors.Is(ar.err, shm.ErrRegionNotOwned) || !strings.Contains(ar.err.Error(), want) {
+					t.Errorf("the attacker's handshake failed with %q;\nwant an ErrHandshake wrapping shm.ErrRegionNotOwned and saying %q", ar.err, want)
 				}
 			}
 			if err := attacker.Wait(childStartTimeout); err != nil {

@@ -2,10 +2,17 @@ package shmipc
 
 import (
 	"bufio"
+	"bytes"
+	"encoding/json"
+	"expvar"
+	"fmt"
 	"io"
+	"log/slog"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -56,7 +63,7 @@ func TestRegionCommittedOnUse(t *testing.T) {
 	}
 	// At rest the open stream may keep the slice of the echo it read, for
 	// its next message (reuse.go); nothing else is in use.
-	small := uint64(sess.buf.lists[sess.buf.bySize[0]].sliceCap)
+	small := uint64(sess.buf.Lists()[0].SliceCap) // lists are in ascending size
 	if s.Buffer.InUse > small || s.Buffer.Sessions < 1 {
 		t.Errorf("Buffer.InUse %d, Sessions %d at rest with one stream open; want at most %d and at least 1", s.Buffer.InUse, s.Buffer.Sessions, small)
 	}
@@ -140,11 +147,11 @@ func TestSessionsShareRegion(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	if a.buf != b.buf || a.buf.region.path != b.buf.region.path {
-		t.Fatalf("sessions use buffer regions %q and %q; want one shared region", a.buf.region.path, b.buf.region.path)
+	if a.buf != b.buf || a.buf.Region().Path() != b.buf.Region().Path() {
+		t.Fatalf("sessions use buffer regions %q and %q; want one shared region", a.buf.Region().Path(), b.buf.Region().Path())
 	}
-	if a.queueRegion == b.queueRegion || a.queueRegion.path == b.queueRegion.path {
-		t.Fatalf("sessions share the queue region %q", a.queueRegion.path)
+	if a.queueRegion == b.queueRegion || a.queueRegion.Path() == b.queueRegion.Path() {
+		t.Fatalf("sessions share the queue region %q", a.queueRegion.Path())
 	}
 	sa := fpEcho(t, a, []byte("from a"))
 	fpEcho(t, b, []byte("from b")).Close()
@@ -204,9 +211,9 @@ func fpWaitFull(t testing.TB, sess *Session) {
 // between two echoes, on a machine that paused the test, does not hide
 // them), and the give-back is awaited with a bound of a minute.
 func TestGiveBackAfterQuiet(t *testing.T) {
-	old := giveBackPeriod
-	giveBackPeriod = 200 * time.Millisecond
-	defer func() { giveBackPeriod = old }()
+	old := circulationPeriods
+	circulationPeriods.GiveBack = 200 * time.Millisecond
+	defer func() { circulationPeriods = old }()
 	conf := DefaultConfig()
 	conf.ShareMemoryPathPrefix = shmPrefix(t, "giveback")
 	sess := dialEchoSession(t, conf)
@@ -258,4 +265,158 @@ func TestGiveBackAfterQuiet(t *testing.T) {
 	}
 	fpEcho(t, sess, msg).Close()
 	fpWaitFull(t, sess)
+}
+
+// expvarRuns numbers TestStats's expvar names.
+var expvarRuns atomic.Int64
+
+// TestStats runs known traffic and checks the counters both sides report.
+func TestStats(t *testing.T) {
+	var logs bytes.Buffer
+	var logMu sync.Mutex
+	logger := slog.New(slog.NewTextHandler(lockedWriter{&logs, &logMu}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	conf := DefaultConfig()
+	conf.Logger = logger
+	ln, err := Listen("unix", filepath.Join(t.TempDir(), "s.sock"), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	srvSess := make(chan *Session, 1)
+	go func() {
+		for {
+			st, err := ln.AcceptStream()
+			if err != nil {
+				return
+			}
+			select {
+			case srvSess <- st.Session():
+			default:
+			}
+			go echoStream(st)
+		}
+	}()
+	sess, err := Dial("unix", ln.Addr().String(), conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.SetDeadline(time.Now().Add(10 * time.Second))
+	const small, n = 100, 20
+	buf := make([]byte, small)
+	for range n {
+		if _, err := st.Write(buf); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(st, buf); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A Reserve larger than any slice goes as fallback data.
+	big := maxSliceCap(sess.buf) + 1
+	p, err := st.BufferWriter().Reserve(big)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p[0] = 1
+	if err := st.Flush(false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(st, make([]byte, big)); err != nil {
+		t.Fatal(err)
+	}
+
+	c := sess.Stats()
+	if c.ActiveStreams != 1 {
+		t.Errorf("ActiveStreams %d, want 1", c.ActiveStreams)
+	}
+	if c.MessagesOut != n+1 || c.BytesOut != n*small+uint64(big) {
+		t.Errorf("client sent %d messages, %d bytes; want %d, %d", c.MessagesOut, c.BytesOut, n+1, n*small+big)
+	}
+	if c.FallbackMessagesOut != 1 || c.FallbackBytesOut != uint64(big) {
+		t.Errorf("client fallback out %d messages, %d bytes; want 1, %d", c.FallbackMessagesOut, c.FallbackBytesOut, big)
+	}
+	if c.BytesIn != n*small+uint64(big) {
+		t.Errorf("client received %d bytes, want %d", c.BytesIn, n*small+big)
+	}
+	if c.WakeupsSent+c.WakeupsSaved != n {
+		t.Errorf("wake-ups sent %d + saved %d, want one of them per shared-memory message (%d)", c.WakeupsSent, c.WakeupsSaved, n)
+	}
+	if len(c.Lists) != len(conf.BufferSliceSizes) {
+		t.Fatalf("Lists has %d size classes, want %d", len(c.Lists), len(conf.BufferSliceSizes))
+	}
+	for i, l := range c.Lists {
+		if l.SliceSize != conf.BufferSliceSizes[i].Size || l.Free > int32(l.Slices) || l.Free < int32(l.Slices)-4 {
+			t.Errorf("list %d: %+v", i, l)
+		}
+	}
+	s := (<-srvSess).Stats()
+	// The fallback message arrives in frames of at most 1 MiB, each
+	// counted as a message received.
+	perFrame := maxFallbackFrameSent - 16
+	frames := uint64((big + perFrame - 1) / perFrame)
+	if s.BytesIn != c.BytesOut || s.MessagesIn != n+frames {
+		t.Errorf("server received %d messages, %d bytes; client sent %d in %d messages, the last in %d frames",
+			s.MessagesIn, s.BytesIn, c.BytesOut, c.MessagesOut, frames)
+	}
+	if s.FallbackMessagesIn != frames {
+		t.Errorf("server FallbackMessagesIn %d, want %d frames", s.FallbackMessagesIn, frames)
+	}
+	// Between two sessions of one process messages are mostly handed over
+	// with no wake-up at all (deliverDirect).
+	if (c.WakeupsSent > 0 && s.WakeupsReceived == 0) || s.WakeupsReceived > c.WakeupsSent {
+		t.Errorf("server received %d wake-ups, client sent %d", s.WakeupsReceived, c.WakeupsSent)
+	}
+
+	agg := AggregateStats()
+	if agg.MessagesOut < c.MessagesOut+s.MessagesOut || agg.ActiveStreams < 2 {
+		t.Errorf("aggregate %+v does not cover both sessions", agg)
+	}
+
+	// expvar names live for the process: a unique one per run keeps the test
+	// repeatable (go test -count).
+	name := fmt.Sprintf("shmipc_test_stats_%d", expvarRuns.Add(1))
+	PublishExpvar(name)
+	var fromExpvar Stats
+	if err := json.Unmarshal([]byte(expvar.Get(name).String()), &fromExpvar); err != nil {
+		t.Fatal(err)
+	}
+	if fromExpvar.MessagesOut < c.MessagesOut {
+		t.Errorf("expvar MessagesOut %d < %d", fromExpvar.MessagesOut, c.MessagesOut)
+	}
+
+	st.Close()
+	sess.Close()
+	// The server session sees the client go away: an Info record (how
+	// clients leave a server, not a warning).
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		logMu.Lock()
+		out := logs.String()
+		logMu.Unlock()
+		if strings.Contains(out, "session started") && strings.Contains(out, "level=INFO msg=\"shmipc: session ended by the peer\"") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("log records missing; got:\n%s", out)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := sess.Stats(); got.ActiveStreams != 0 || got.Lists != nil {
+		t.Errorf("closed session gauges %+v, want zero", got)
+	}
+}
+
+type lockedWriter struct {
+	w  io.Writer
+	mu *sync.Mutex
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }

@@ -4,19 +4,24 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
+	"math"
+	"math/rand/v2"
 	"net"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// Fuzz targets for everything a peer controls: the bytes on the socket
-// (frames and the server handshake) and the contents of the shared regions
-// (buffer region and IO queues). Inputs live in ordinary Go memory, so any
-// access outside a mapping panics, which the fuzzer reports as a crash.
+// Fuzz targets for the bytes a peer sends on the socket: frames and the
+// server handshake (the shared regions' parsers are fuzzed in
+// internal/shm). Inputs live in ordinary Go memory, so any access outside
+// a mapping panics, which the fuzzer reports as a crash.
 //
 // Run one target at a time, for example:
 //
@@ -26,26 +31,6 @@ import (
 
 // ---------------------------------------------------------------------------
 // Helpers
-
-// fzScript reads an op script; once exhausted it yields zeros.
-type fzScript struct{ b []byte }
-
-func (s *fzScript) done() bool { return len(s.b) == 0 }
-
-func (s *fzScript) u8() byte {
-	if len(s.b) == 0 {
-		return 0
-	}
-	v := s.b[0]
-	s.b = s.b[1:]
-	return v
-}
-
-func (s *fzScript) u16() uint16 { return uint16(s.u8()) | uint16(s.u8())<<8 }
-
-func (s *fzScript) u32() uint32 { return uint32(s.u16()) | uint32(s.u16())<<16 }
-
-func (s *fzScript) u64() uint64 { return uint64(s.u32()) | uint64(s.u32())<<32 }
 
 var errFzConnGone = errors.New("fuzz conn: connection reset")
 
@@ -106,8 +91,8 @@ func (c *fzConn) peerCredentials() (peerID, error) {
 
 // fzValidQueueFile is a valid queue region of capacity cap.
 func fzValidQueueFile(cap uint32) []byte {
-	mem := make([]byte, queueRegionSize(cap))
-	initQueueRegion(mem, cap)
+	mem := make([]byte, shm.QueueRegionSize(cap))
+	shm.InitQueues(mem, cap)
 	return mem
 }
 
@@ -137,8 +122,8 @@ func FuzzReadFrame(f *testing.F) {
 	const v = wire.VersionMemfd
 	polling := wire.AppendEvent(nil, v, wire.TypePolling)
 	streamClose := wire.AppendStreamClose(nil, v, 7)
-	fallback := append(wire.AppendFallbackHead(nil, v, 5, statusOpened, 11), "hello world"...)
-	emptyFallback := wire.AppendFallbackHead(nil, 2, 9, statusOpened, 0)
+	fallback := append(wire.AppendFallbackHead(nil, v, 5, shm.StatusOpened, 11), "hello world"...)
+	emptyFallback := wire.AppendFallbackHead(nil, 2, 9, shm.StatusOpened, 0)
 	hotRestart := wire.AppendHotRestart(nil, v, wire.TypeHotRestart, 42)
 	hotRestartAck := wire.AppendHotRestart(nil, v, wire.TypeHotRestartAck, 42)
 	pathFrame := rawPathFrame(2, 0, "/dev/shm/q", "/dev/shm/b")
@@ -147,7 +132,7 @@ func FuzzReadFrame(f *testing.F) {
 		several = append(several, fr...)
 	}
 	// A big fallback frame: the receive buffer must grow past readBufSize.
-	big := append(wire.AppendFallbackHead(nil, v, 3, statusOpened, 70000), bytes.Repeat([]byte{0xAB}, 70000)...)
+	big := append(wire.AppendFallbackHead(nil, v, 3, shm.StatusOpened, 70000), bytes.Repeat([]byte{0xAB}, 70000)...)
 	// Many small frames: more than readBufSize in total, so frames straddle
 	// the end of the receive buffer and the unread bytes slide down.
 	var many []byte
@@ -291,6 +276,195 @@ func FuzzReadFrame(f *testing.F) {
 			}
 			pos += n
 			c.shrink() // as the receive loop does after each frame
+		}
+	})
+}
+
+// FuzzServerHandshake: the bytes a client sends during the handshake, with
+// the region files it names.
+
+// ---------------------------------------------------------------------------
+// 2. FuzzServerHandshake
+
+// fzDirPlaceholder stands for the per-process region directory in seeds; it
+// has the same length as the real name so frame lengths stay right.
+const (
+	fzDirBase        = "/tmp/shmipc-fuzz-"
+	fzDirPlaceholder = "@@@@@@@@"
+)
+
+// fzHandshakeDir creates the directory regions may be opened from:
+// fzDirBase followed by 8 hex digits.
+func fzHandshakeDir(f *testing.F) string {
+	for range 100 {
+		dir := fmt.Sprintf("%s%08x", fzDirBase, rand.Uint32())
+		if err := os.Mkdir(dir, 0o700); err == nil {
+			f.Cleanup(func() { os.RemoveAll(dir) })
+			return dir
+		} else if !errors.Is(err, os.ErrExist) {
+			f.Fatalf("create fuzz region directory: %v", err)
+		}
+	}
+	f.Fatal("cannot create a fuzz region directory")
+	return ""
+}
+
+// fzValidBufferFile is a small valid buffer region.
+func fzValidBufferFile() []byte {
+	plans := []shm.ListPlan{{SliceCap: 4, Count: 3}, {SliceCap: 12, Count: 2}}
+	mem := make([]byte, bufferRegionSize(plans)+8)
+	shm.InitBuffer(mem, plans)
+	return mem
+}
+
+func FuzzServerHandshake(f *testing.F) {
+	dir := fzHandshakeDir(f)
+	pdir := fzDirBase + fzDirPlaceholder
+	q, b := pdir+"/queue", pdir+"/buf"
+	exchange := rawFrame(8, wire.Magic, 3, uint8(wire.TypeExchangeProtoVersion))
+	cat := func(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
+	buf, queue := fzValidBufferFile(), fzValidQueueFile(16)
+
+	badCount := append([]byte{}, buf...)
+	binary.LittleEndian.PutUint16(badCount, 0)
+	badUsed := append([]byte{}, buf...)
+	binary.LittleEndian.PutUint32(badUsed[4:], 1<<20)
+	badCap := append([]byte{}, queue...)
+	binary.LittleEndian.PutUint32(badCap[len(badCap)/2:], 32)
+	badTail := append([]byte{}, queue...)
+	binary.LittleEndian.PutUint64(badTail[queueTailOff:], 17)
+	negCounters := append([]byte{}, queue...)
+	binary.LittleEndian.PutUint64(negCounters[queueHeadOff:], math.MaxUint64-3)
+	binary.LittleEndian.PutUint64(negCounters[queueTailOff:], math.MaxUint64-1)
+
+	seeds := []struct{ stream, buf, queue []byte }{
+		// valid handshakes
+		{rawPathFrame(2, 0, q, b), buf, queue},
+		{cat(exchange, rawPathFrame(3, 0, q, b)), buf, queue},
+		{cat(rawPathFrame(2, 0, q, b), wire.AppendEvent(nil, 2, wire.TypePolling)), buf, fzValidQueueFile(32)},
+		// memfd: fds cannot pass over this conn
+		{cat(exchange, rawPathFrame(3, 5, q, b)), buf, queue},
+		// paths outside the directory, relative, unclean, swapped, shared
+		{rawPathFrame(2, 0, "/etc/passwd", b), buf, queue},
+		{rawPathFrame(2, 0, q, "/tmp/buf"), buf, queue},
+		{rawPathFrame(2, 0, "queue", "buf"), buf, queue},
+		{rawPathFrame(2, 0, pdir+"/../queue", b), buf, queue},
+		{rawPathFrame(2, 0, pdir+"//queue", b), buf, queue},
+		{rawPathFrame(2, 0, pdir, b), buf, queue},
+		{rawPathFrame(2, 0, b, q), buf, queue},
+		{rawPathFrame(2, 0, q, q), buf, queue},
+		{rawPathFrame(2, 0, b, b), buf, queue},
+		{rawPathFrame(2, 0, q, b), nil, nil},
+		{rawPathFrame(2, 0, q, b), buf, nil},
+		// bad regions
+		{rawPathFrame(2, 0, q, b), badCount, queue},
+		{rawPathFrame(2, 0, q, b), badUsed, queue},
+		{rawPathFrame(2, 0, q, b), buf[:40], queue},
+		{rawPathFrame(2, 0, q, b), buf, badCap},
+		{rawPathFrame(2, 0, q, b), buf, badTail},
+		{rawPathFrame(2, 0, q, b), buf, negCounters},
+		{rawPathFrame(2, 0, q, b), buf, queue[:len(queue)-12]},
+		{rawPathFrame(2, 0, q, b), buf, append(append([]byte{}, queue...), 0, 0)},
+		// bad frames
+		{nil, buf, queue},
+		{rawPathFrame(2, 0, q, b)[:5], buf, queue},
+		{rawPathFrame(2, 0, q, b)[:20], buf, queue},
+		{rawFrame(8, 0x5877, 2, 0), buf, queue},
+		{rawFrame(8, wire.Magic, 1, 0), buf, queue},
+		{rawFrame(8, wire.Magic, 4, 4), buf, queue},
+		{rawFrame(8, wire.Magic, 2, 4), buf, queue},
+		{rawFrame(8, wire.Magic, 3, 0), buf, queue},
+		{rawFrame(9, wire.Magic, 3, 4), buf, queue},
+		{rawFrame(11, wire.Magic, 2, 0, 0, 0, 0), buf, queue},
+		{rawFrame(0xFFFFFFFF, wire.Magic, 2, 0), buf, queue},
+		{cat(exchange, exchange), buf, queue},
+		{cat(exchange, rawFrame(8, wire.Magic, 3, 6)), buf, queue},
+		{rawFrame(14, wire.Magic, 2, 0, 0, 0, 0, 0, 0, 0), buf, queue},
+		{rawFrame(16, wire.Magic, 2, 0, 0, 1, 'x', 0, 0, 0, 0, 0), buf, queue},
+	}
+	for _, s := range seeds {
+		f.Add(s.stream, s.buf, s.queue)
+	}
+
+	conf := DefaultConfig()
+	conf.ShareMemoryPathPrefix = dir + "/shmipc"
+	bufFile, queueFile := dir+"/buf", dir+"/queue"
+	placeholder := []byte(filepath.Base(pdir))
+	realName := []byte(filepath.Base(dir))
+
+	f.Fuzz(func(t *testing.T, stream, bufData, queueData []byte) {
+		stream = bytes.ReplaceAll(stream, placeholder, realName)
+		for _, p := range []struct {
+			name string
+			data []byte
+		}{{bufFile, bufData}, {queueFile, queueData}} {
+			if err := os.Remove(p.name); err != nil && !errors.Is(err, os.ErrNotExist) {
+				t.Fatal(err)
+			}
+			if len(p.data) > 0 {
+				if err := os.WriteFile(p.name, p.data, 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+
+		s := newSession(&fzConn{data: stream, endErr: io.EOF}, conf, false)
+		err := s.serverHandshake()
+		buf, qr := s.buf, s.queueRegion
+		var bufPath, queuePath string
+		if buf != nil {
+			bufPath = buf.Region().Path()
+		}
+		if qr != nil {
+			queuePath = qr.Path()
+		}
+		s.releaseRegions()
+
+		// Whatever happened, nothing stays mapped or cached.
+		if buf != nil {
+			if n := refCount(buf.Region()); n != 0 || buf.Region().Mem() != nil {
+				t.Fatalf("buffer region %s still has %d references after release", bufPath, n)
+			}
+			if cachedBuffers(bufPath) != 0 {
+				t.Fatalf("buffer region %s is still cached after release", bufPath)
+			}
+		}
+		if qr != nil {
+			if n := refCount(qr); n != 0 || qr.Mem() != nil {
+				t.Fatalf("queue region %s still has %d references after release", queuePath, n)
+			}
+		}
+		for _, p := range []string{bufPath, queuePath} {
+			if p != "" && filepath.Dir(p) != dir {
+				t.Fatalf("server mapped %q, outside %s (err %v)", p, dir, err)
+			}
+		}
+
+		if err != nil {
+			if len(stream) < wire.HeaderSize {
+				if !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
+					t.Fatalf("%d-byte stream: error %v is not EOF", len(stream), err)
+				}
+			} else if binary.BigEndian.Uint16(stream[4:]) != wire.Magic {
+				if !errors.Is(err, wire.ErrBadMagic) {
+					t.Fatalf("bad magic: error %v does not wrap wire.ErrBadMagic", err)
+				}
+			} else if v := stream[6]; v != 2 && v != 3 && (v == 0 || stream[7] <= 9) && !errors.Is(err, wire.ErrBadVersion) {
+				t.Fatalf("first header version %d: error %v does not wrap wire.ErrBadVersion", v, err)
+			}
+			return
+		}
+		if buf == nil || qr == nil || s.recvQ == nil || s.sendQ == nil {
+			t.Fatalf("handshake succeeded without mapping everything: buf %v queue %v", buf != nil, qr != nil)
+		}
+		if s.version != 2 && s.version != 3 {
+			t.Fatalf("handshake succeeded with version %d", s.version)
+		}
+		// The server removes region files it is done with.
+		for _, p := range []string{bufPath, queuePath} {
+			if _, err := os.Lstat(p); !errors.Is(err, os.ErrNotExist) {
+				t.Fatalf("region file %s left behind after release: %v", p, err)
+			}
 		}
 	})
 }

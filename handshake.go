@@ -8,6 +8,7 @@ import (
 	"runtime/debug"
 	"time"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"github.com/goshm/shmipc/internal/wire"
 )
 
@@ -72,7 +73,7 @@ func (s *Session) runHandshake(client bool) (err error) {
 	defer func() {
 		debug.SetPanicOnFault(old)
 		if r := recover(); r != nil {
-			err = fmt.Errorf("during the handshake: %w", faultError(r))
+			err = fmt.Errorf("during the handshake: %w", shm.FaultError(r))
 		}
 	}()
 	if client {
@@ -117,15 +118,15 @@ func (s *Session) clientHandshake() error {
 	if err != nil {
 		return err
 	}
-	bufPath, bufFd := s.buf.region.path, s.buf.region.fd
-	queueRegion, queueFd, err := createRegionPerm(conf.MemMapType, queuePath, queueRegionSize(conf.QueueCap), uint32(conf.ShareMemoryFileMode))
+	bufPath, bufFd := s.buf.Region().Path(), s.buf.Region().Fd()
+	queueRegion, queueFd, err := shm.CreateRegion(memfd, queuePath, shm.QueueRegionSize(conf.QueueCap), uint32(conf.ShareMemoryFileMode))
 	if err != nil {
 		return err
 	}
-	defer closeFds(queueFd)
+	defer shm.CloseFds(queueFd)
 	s.queueRegion = queueRegion
-	initQueueRegion(queueRegion.mem, conf.QueueCap)
-	if s.sendQ, s.recvQ, err = mapQueues(queueRegion.mem); err != nil {
+	shm.InitQueues(queueRegion.Mem(), conf.QueueCap)
+	if s.sendQ, s.recvQ, err = shm.MapQueues(queueRegion.Mem()); err != nil {
 		return err
 	}
 
@@ -202,20 +203,20 @@ func (s *Session) clientBuffer() (queuePath string, err error) {
 		if s.buf, queuePath, err = sharedBuffer(conf, key); err != nil {
 			return "", err
 		}
-		s.buf.sessions.Add(1)
+		s.buf.AddSession(1)
 		return queuePath, nil
 	}
 	prefix := newRegionPrefix(conf)
 	if conf.MemMapType == MemMapTypeDevShmFile {
-		need := uint64(conf.ShareMemoryBufferCap) + uint64(queueRegionSize(conf.QueueCap))
-		if err := checkFreeSpace(filepath.Dir(prefix), need); err != nil {
+		need := uint64(conf.ShareMemoryBufferCap) + uint64(shm.QueueRegionSize(conf.QueueCap))
+		if err := shm.CheckFreeSpace(filepath.Dir(prefix), need); err != nil {
 			return "", err
 		}
 	}
 	if s.buf, err = createBuffer(conf, prefix+"_buffer"); err != nil {
 		return "", err
 	}
-	s.buf.sessions.Add(1)
+	s.buf.AddSession(1)
 	return prefix + "_queue_0", nil
 }
 
@@ -291,7 +292,7 @@ func (s *Session) readPaths(h wire.Header) (queuePath, bufPath string, err error
 }
 
 // mapFromPaths opens and maps the region files a client named. The client
-// may name only files it owns (openRegionFile), so the server must learn
+// may name only files it owns (shm.OpenRegionFile), so the server must learn
 // the client's user id; if it cannot, file mode is refused.
 func (s *Session) mapFromPaths(h wire.Header) error {
 	queuePath, bufPath, err := s.readPaths(h)
@@ -306,16 +307,16 @@ func (s *Session) mapFromPaths(h wire.Header) error {
 		return fmt.Errorf("file-mode regions need the client's user id: %w", err)
 	}
 	dir := filepath.Dir(s.conf.ShareMemoryPathPrefix)
-	bufFd, err := openRegionFile(bufPath, dir, peer.uid)
+	bufFd, err := shm.OpenRegionFile(bufPath, dir, peer.uid)
 	if err != nil {
 		return err
 	}
-	defer closeFds(bufFd)
-	queueFd, err := openRegionFile(queuePath, dir, peer.uid)
+	defer shm.CloseFds(bufFd)
+	queueFd, err := shm.OpenRegionFile(queuePath, dir, peer.uid)
 	if err != nil {
 		return err
 	}
-	defer closeFds(queueFd)
+	defer shm.CloseFds(queueFd)
 	return s.mapRegions(queuePath, bufPath, queueFd, bufFd, peer, true)
 }
 
@@ -332,14 +333,14 @@ func (s *Session) mapFromFds(h wire.Header) error {
 	if err != nil {
 		return fmt.Errorf("receive region fds: %w", err)
 	}
-	defer closeFds(fds...)
+	defer shm.CloseFds(fds...)
 	peer, err := peerOf(s.ec.conn)
 	if err != nil {
 		return fmt.Errorf("memfd regions: %w", err)
 	}
 	if s.conf.RequireSealedMemory {
 		for i, fd := range fds {
-			if err := checkSealed(fd); err != nil {
+			if err := shm.CheckSealed(fd); err != nil {
 				return fmt.Errorf("region fd %d of 2: %w", i+1, err)
 			}
 		}
@@ -349,7 +350,7 @@ func (s *Session) mapFromFds(h wire.Header) error {
 
 // Size bounds for regions a client hands to a server.
 const (
-	minPeerBufferSize = managerHeaderSize + listHeaderSize + sliceHeaderSize + 4
+	minPeerBufferSize = shm.BufferHeaderSize + shm.ListHeaderSize + shm.SliceHeaderSize + 4
 	maxPeerBufferSize = 1<<32 - 1
 )
 
@@ -360,16 +361,16 @@ func (s *Session) mapRegions(queuePath, bufPath string, queueFd, bufFd int, peer
 	if s.buf, err = mapServerBuffer(bufPath, bufFd, files, peer); err != nil {
 		return err
 	}
-	s.buf.sessions.Add(1)
-	q, err := mapRegion(queueFd, queuePath, int64(queueRegionSize(16)), int64(queueRegionSize(maxQueueCap)))
+	s.buf.AddSession(1)
+	q, err := shm.MapRegion(queueFd, queuePath, int64(shm.QueueRegionSize(16)), int64(shm.QueueRegionSize(shm.MaxQueueCap)))
 	if err != nil {
 		return err
 	}
 	if files {
-		q.file = queuePath
+		q.RemoveOnRelease()
 	}
 	s.queueRegion = q
-	if s.recvQ, s.sendQ, err = mapQueues(q.mem); err != nil {
+	if s.recvQ, s.sendQ, err = shm.MapQueues(q.Mem()); err != nil {
 		return fmt.Errorf("queue region %s: %w", queuePath, err)
 	}
 	return nil
@@ -378,10 +379,10 @@ func (s *Session) mapRegions(queuePath, bufPath string, queueFd, bufFd int, peer
 // releaseRegions drops the session's references on its regions.
 func (s *Session) releaseRegions() {
 	if s.buf != nil {
-		s.buf.sessions.Add(-1)
-		s.buf.region.release()
+		s.buf.AddSession(-1)
+		s.buf.Region().Release()
 	}
 	if s.queueRegion != nil {
-		s.queueRegion.release()
+		s.queueRegion.Release()
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"golang.org/x/sys/unix"
 )
 
@@ -76,7 +77,7 @@ func TestClientHandshakeBytesMemfd(t *testing.T) {
 				}
 				fds = append(fds, got...)
 			}
-			defer closeFds(fds...)
+			defer shm.CloseFds(fds...)
 			if len(msgs) != 1 || len(fds) != 2 {
 				t.Fatalf("%d control messages with %d fds, want 1 with 2", len(msgs), len(fds))
 			}
@@ -92,7 +93,7 @@ func TestClientHandshakeBytesMemfd(t *testing.T) {
 			if lists := binary.LittleEndian.Uint16(head); lists != uint16(len(conf.BufferSliceSizes)) {
 				t.Errorf("buffer region says %d lists, want %d", lists, len(conf.BufferSliceSizes))
 			}
-			qSize := queueRegionSize(conf.QueueCap)
+			qSize := shm.QueueRegionSize(conf.QueueCap)
 			if err := unix.Fstat(fds[1], &st); err != nil || st.Size != int64(qSize) {
 				t.Errorf("second fd: size %d, %v; want the queue region of %d bytes", st.Size, err, qSize)
 			}
@@ -149,7 +150,7 @@ func TestClientHandshakeBytesFileMode(t *testing.T) {
 	for _, f := range []struct {
 		path string
 		size int64
-	}{{bufPath, int64(conf.ShareMemoryBufferCap)}, {queuePath, int64(queueRegionSize(conf.QueueCap))}} {
+	}{{bufPath, int64(conf.ShareMemoryBufferCap)}, {queuePath, int64(shm.QueueRegionSize(conf.QueueCap))}} {
 		fi, err := os.Lstat(f.path)
 		if err != nil {
 			t.Fatalf("region file named in the handshake: %v", err)
@@ -274,7 +275,7 @@ func TestClientHandshakeStalledPeer(t *testing.T) {
 			msgs, _ := unix.ParseSocketControlMessage(oob[:oobn])
 			for i := range msgs {
 				fds, _ := unix.ParseUnixRights(&msgs[i])
-				closeFds(fds...)
+				shm.CloseFds(fds...)
 			}
 		}},
 	}

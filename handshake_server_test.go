@@ -148,17 +148,17 @@ func TestServerHandshakeBytes(t *testing.T) {
 			t.Errorf("session: isClient %v, version %d", r.s.isClient, r.s.version)
 		}
 		// The server mapped the very regions the raw client created.
-		if got := r.s.queueRegion.mem; len(got) != len(rr.queue.mem) {
-			t.Errorf("server queue region of %d bytes, client's is %d", len(got), len(rr.queue.mem))
+		if got := r.s.queueRegion.Mem(); len(got) != len(rr.queue.Mem()) {
+			t.Errorf("server queue region of %d bytes, client's is %d", len(got), len(rr.queue.Mem()))
 		} else {
-			rr.queue.mem[len(got)-1] = 0x5A
+			rr.queue.Mem()[len(got)-1] = 0x5A
 			if got[len(got)-1] != 0x5A {
 				t.Error("server queue region does not share memory with the client's")
 			}
-			rr.queue.mem[len(got)-1] = 0
+			rr.queue.Mem()[len(got)-1] = 0
 		}
-		if len(r.s.buf.mem) != len(rr.buf.mem) {
-			t.Errorf("server buffer region of %d bytes, client's is %d", len(r.s.buf.mem), len(rr.buf.mem))
+		if len(r.s.buf.Region().Mem()) != len(rr.buf.Mem()) {
+			t.Errorf("server buffer region of %d bytes, client's is %d", len(r.s.buf.Region().Mem()), len(rr.buf.Mem()))
 		}
 	})
 	t.Run("v3 file", func(t *testing.T) {

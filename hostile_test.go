@@ -15,6 +15,8 @@ import (
 	"io"
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // hpReader reads a victim client's stream until it fails.
@@ -110,10 +112,10 @@ func (c *hpCtx) expectData(id uint32, data string) error {
 		if err != nil {
 			return err
 		}
-		if e.id != id || e.status != statusOpened {
+		if e.ID != id || e.Status != shm.StatusOpened {
 			return fmt.Errorf("echo element %+v, want stream %d data", e, id)
 		}
-		got, err := c.p.readMsg(e.offset)
+		got, err := c.p.readMsg(e.Offset)
 		if err != nil {
 			return fmt.Errorf("echo message: %w", err)
 		}
@@ -153,7 +155,7 @@ func openPinged(t *testing.T, p *rawPeer, victim *Session) *Stream {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, err := p.readMsg(e.offset); err != nil || got != "ping" || e.id != st.ID() {
+	if got, err := p.readMsg(e.Offset); err != nil || got != "ping" || e.ID != st.ID() {
 		t.Fatalf("raw server got %+v %q %v, want stream %d \"ping\"", e, got, err, st.ID())
 	}
 	return st
@@ -174,7 +176,7 @@ func (c *hpCtx) provokeSend(corrupt func()) {
 		st.dropKept()
 		off := c.p.msgIn(1, "boom") // allocated before the damage; the echo allocates after
 		corrupt()
-		c.publish(c.id, off, statusOpened)
+		c.publish(c.id, off, shm.StatusOpened)
 		return
 	}
 	corrupt()
@@ -240,7 +242,7 @@ func hpCheckReleased(c *hpCtx) {
 	}
 	released := func(d time.Duration) bool {
 		deadline := time.Now().Add(d)
-		for c.victim.queueRegion.refs.Load() > 0 {
+		for refCount(c.victim.queueRegion) > 0 {
 			if time.Now().After(deadline) {
 				return false
 			}
@@ -251,8 +253,8 @@ func hpCheckReleased(c *hpCtx) {
 	if released(1500 * time.Millisecond) {
 		return
 	}
-	t.Errorf("BUG: the victim session is closed (%v) but 1.5s later its queue region is still referenced (%d): something still holds it on the corrupt queue", c.victim.Err(), c.victim.queueRegion.refs.Load())
-	c.p.send.setTail(c.victim.recvQ.chead.Load())
+	t.Errorf("BUG: the victim session is closed (%v) but 1.5s later its queue region is still referenced (%d): something still holds it on the corrupt queue", c.victim.Err(), refCount(c.victim.queueRegion))
+	c.p.send.setTail(c.p.send.head()) // the victim's head, which it stores as it consumes
 	if !released(peerTimeout) {
 		t.Errorf("the queue region is still referenced after the queue was repaired")
 	}
@@ -295,7 +297,7 @@ func hpClientCase(t *testing.T, mode MemMapType, reader bool) *hpCtx {
 	p, victim := acceptRawVictim(t, mode, spin)
 	st := openPinged(t, p, victim)
 	c := &hpCtx{t: t, p: p, victim: victim, id: st.ID(), reader: reader, st: st}
-	c.publish(c.id, p.msg("pong"), statusOpened)
+	c.publish(c.id, p.msg("pong"), shm.StatusOpened)
 	got := make([]byte, 4)
 	if _, err := io.ReadFull(st, got); err != nil || string(got) != "pong" {
 		t.Fatalf("victim read %q, %v; want \"pong\"", got, err)

@@ -1,9 +1,11 @@
 package shmipc
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -222,5 +224,137 @@ func TestHotRestartCrossProcess(t *testing.T) {
 	}
 	if _, err := os.Stat(sock); err == nil {
 		t.Errorf("socket file %s left after v2 closed", sock)
+	}
+}
+
+// TestHotRestartDuringHandshake: connections in their handshake do not
+// hold HotRestart up (a client that keeps opening them, and never finishes
+// a handshake, would block restarts for ever); a session whose handshake
+// ends while the restart runs is told as it starts, and waited for.
+func TestHotRestartDuringHandshake(t *testing.T) {
+	env := startTestServer(t, 0)
+	env.good.Close()
+	waitUntil(t, "server forgets the plain client", 5*time.Second, func() bool { return hrSessionCount(env.ln) == 0 })
+	dial := func() *net.UnixConn {
+		c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: env.addr, Net: "unix"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	dial() // never handshakes
+	late := dial()
+	waitUntil(t, "two connections in their handshake", 5*time.Second, func() bool {
+		env.ln.mu.Lock()
+		defer env.ln.mu.Unlock()
+		return len(env.ln.pending) == 2
+	})
+	if err := env.ln.HotRestart(hrEpoch); err != nil {
+		t.Fatalf("HotRestart with connections in their handshake: %v", err)
+	}
+	conf := peerConfig(t, MemMapTypeMemFd, 0)
+	r := createRawRegions(t, conf, MemMapTypeMemFd, rawLayout{})
+	v, err := r.handshake(late, MemMapTypeMemFd)
+	if err != nil {
+		t.Fatalf("handshake during the restart: %v", err)
+	}
+	p := rawPeerOf(t, late, v, r, conf)
+	got, err := p.readFrame()
+	if err != nil {
+		t.Fatalf("no HotRestart frame for the session that joined: %v", err)
+	}
+	if want := hrFrame(8, hrEpoch); !bytes.Equal(got, want) {
+		t.Fatalf("frame % x, want the HotRestart frame % x", got, want)
+	}
+	if restartDone(env.ln) {
+		t.Error("the restart ended before the session that joined acknowledged")
+	}
+	p.write(hrFrame(9, hrEpoch))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := env.ln.WaitHotRestart(ctx); err != nil {
+		t.Errorf("WaitHotRestart: %v", err)
+	}
+}
+
+// ListenTakeover without a hot restart: the old server's Close, and socket
+// paths too long for the temporary name.
+
+// TestTakeoverSurvivesOldClose: a server started with Listen whose path a
+// new server took over with ListenTakeover closes without a hot restart
+// (stopping gracefully, or giving up on HotRestart). Its Close must leave
+// the new server's socket file, and Close of the new one removes it.
+func TestTakeoverSurvivesOldClose(t *testing.T) {
+	sock := sockPath(t)
+	conf := smTestConfig()
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "takeover")
+	v1, err := Listen("unix", sock, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v1.CloseAll()
+	go serveStreams(v1, echoStream)
+	v2, err := ListenTakeover(sock, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v2.CloseAll()
+	go serveStreams(v2, echoStream)
+	if err := v1.Close(); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Dial("unix", sock, conf)
+	if err != nil {
+		t.Fatalf("dial after the old server's Close: %v", err)
+	}
+	mustEcho(t, s)
+	s.Close()
+	if got := v2.Addr().String(); got != sock {
+		t.Errorf("the new listener's address is %q, want %q", got, sock)
+	}
+	if err := v2.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(sock); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the socket file after the last server's Close: %v; want it removed", err)
+	}
+}
+
+// TestTakeoverLongPath takes over a socket path with room left for its
+// own name but not for ListenTakeover's longer temporary one.
+func TestTakeoverLongPath(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	if room := 100 - len(sock); room > 0 {
+		dir := filepath.Join(filepath.Dir(sock), strings.Repeat("d", room))
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		sock = filepath.Join(dir, "s.sock")
+	}
+	conf := smTestConfig()
+	conf.ShareMemoryPathPrefix = shmPrefix(t, "takeover")
+	v1, err := Listen("unix", sock, conf)
+	if err != nil {
+		t.Fatalf("Listen on a path of %d bytes: %v", len(sock), err)
+	}
+	defer v1.CloseAll()
+	v2, err := ListenTakeover(sock, conf)
+	if err != nil {
+		t.Fatalf("ListenTakeover of the same %d-byte path: %v", len(sock), err)
+	}
+	defer v2.CloseAll()
+	go serveStreams(v2, echoStream)
+	if got := v2.Addr().String(); got != sock {
+		t.Errorf("the new listener's address is %q, want %q", got, sock)
+	}
+	s, err := Dial("unix", sock, conf)
+	if err != nil {
+		t.Fatalf("dial the new server: %v", err)
+	}
+	defer s.Close()
+	mustEcho(t, s)
+	if fi, err := os.Stat(sock); err != nil || fi.Mode().Perm() != conf.SocketFileMode {
+		t.Errorf("the socket file: %v, %v; want mode %v", fi.Mode(), err, conf.SocketFileMode)
 	}
 }

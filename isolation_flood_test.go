@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/goshm/shmipc/internal/proctest"
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // A client that opens stream after stream is cut off at twice Config.MaxStreams,
@@ -192,12 +193,12 @@ func TestIsolationPollingStorm(t *testing.T) {
 	p := rawPeerOf(t, conn, v, r, conf)
 	echo := func(msg string) {
 		t.Helper()
-		p.publish(2, p.msg(msg), statusOpened)
+		p.publish(2, p.msg(msg), shm.StatusOpened)
 		e, err := p.waitElem()
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got, err := p.readMsg(e.offset); err != nil || got != msg {
+		if got, err := p.readMsg(e.Offset); err != nil || got != msg {
 			t.Fatalf("echo %q, %v; want %q", got, err, msg)
 		}
 	}

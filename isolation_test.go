@@ -18,6 +18,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // isoServer is a server whose streams are handled by handle, with a good
@@ -165,12 +167,12 @@ func TestIsolationFaultWhileReaderWaits(t *testing.T) {
 			})
 			srv.dialGood(t)
 			p, r, victim := srv.connect(t, MemMapTypeDevShmFile)
-			p.publish(2, p.msg("hello"), statusOpened)
+			p.publish(2, p.msg("hello"), shm.StatusOpened)
 			// A slice near the end of the region, for the message that will
 			// lie beyond the file's new end.
 			var far uint32
 			for {
-				li, off, err := p.bm.alloc(100, false, false)
+				li, off, err := p.bm.Alloc(100, false, false)
 				if err != nil || li < 0 {
 					t.Fatalf("no slice to spare: %d %v", li, err)
 				}
@@ -179,13 +181,13 @@ func TestIsolationFaultWhileReaderWaits(t *testing.T) {
 					break
 				}
 			}
-			copy(p.bm.sliceData(0, far), "lost")
-			p.bm.linkSlice(far, 4, 0)
+			copy(p.bm.SliceData(0, far), "lost")
+			p.bm.LinkSlice(far, 4, 0)
 			time.Sleep(20 * time.Millisecond) // let the reader consume the greeting and wait
 			if err := os.Truncate(r.bufPath, 4096); err != nil {
 				t.Fatal(err)
 			}
-			p.publish(2, far, statusOpened)
+			p.publish(2, far, shm.StatusOpened)
 			select {
 			case err := <-readErr:
 				if err == nil || !errors.Is(err, ErrSessionClosed) {
@@ -267,17 +269,17 @@ func TestIsolationNoDeliveryAfterClose(t *testing.T) {
 				return
 			default:
 			}
-			li, off, err := victimPeer.bm.alloc(4, false, false)
+			li, off, err := victimPeer.bm.Alloc(4, false, false)
 			if err != nil || li < 0 || victimPeer.send.tail()-victimPeer.send.head() >= int64(victimPeer.send.cap) {
 				if li >= 0 && err == nil {
-					victimPeer.bm.push(li, off)
+					victimPeer.bm.Push(li, off)
 				}
 				time.Sleep(10 * time.Microsecond)
 				continue
 			}
-			copy(victimPeer.bm.sliceData(li, off), "abcd")
-			victimPeer.bm.linkSlice(off, 4, 0)
-			victimPeer.publish(2, off, statusOpened)
+			copy(victimPeer.bm.SliceData(li, off), "abcd")
+			victimPeer.bm.LinkSlice(off, 4, 0)
+			victimPeer.publish(2, off, shm.StatusOpened)
 			sent.Add(1)
 		}
 	}()
@@ -315,20 +317,20 @@ func TestIsolationCyclicChainFreesNothingTwice(t *testing.T) {
 	for _, size := range []int{0, 3} {
 		t.Run(fmt.Sprintf("size%d", size), func(t *testing.T) {
 			p, _, victim := srv.connect(t, MemMapTypeMemFd)
-			li, off, err := p.bm.alloc(4, false, false)
+			li, off, err := p.bm.Alloc(4, false, false)
 			if err != nil || li < 0 {
 				t.Fatal("no slice")
 			}
-			p.bm.linkSlice(off, size, 0)
+			p.bm.LinkSlice(off, size, 0)
 			p.link(off, off) // next = itself, HAS_NEXT
 			l := p.list(li)
-			p.publish(2, off, statusOpened)
+			p.publish(2, off, shm.StatusOpened)
 			err = waitSessionClosed(t, victim, peerTimeout)
 			if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "twice") {
 				t.Errorf("victim session error %v, want ErrProtocol naming the slice linked twice", err)
 			}
 			closeWithin(t, victim, peerTimeout)
-			free := p.bm.freeCounts()[li]
+			free := freeCounts(p.bm)[li]
 			if free > int32(l.count) {
 				t.Errorf("list of %d-byte slices counts %d free slices, it has %d: a slice was freed more than once", l.sliceCap, free, l.count)
 			}

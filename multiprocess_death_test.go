@@ -7,12 +7,17 @@ package shmipc
 import (
 	"bytes"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/proctest"
 )
 
 // mpBlockedRead starts a Read on st and returns where its error arrives.
@@ -149,4 +154,133 @@ func TestMultiProcessClientDeath(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestPeerDeathKillLoop: the child killed at random points of a mixed
+// workload, -peerdeath.kills times.
+
+var pdKills = flag.Int("peerdeath.kills", 100, "how many times TestPeerDeathKillLoop kills its child")
+
+// TestPeerDeathKillLoop kills the child -peerdeath.kills times (100 by
+// default) at a random point 0-50 ms into a workload of 1-6 streams each
+// sending checksummed messages of 1 B to 1 MiB in both directions. The
+// child is the server in even iterations and the client in odd ones, in
+// memfd or file mode by turns.
+func TestPeerDeathKillLoop(t *testing.T) {
+	if proctest.IsChild() {
+		t.Skip()
+	}
+	prefix := shmPrefix(t, "pdl")
+	check := pdLeakCheck(t, prefix)
+	start := time.Now()
+	var lats, afterClose []time.Duration
+	survived := 0
+	// With -short, 8 kills: each side in each mode still killed twice.
+	kills := shortOr(*pdKills, min(*pdKills, 8))
+	for i := range kills {
+		side := "server"
+		if i%2 == 1 {
+			side = "client"
+		}
+		mode := bothModes[(i/2)%2]
+		ok := t.Run(fmt.Sprintf("%d", i), func(t *testing.T) {
+			nstreams := 1 + rand.IntN(6)
+			p := pdConnect(t, side, "mixed", "default", mode, prefix, nstreams)
+			var calls []*pdCall
+			for _, st := range p.streams {
+				werr := make(chan error, 1)
+				calls = append(calls, pdGo(fmt.Sprintf("reader of stream %d", st.ID()), func() error {
+					err := pdMixed(st, rand.Uint64(), 1<<20, werr)
+					if errors.Is(err, errSkCorrupt) {
+						t.Errorf("%v", err)
+					}
+					return err
+				}))
+				calls = append(calls, pdGo(fmt.Sprintf("writer of stream %d", st.ID()), func() error { return <-werr }))
+			}
+			if side == "client" {
+				calls = append(calls, pdGo("AcceptStream", func() error { _, err := p.sess.AcceptStream(); return err }))
+			}
+			time.Sleep(time.Duration(rand.IntN(51)) * time.Millisecond)
+			// Note when the session sees the death (the socket closed and
+			// the receive loop read EOF): the kill-to-error latency also
+			// holds the kernel's teardown of the child, which for a -race
+			// binary under load is most of it.
+			seen := make(chan time.Time, 1)
+			stop := make(chan struct{})
+			go func() {
+				for !p.sess.IsClosed() {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					time.Sleep(100 * time.Microsecond)
+				}
+				seen <- time.Now()
+			}()
+			lat := pdKillQuiet(t, p.c, calls...)
+			close(stop)
+			var last time.Time
+			for _, call := range calls {
+				if call.at.After(last) {
+					last = call.at
+				}
+			}
+			select {
+			case at := <-seen:
+				afterClose = append(afterClose, max(last.Sub(at), 0))
+			case <-time.After(pdBound):
+				t.Errorf("session not closed %v after the peer was killed", pdBound)
+			}
+			lats = append(lats, lat)
+			p.close()
+		})
+		if !ok {
+			break
+		}
+		survived++
+	}
+	pdFresh(t, MemMapTypeMemFd, prefix)
+	pdFresh(t, MemMapTypeDevShmFile, prefix)
+	check("after the kill loop")
+	slices.Sort(lats)
+	slices.Sort(afterClose)
+	if len(afterClose) > 0 {
+		t.Logf("kill loop: last blocked call failed after the session saw the closed socket: median %v, max %v",
+			afterClose[len(afterClose)/2].Round(10*time.Microsecond), afterClose[len(afterClose)-1].Round(10*time.Microsecond))
+	}
+	if len(lats) > 0 {
+		t.Logf("kill loop: %d/%d kills survived in %v; error latency after SIGKILL: median %v, p90 %v, max %v",
+			survived, kills, time.Since(start).Round(time.Millisecond), lats[len(lats)/2].Round(10*time.Microsecond),
+			lats[len(lats)*9/10].Round(10*time.Microsecond), lats[len(lats)-1].Round(10*time.Microsecond))
+	}
+}
+
+// pdKillQuiet is pdKill without the per-call blocking check (the workload's
+// calls are busy, not blocked) and without logging.
+func pdKillQuiet(t *testing.T, c *proctest.Child, calls ...*pdCall) time.Duration {
+	t.Helper()
+	killed := time.Now()
+	if err := c.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	var worst time.Duration
+	for _, call := range calls {
+		select {
+		case <-call.done:
+		case <-time.After(pdBound + 8*time.Second):
+			t.Fatalf("%s still running %v after the peer was killed", call.name, pdBound+8*time.Second)
+		}
+		lat := max(call.at.Sub(killed), 0)
+		worst = max(worst, lat)
+		if lat > pdBound {
+			t.Errorf("%s failed %v after the peer was killed, want <= %v", call.name, lat, pdBound)
+		}
+		if !pdSessionGone(call.err) {
+			t.Errorf("%s: %v, want an error wrapping ErrSessionClosed", call.name, call.err)
+		}
+	}
+	<-c.Done()
+	return worst
 }

@@ -245,7 +245,7 @@ func (w *netpollWriter) appendWriter(o *netpollWriter) (err error) {
 		return err
 	}
 	for _, seg := range b.writer.segs {
-		if _, err = writeTo(&a.writer, seg.data[:seg.n]); err != nil {
+		if _, err = writeTo(&a.writer, seg.Data[:seg.N]); err != nil {
 			break
 		}
 	}

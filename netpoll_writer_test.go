@@ -17,7 +17,7 @@ import (
 
 func TestNetpollMallocAck(t *testing.T) {
 	client, server := npSessions(t, npSmallSlices)
-	free0 := client.s.buf.freeCounts()
+	free0 := freeCounts(client.s.buf)
 	w := client.NetpollWriter()
 	var bufs [][]byte
 	for _, c := range []byte("abc") {
@@ -55,7 +55,7 @@ func TestNetpollMallocAck(t *testing.T) {
 	if err := w.MallocAck(4000); err != nil { // into the second segment
 		t.Fatal(err)
 	}
-	if w.MallocLen() != 4000 || len(client.writer.segs) != 2 || client.writer.segs[1].n != 1000 {
+	if w.MallocLen() != 4000 || len(client.writer.segs) != 2 || client.writer.segs[1].N != 1000 {
 		t.Fatalf("after MallocAck(4000): MallocLen %d, %d segments", w.MallocLen(), len(client.writer.segs))
 	}
 	if err := w.MallocAck(3000); err != nil { // exactly the end of the first
@@ -92,7 +92,7 @@ func TestNetpollMallocAck(t *testing.T) {
 	if r.Len() != 0 {
 		t.Fatalf("%d unexpected bytes", r.Len())
 	}
-	if free := client.s.buf.freeCounts(); !slices.Equal(free, free0) {
+	if free := freeCounts(client.s.buf); !slices.Equal(free, free0) {
 		t.Fatalf("free slices %v after everything was released, want %v", free, free0)
 	}
 }
@@ -143,7 +143,7 @@ func TestNetpollWriterModel(t *testing.T) {
 	}{{"default", nil}, {"smallslices", npSmallSlices}} {
 		t.Run(tc.name, func(t *testing.T) {
 			client, server := npSessions(t, tc.tweak)
-			free0 := client.s.buf.freeCounts()
+			free0 := freeCounts(client.s.buf)
 			w := client.NetpollWriter()
 			r := server.NetpollReader()
 			rng := rand.New(rand.NewPCG(3, 4))
@@ -233,7 +233,7 @@ func TestNetpollWriterModel(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if free := client.s.buf.freeCounts(); !slices.Equal(free, free0) {
+			if free := freeCounts(client.s.buf); !slices.Equal(free, free0) {
 				t.Fatalf("free slices %v after everything was released, want %v", free, free0)
 			}
 		})

@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/goshm/shmipc/internal/proctest"
+	"github.com/goshm/shmipc/internal/shm"
 	"golang.org/x/sys/unix"
 )
 
@@ -37,9 +38,9 @@ const orderChunk = 4 << 20
 type orderPeer struct {
 	conn    net.Conn
 	version byte
-	bm      *bufferManager // the buffer region, to read the messages sent to us
-	send    rawQueue       // the queue we produce into
-	recv    rawQueue       // the queue the other side produces into
+	bm      *shm.Buffer // the buffer region, to read the messages sent to us
+	send    rawQueue    // the queue we produce into
+	recv    rawQueue    // the queue the other side produces into
 
 	wmu sync.Mutex // one frame at a time on the socket
 }
@@ -94,25 +95,25 @@ func (p *orderPeer) drain(onData func(id uint32, data []byte)) error {
 			if !ok {
 				break
 			}
-			switch e.status {
+			switch e.Status {
 			case 1: // a close
 			case 0:
-				slices, err := p.bm.readChain(nil, e.offset)
+				slices, err := p.bm.ReadChain(nil, e.Offset)
 				if err != nil {
-					return fmt.Errorf("message on stream %d: %w", e.id, err)
+					return fmt.Errorf("message on stream %d: %w", e.ID, err)
 				}
 				var b []byte
 				for _, s := range slices {
-					b = append(b, s.data...)
+					b = append(b, s.Data...)
 				}
 				for _, s := range slices {
-					if err := p.bm.push(int(s.list), s.off); err != nil {
+					if err := p.bm.Push(int(s.List), s.Off); err != nil {
 						return err
 					}
 				}
-				onData(e.id, b)
+				onData(e.ID, b)
 			default:
-				return fmt.Errorf("element of status %d", e.status)
+				return fmt.Errorf("element of status %d", e.Status)
 			}
 		}
 		p.recv.setFlag(0)
@@ -184,7 +185,7 @@ func orderServer(t *testing.T) {
 	}
 	defer unix.Munmap(buf)
 	defer unix.Munmap(q)
-	bm, err := newBufferManager(&region{mem: buf}, false)
+	bm, err := shm.NewBuffer(shm.RegionOf(buf), false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -239,14 +240,14 @@ func orderClient(t *testing.T) {
 	if err != nil {
 		t.Fatalf("handshake: %v", err)
 	}
-	bm, err := newBufferManager(r.buf, true)
+	bm, err := shm.NewBuffer(r.buf, true)
 	if err != nil {
 		t.Fatal(err)
 	}
-	half := len(r.queue.mem) / 2
+	half := len(r.queue.Mem()) / 2
 	p := &orderPeer{conn: c, version: v, bm: bm,
-		send: rawQueue{mem: r.queue.mem[:half], cap: conf.QueueCap},
-		recv: rawQueue{mem: r.queue.mem[half:], cap: conf.QueueCap},
+		send: rawQueue{mem: r.queue.Mem()[:half], cap: conf.QueueCap},
+		recv: rawQueue{mem: r.queue.Mem()[half:], cap: conf.QueueCap},
 	}
 	served := make(chan error, 1)
 	go func() { served <- p.serve(func(uint32, []byte) {}) }()

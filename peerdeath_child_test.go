@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/goshm/shmipc/internal/proctest"
+	"github.com/goshm/shmipc/internal/shm"
 	"github.com/goshm/shmipc/internal/wire"
 	"golang.org/x/sys/unix"
 )
@@ -282,7 +283,7 @@ func pdRawClient(t *testing.T, sock, prefix, stage string) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		qsize := queueRegionSize(16)
+		qsize := shm.QueueRegionSize(16)
 		qFd, err := clMemfd(qpath, qsize, false)
 		if err != nil {
 			t.Fatal(err)
@@ -291,7 +292,7 @@ func pdRawClient(t *testing.T, sock, prefix, stage string) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		initQueueRegion(mem, 16)
+		shm.InitQueues(mem, 16)
 		if err := clSendMemfds(c, qpath, bpath, bufFd, qFd); err != nil {
 			t.Fatal(err)
 		}

@@ -275,7 +275,7 @@ func TestPeerDeathHoldingSlices(t *testing.T) {
 				defer st.mu.Unlock()
 				var out [][]byte
 				for _, seg := range st.reader.segs[:st.reader.done] {
-					out = append(out, seg.data)
+					out = append(out, seg.Data)
 				}
 				return out
 			}

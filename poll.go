@@ -2,6 +2,8 @@ package shmipc
 
 import (
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // Busy polling: a reader that finds its stream empty consumes the queue
@@ -45,13 +47,13 @@ func (st *Stream) poll(deadline time.Time) bool {
 // pollHeld is poll's work with the token, inside an access: drain and spin,
 // then let go, or report that the loop must take over (and parked readers).
 func (s *Session) pollHeld(st *Stream, deadline time.Time) (handOver bool, err error) {
-	s.recvQ.setWorking(true)
+	s.recvQ.SetWorking(true)
 	now := time.Now()
 	w := spinWatch{begin: now, last: now, lastYield: now, lastLook: now, alone: procs.get(now) == 1}
 	for {
 		// At most a queue's worth at a time: a peer that keeps publishing
 		// for other streams must not keep the reader from its own.
-		_, stopped, err := s.drain(drainReader, int(s.recvQ.cap))
+		_, stopped, err := s.drain(drainReader, int(s.recvQ.Cap()))
 		if err != nil {
 			return false, err
 		}
@@ -66,10 +68,10 @@ func (s *Session) pollHeld(st *Stream, deadline time.Time) (handOver bool, err e
 			return false, nil
 		}
 		for range pollCheckEvery {
-			if !s.recvQ.looksEmpty() {
+			if !s.recvQ.LooksEmpty() {
 				break
 			}
-			cpuRelax()
+			shm.CPURelax()
 		}
 		if s.tok.wanted.Load() {
 			return true, nil
@@ -86,7 +88,7 @@ func (s *Session) pollHeld(st *Stream, deadline time.Time) (handOver bool, err e
 			return false, nil
 		}
 		// Something came just before the flag was cleared: take it too.
-		if _, stopped, err := s.drain(drainReader, int(s.recvQ.cap)); err != nil || stopped {
+		if _, stopped, err := s.drain(drainReader, int(s.recvQ.Cap())); err != nil || stopped {
 			return true, err
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"golang.org/x/sys/unix"
 )
 
@@ -28,7 +29,7 @@ var rawRegionSeq atomic.Uint32
 type rawRegions struct {
 	queuePath, bufPath string
 	bufFd, queueFd     int
-	buf, queue         *region
+	buf, queue         *shm.Region
 }
 
 // rawLayout describes the regions a hostile client creates. Zero values give
@@ -52,31 +53,31 @@ func createRawRegions(t *testing.T, conf *Config, mode MemMapType, lay rawLayout
 		bufSize = int(conf.ShareMemoryBufferCap)
 	}
 	if qSize == 0 {
-		qSize = queueRegionSize(conf.QueueCap)
+		qSize = shm.QueueRegionSize(conf.QueueCap)
 	}
 	var err error
 	if r.buf, r.bufFd, err = createRegion(mode, r.bufPath, bufSize); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { closeFds(r.bufFd); r.buf.release(); os.Remove(r.bufPath) })
+	t.Cleanup(func() { shm.CloseFds(r.bufFd); r.buf.Release(); os.Remove(r.bufPath) })
 	if r.queue, r.queueFd, err = createRegion(mode, r.queuePath, qSize); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { closeFds(r.queueFd); r.queue.release(); os.Remove(r.queuePath) })
+	t.Cleanup(func() { shm.CloseFds(r.queueFd); r.queue.Release(); os.Remove(r.queuePath) })
 	if lay.initBuf != nil {
-		lay.initBuf(r.buf.mem)
+		lay.initBuf(r.buf.Mem())
 	} else {
 		plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
 		if err != nil {
 			t.Fatal(err)
 		}
-		initBufferRegion(r.buf.mem, plans)
+		shm.InitBuffer(r.buf.Mem(), plans)
 	}
 	if half := qSize / 2; half >= queueHeaderSize {
-		initQueueRegion(r.queue.mem, uint32((half-queueHeaderSize)/queueElemSize))
+		shm.InitQueues(r.queue.Mem(), uint32((half-queueHeaderSize)/queueElemSize))
 	}
 	if lay.mutate != nil {
-		lay.mutate(r.buf.mem, r.queue.mem)
+		lay.mutate(r.buf.Mem(), r.queue.Mem())
 	}
 	return r
 }
@@ -160,15 +161,15 @@ func connectRawClientLayout(t *testing.T, env *testServer, mode MemMapType, layo
 // rawPeerOf is the raw client of regions r after its handshake on c.
 func rawPeerOf(t *testing.T, c *net.UnixConn, version byte, r *rawRegions, conf *Config) *rawPeer {
 	t.Helper()
-	bm, err := newBufferManager(r.buf, true)
+	bm, err := shm.NewBuffer(r.buf, true)
 	if err != nil {
 		t.Fatal(err)
 	}
-	half := len(r.queue.mem) / 2
+	half := len(r.queue.Mem()) / 2
 	return &rawPeer{
-		t: t, conn: c, version: version, buf: r.buf.mem, bm: bm,
-		send: rawQueue{mem: r.queue.mem[:half], cap: conf.QueueCap},
-		recv: rawQueue{mem: r.queue.mem[half:], cap: conf.QueueCap},
+		t: t, conn: c, version: version, buf: r.buf.Mem(), bm: bm, lists: rawLists(r.buf.Mem()),
+		send: rawQueue{mem: r.queue.Mem()[:half], cap: conf.QueueCap},
+		recv: rawQueue{mem: r.queue.Mem()[half:], cap: conf.QueueCap},
 	}
 }
 
@@ -240,7 +241,7 @@ func serveRawHandshake(c net.Conn, mode MemMapType) (buf, q []byte, version byte
 	if err != nil {
 		return nil, nil, 0, err
 	}
-	defer closeFds(fds...)
+	defer shm.CloseFds(fds...)
 	if len(fds) != 2 {
 		return nil, nil, 0, fmt.Errorf("%d fds", len(fds))
 	}
@@ -341,14 +342,14 @@ func acceptRawVictimWith(t *testing.T, mode MemMapType, spin time.Duration, edit
 	if res.err != nil {
 		t.Fatalf("Dial: %v", res.err)
 	}
-	bm, err := newBufferManager(&region{mem: buf}, false)
+	bm, err := shm.NewBuffer(shm.RegionOf(buf), false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	half := len(q) / 2
 	qcap := uint32((half - queueHeaderSize) / queueElemSize)
 	p := &rawPeer{
-		t: t, conn: c, version: v, buf: buf, bm: bm,
+		t: t, conn: c, version: v, buf: buf, bm: bm, lists: rawLists(buf),
 		send: rawQueue{mem: q[half:], cap: qcap},
 		recv: rawQueue{mem: q[:half], cap: qcap},
 	}

@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 	"unsafe"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // ---- frames, written by hand (docs/protocol.md §3) ----
@@ -104,16 +106,16 @@ func (q rawQueue) put(id, offset, status uint32) {
 	q.setTail(t + 1)
 }
 
-func (q rawQueue) pop() (queueElem, bool) {
+func (q rawQueue) pop() (shm.Elem, bool) {
 	h, t := q.head(), q.tail()
 	if h >= t {
-		return queueElem{}, false
+		return shm.Elem{}, false
 	}
 	s := q.slot(h)
-	e := queueElem{
-		id:     binary.LittleEndian.Uint32(s[0:]),
-		offset: binary.LittleEndian.Uint32(s[4:]),
-		status: binary.LittleEndian.Uint32(s[8:]),
+	e := shm.Elem{
+		ID:     binary.LittleEndian.Uint32(s[0:]),
+		Offset: binary.LittleEndian.Uint32(s[4:]),
+		Status: binary.LittleEndian.Uint32(s[8:]),
 	}
 	q.setHead(h + 1)
 	return e, true
@@ -128,9 +130,10 @@ type rawPeer struct {
 	conn    *net.UnixConn
 	version byte
 	buf     []byte
-	bm      *bufferManager // our own view of the buffer region, to build valid messages
-	send    rawQueue       // the queue we produce into: the victim's receive queue
-	recv    rawQueue       // the queue the victim produces into
+	bm      *shm.Buffer // our own view of the buffer region, to build valid messages
+	lists   []rawList   // the region's lists, read once, as the victim reads them
+	send    rawQueue    // the queue we produce into: the victim's receive queue
+	recv    rawQueue    // the queue the victim produces into
 }
 
 func (p *rawPeer) write(b []byte) {
@@ -167,24 +170,24 @@ func (p *rawPeer) setU32(off, v uint32) {
 // absolute offset of its slice header.
 func (p *rawPeer) msg(data string) uint32 {
 	p.t.Helper()
-	li, off, err := p.bm.alloc(len(data), false, false)
+	li, off, err := p.bm.Alloc(len(data), false, false)
 	if err != nil || li < 0 {
 		p.t.Fatalf("raw peer cannot allocate a slice: list %d, %v", li, err)
 	}
-	copy(p.bm.sliceData(li, off), data)
-	p.bm.linkSlice(off, len(data), 0)
+	copy(p.bm.SliceData(li, off), data)
+	p.bm.LinkSlice(off, len(data), 0)
 	return off
 }
 
 // msgIn is msg in a slice of list li.
 func (p *rawPeer) msgIn(li int, data string) uint32 {
 	p.t.Helper()
-	off, err := p.bm.take(li, false)
+	off, err := p.bm.Pop(li)
 	if err != nil || off == 0 {
 		p.t.Fatalf("raw peer cannot take a slice of list %d: %v", li, err)
 	}
-	copy(p.bm.sliceData(li, off), data)
-	p.bm.linkSlice(off, len(data), 0)
+	copy(p.bm.SliceData(li, off), data)
+	p.bm.LinkSlice(off, len(data), 0)
 	return off
 }
 
@@ -194,20 +197,40 @@ func (p *rawPeer) link(a, b uint32) {
 	p.buf[a+sliceFlagsOff] = flagInUse | flagHasNext
 }
 
-func (p *rawPeer) list(i int) sliceList { return p.bm.lists[i] }
+// rawList is list i of the buffer region as the raw peer reads its layout
+// (docs/protocol.md §6.5).
+type rawList struct{ header, area, stride, sliceCap, count uint32 }
+
+// end is the offset just past the last slice of l.
+func (l rawList) end() uint32 { return l.area + l.count*l.stride }
+
+func (p *rawPeer) list(i int) rawList { return p.lists[i] }
+
+// rawLists reads the lists of the buffer region buf, which must be valid.
+func rawLists(buf []byte) []rawList {
+	ls := make([]rawList, binary.LittleEndian.Uint16(buf))
+	off := uint32(shm.BufferHeaderSize)
+	for i := range ls {
+		count := binary.LittleEndian.Uint32(buf[off+listCountOff:])
+		sliceCap := binary.LittleEndian.Uint32(buf[off+listCapOff:])
+		ls[i] = rawList{header: off, area: off + shm.ListHeaderSize, stride: sliceCap + shm.SliceHeaderSize, sliceCap: sliceCap, count: count}
+		off = ls[i].end()
+	}
+	return ls
+}
 
 // readMsg reads the message at root and frees its slices.
 func (p *rawPeer) readMsg(root uint32) (string, error) {
-	slices, err := p.bm.readChain(nil, root)
+	slices, err := p.bm.ReadChain(nil, root)
 	if err != nil {
 		return "", err
 	}
 	var b []byte
 	for _, s := range slices {
-		b = append(b, s.data...)
+		b = append(b, s.Data...)
 	}
 	for _, s := range slices {
-		if err := p.bm.push(int(s.list), s.off); err != nil {
+		if err := p.bm.Push(int(s.List), s.Off); err != nil {
 			return "", err
 		}
 	}
@@ -215,14 +238,14 @@ func (p *rawPeer) readMsg(root uint32) (string, error) {
 }
 
 // waitElem waits for the victim to publish an element.
-func (p *rawPeer) waitElem() (queueElem, error) {
+func (p *rawPeer) waitElem() (shm.Elem, error) {
 	deadline := time.Now().Add(peerTimeout)
 	for {
 		if e, ok := p.recv.pop(); ok {
 			return e, nil
 		}
 		if time.Now().After(deadline) {
-			return queueElem{}, fmt.Errorf("no element from the victim within %v", peerTimeout)
+			return shm.Elem{}, fmt.Errorf("no element from the victim within %v", peerTimeout)
 		}
 		time.Sleep(200 * time.Microsecond)
 	}

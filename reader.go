@@ -5,6 +5,8 @@ import (
 	"errors"
 	"io"
 	"slices"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // BufferReader reads a stream's received bytes, zero-copy where it can.
@@ -52,7 +54,7 @@ type BufferReader interface {
 // unread data, of which the first pos bytes of segs[done] have been read.
 type streamReader struct {
 	st       *Stream
-	segs     []segment
+	segs     []shm.Segment
 	done     int
 	pos      int
 	unread   int
@@ -74,9 +76,9 @@ func (r *streamReader) copyNext(n int) []byte {
 	return p
 }
 
-func (r *streamReader) append(segs []segment) {
+func (r *streamReader) append(segs []shm.Segment) {
 	for _, seg := range segs {
-		r.unread += len(seg.data)
+		r.unread += len(seg.Data)
 	}
 	r.segs = append(r.segs, segs...)
 }
@@ -87,11 +89,11 @@ func (r *streamReader) append(segs []segment) {
 // count: the stream's reader will copy and free it.
 func (r *streamReader) holdsShared() bool {
 	return r.inPlace && slices.ContainsFunc(r.segs[:min(r.done+1, len(r.segs))],
-		func(seg segment) bool { return seg.list != heapSegment })
+		func(seg shm.Segment) bool { return seg.List != shm.HeapSegment })
 }
 
 func (r *streamReader) appendHeap(data []byte) {
-	r.segs = append(r.segs, segment{data: data, list: heapSegment})
+	r.segs = append(r.segs, shm.Segment{Data: data, List: shm.HeapSegment})
 	r.unread += len(data)
 	r.st.heldFallback.Add(int64(len(data)))
 	r.st.s.fallbackHeld.Add(int64(len(data)))
@@ -99,11 +101,11 @@ func (r *streamReader) appendHeap(data []byte) {
 
 // freeHeap accounts for released private segments among segs, and wakes a
 // receive loop waiting for room for fallback data (waitFallbackRoom).
-func (r *streamReader) freeHeap(segs []segment) {
+func (r *streamReader) freeHeap(segs []shm.Segment) {
 	n := 0
 	for _, seg := range segs {
-		if seg.list == heapSegment {
-			n += len(seg.data)
+		if seg.List == shm.HeapSegment {
+			n += len(seg.Data)
 		}
 	}
 	if n == 0 {
@@ -123,7 +125,7 @@ func (r *streamReader) exposed() bool { return r.done > 0 || r.pos > 0 }
 // contiguous returns the next n unread bytes without copying if they lie in
 // one segment.
 func (r *streamReader) contiguous(n int) ([]byte, bool) {
-	d := r.segs[r.done].data[r.pos:]
+	d := r.segs[r.done].Data[r.pos:]
 	if len(d) >= n {
 		r.inPlace = true
 		return d[:n:n], true
@@ -135,7 +137,7 @@ func (r *streamReader) contiguous(n int) ([]byte, bool) {
 func (r *streamReader) copyOut(p []byte) {
 	pos, i := r.pos, r.done
 	for n := 0; n < len(p); i, pos = i+1, 0 {
-		n += copyCached(p[n:], r.segs[i].data[pos:])
+		n += copyCached(p[n:], r.segs[i].Data[pos:])
 	}
 }
 
@@ -147,7 +149,7 @@ func (r *streamReader) advance(n int) {
 		r.st.reuse.And(^uint32(replyOwed)) // a read returned bytes (poolable)
 	}
 	for n > 0 {
-		avail := len(r.segs[r.done].data) - r.pos
+		avail := len(r.segs[r.done].Data) - r.pos
 		if n < avail {
 			r.pos += n
 			return
@@ -254,7 +256,7 @@ func (b *bufferReader) ReadByte() (c byte, err error) {
 		return 0, err
 	}
 	err = st.s.access(func() error {
-		c = r.segs[r.done].data[r.pos]
+		c = r.segs[r.done].Data[r.pos]
 		return nil
 	})
 	if err != nil {
@@ -280,7 +282,7 @@ var errNegative = errors.New("shmipc: negative count")
 func (r *streamReader) indexByte(c byte, from int) int {
 	base := 0
 	for i, pos := r.done, r.pos; i < len(r.segs); i, pos = i+1, 0 {
-		d := r.segs[i].data[pos:]
+		d := r.segs[i].Data[pos:]
 		if skip := from - base; skip < len(d) {
 			if j := bytes.IndexByte(d[max(skip, 0):], c); j >= 0 {
 				return base + max(skip, 0) + j

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"syscall"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"github.com/goshm/shmipc/internal/wire"
 )
 
@@ -146,14 +147,14 @@ func (s *Session) role() string {
 // handleData hands the message whose first slice is at offset to stream
 // id, opening the stream if it is new (server).
 func (s *Session) handleData(id, offset uint32) error {
-	segs, err := s.buf.readChain(s.scratch[:0], offset)
+	segs, err := s.buf.ReadChain(s.scratch[:0], offset)
 	if err != nil {
 		return fmt.Errorf("stream %d: %w", id, err)
 	}
 	s.scratch = segs
 	n := 0
 	for _, sl := range segs {
-		n += len(sl.data)
+		n += len(sl.Data)
 	}
 	c := s.counters.of(id)
 	c.messagesIn.Add(1)
@@ -176,20 +177,20 @@ func (s *Session) handleData(id, offset uint32) error {
 }
 
 // handleElem acts on one queue element: a message or a close.
-func (s *Session) handleElem(e queueElem) error {
-	if e.id == 0 {
+func (s *Session) handleElem(e shm.Elem) error {
+	if e.ID == 0 {
 		return fmt.Errorf("%w: IO queue element for stream id 0", ErrProtocol)
 	}
-	switch e.status & statusMask {
-	case statusOpened:
-		return s.handleData(e.id, e.offset)
-	case statusClosed:
-		if e.offset != 0 {
-			return fmt.Errorf("%w: close element for stream %d has offset %d, want 0", ErrProtocol, e.id, e.offset)
+	switch e.Status & shm.StatusMask {
+	case shm.StatusOpened:
+		return s.handleData(e.ID, e.Offset)
+	case shm.StatusClosed:
+		if e.Offset != 0 {
+			return fmt.Errorf("%w: close element for stream %d has offset %d, want 0", ErrProtocol, e.ID, e.Offset)
 		}
-		return s.closeAfterSocket(e.id)
+		return s.closeAfterSocket(e.ID)
 	default:
-		return fmt.Errorf("%w: IO queue element for stream %d has status %#x", ErrProtocol, e.id, e.status)
+		return fmt.Errorf("%w: IO queue element for stream %d has status %#x", ErrProtocol, e.ID, e.Status)
 	}
 }
 
@@ -219,7 +220,7 @@ func (s *Session) closeAfterSocket(id uint32) error {
 	// A peer cannot make this list grow without end: a drain takes at most
 	// a queue's worth of elements (drainBefore), and their closes wait for
 	// at most the bytes on their way then.
-	if limit := 2*s.conf.MaxStreams + int(s.recvQ.cap); len(s.closing) >= limit {
+	if limit := 2*s.conf.MaxStreams + int(s.recvQ.Cap()); len(s.closing) >= limit {
 		return fmt.Errorf("%w: more than %d stream closes waiting for the socket (twice Config.MaxStreams and the queue's capacity)", ErrLimitExceeded, limit)
 	}
 	if st := s.lookup(id); st != nil {

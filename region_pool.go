@@ -3,18 +3,20 @@ package shmipc
 import (
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"golang.org/x/sys/unix"
 )
 
 // clientBuffers pools the buffer regions of a client's sessions: as in the
 // Shmipc design, a client process gives all its sessions one buffer region
 // (each has a queue region of its own), and servers recognise a region they
-// have mapped by its path (docs/protocol.md §5, region_cache.go). Sessions share
+// have mapped by its path (docs/protocol.md §5; serverBuffers below). Sessions share
 // a region when they have the same layout, prefix and mapping mode, and
 // talk to the same server process (the one that sends the handshake
 // frames, peekSender, not the one that listens).
@@ -39,7 +41,7 @@ type poolKey struct {
 
 // pooledBuffer is a shared client buffer region.
 type pooledBuffer struct {
-	m      *bufferManager
+	m      *shm.Buffer
 	prefix string // the region's names: prefix+"_buffer", prefix+"_queue_<n>"
 	queues int    // queue regions named so far
 	server int    // pidfd of the server process, to notice its death
@@ -65,50 +67,36 @@ func poolKeyFor(conf *Config, server int32) (poolKey, bool) {
 	}
 	var b strings.Builder
 	for _, p := range plans {
-		fmt.Fprintf(&b, "%d:%d,", p.sliceCap, p.count)
+		fmt.Fprintf(&b, "%d:%d,", p.SliceCap, p.Count)
 	}
 	return poolKey{size: conf.ShareMemoryBufferCap, layout: b.String(), prefix: conf.ShareMemoryPathPrefix, server: server}, true
 }
 
 // newRegionPrefix returns a fresh name prefix for a client's regions.
+var pid = os.Getpid()
+
 func newRegionPrefix(conf *Config) string {
 	return fmt.Sprintf("%s_%d_%016x", conf.ShareMemoryPathPrefix, pid, rand.Uint64())
 }
 
-// createBuffer creates and lays out a buffer region named bufPath and
-// returns its manager, holding one reference. The region keeps its
-// descriptor open (region.fd), to be handed to servers.
-func createBuffer(conf *Config, bufPath string) (m *bufferManager, err error) {
+// circulationPeriods are the timing of the circulation control of the
+// buffer regions this process creates.
+var circulationPeriods = shm.DefaultPeriods()
+
+// createBuffer creates and lays out a buffer region named bufPath
+// (shm.CreateBuffer) and returns its manager, holding one reference.
+func createBuffer(conf *Config, bufPath string) (*shm.Buffer, error) {
 	plans, err := planLists(conf.ShareMemoryBufferCap, conf.BufferSliceSizes)
 	if err != nil {
 		return nil, err
 	}
-	r, fd, err := createRegionPerm(conf.MemMapType, bufPath, int(conf.ShareMemoryBufferCap), uint32(conf.ShareMemoryFileMode))
-	if err != nil {
-		return nil, err
-	}
-	defer closeFds(fd)
-	defer func() { // deferred: a fault unwinding from here must not keep the region
-		if m == nil {
-			r.release()
-		}
-	}()
-	if err := r.keepFd(fd); err != nil {
-		return nil, err
-	}
-	initBufferRegion(r.mem, plans)
-	if m, err = newBufferManager(r, true); err != nil {
-		return nil, err
-	}
-	r.onLastRelease = m.unparkAll
-	m.startCirculation()
-	return m, nil
+	return shm.CreateBuffer(conf.MemMapType == MemMapTypeMemFd, bufPath, int(conf.ShareMemoryBufferCap), uint32(conf.ShareMemoryFileMode), plans, circulationPeriods)
 }
 
 // sharedBuffer returns the pooled buffer region for key, with a reference
 // taken, creating it if there is none (or the one there serves a server
 // that has died), and the name of a new queue region for the session.
-func sharedBuffer(conf *Config, key poolKey) (m *bufferManager, queuePath string, err error) {
+func sharedBuffer(conf *Config, key poolKey) (m *shm.Buffer, queuePath string, err error) {
 	clientBuffers.Lock()
 	defer clientBuffers.Unlock()
 	p := clientBuffers.m[key]
@@ -116,7 +104,7 @@ func sharedBuffer(conf *Config, key poolKey) (m *bufferManager, queuePath string
 		retireLocked(key, p)
 		p = nil
 	}
-	if p != nil && p.m.region.acquire() {
+	if p != nil && p.m.Region().Acquire() {
 		p.queues++
 		return p.m, p.prefix + "_queue_" + strconv.Itoa(p.queues-1), nil
 	}
@@ -134,12 +122,11 @@ func sharedBuffer(conf *Config, key poolKey) (m *bufferManager, queuePath string
 		return nil, "", err
 	}
 	p = &pooledBuffer{m: m, prefix: prefix, queues: 1, server: pidfd}
-	m.region.onLastRelease = func() {
-		m.unparkAll()
+	m.OnLastRelease(func() {
 		clientBuffers.Lock()
 		retireLocked(key, p)
 		clientBuffers.Unlock()
-	}
+	})
 	clientBuffers.m[key] = p
 	return m, prefix + "_queue_0", nil
 }
@@ -169,14 +156,14 @@ func (s *Session) reclaimUnconsumed() {
 	if s.recvQ == nil || s.buf == nil {
 		return
 	}
-	if s.access(s.freeUnconsumed) != nil || s.buf.region.file != "" || s.queueRegion.file != "" || s.buf.sessions.Load() < 2 {
+	if s.access(s.freeUnconsumed) != nil || s.buf.Region().RemovesFile() || s.queueRegion.RemovesFile() || s.buf.Sessions() < 2 {
 		return
 	}
-	if !s.queueRegion.acquire() {
+	if !s.queueRegion.Acquire() {
 		return
 	}
-	if !s.buf.region.acquire() {
-		s.queueRegion.release()
+	if !s.buf.Region().Acquire() {
+		s.queueRegion.Release()
 		return
 	}
 	s.sweepLater(0)
@@ -186,8 +173,8 @@ func (s *Session) reclaimUnconsumed() {
 // after it, then drops the references reclaimUnconsumed took.
 func (s *Session) sweepLater(i int) {
 	if i == len(reclaimSweeps) {
-		s.buf.region.release()
-		s.queueRegion.release()
+		s.buf.Region().Release()
+		s.queueRegion.Release()
 		return
 	}
 	time.AfterFunc(reclaimSweeps[i], func() {
@@ -202,16 +189,16 @@ func (s *Session) sweepLater(i int) {
 // many as the queue holds, so that a peer that keeps publishing cannot keep
 // it going. It runs inside an access, as the queue's only consumer.
 func (s *Session) freeUnconsumed() error {
-	for range s.recvQ.cap {
-		e, ok, err := s.recvQ.peek()
+	for range s.recvQ.Cap() {
+		e, ok, err := s.recvQ.Peek()
 		if err != nil || !ok {
 			return err
 		}
-		s.recvQ.skip()
-		if e.status&statusMask != statusOpened || e.offset == 0 {
+		s.recvQ.Skip()
+		if e.Status&shm.StatusMask != shm.StatusOpened || e.Offset == 0 {
 			continue
 		}
-		slices, err := s.buf.readChain(s.scratch[:0], e.offset)
+		slices, err := s.buf.ReadChain(s.scratch[:0], e.Offset)
 		if err != nil {
 			return err
 		}
@@ -221,4 +208,73 @@ func (s *Session) freeUnconsumed() error {
 		}
 	}
 	return nil
+}
+
+// serverBuffers caches the buffer regions servers in this process have
+// mapped: every session of one client process names the same buffer
+// region. Unlike the other implementations, which key the cache by path
+// alone, a mapping is shared only with a session of the same peer process
+// (pid and uid from SO_PEERCRED; never when the pid is unknown) that names
+// the same path, and only if the descriptor is the same file. Everyone else
+// maps the file anew, after the ownership checks of shm.OpenRegionFile. A
+// reused pid gains nothing: the uid and file checks still hold.
+var serverBuffers = struct {
+	sync.Mutex
+	m map[bufferKey]*shm.Buffer
+}{m: make(map[bufferKey]*shm.Buffer)}
+
+// bufferKey identifies a cached buffer mapping.
+type bufferKey struct {
+	path string
+	uid  uint32
+	pid  int32
+}
+
+// mapServerBuffer returns the buffer manager for the region open at fd,
+// which peer named path, from serverBuffers if it may. file says whether
+// the region is a file the server removes on the last release.
+func mapServerBuffer(path string, fd int, file bool, peer peerID) (m *shm.Buffer, err error) {
+	st, err := shm.StatRegular(fd)
+	if err != nil {
+		return nil, fmt.Errorf("buffer region %s: %w", path, err)
+	}
+	key := bufferKey{path: path, uid: peer.uid, pid: peer.pid}
+	shared := peer.pid != 0
+	serverBuffers.Lock()
+	defer serverBuffers.Unlock()
+	if c := serverBuffers.m[key]; shared && c != nil && c.Region().Backs(&st) && c.Region().Acquire() {
+		return c, nil
+	}
+	r, err := shm.MapRegion(fd, path, minPeerBufferSize, maxPeerBufferSize)
+	if err != nil {
+		return nil, err
+	}
+	// Deferred: a fault in the headers (a client shrinking its file), which
+	// the handshake recovers, must not keep the mapping and descriptor.
+	defer func() {
+		if m == nil {
+			r.Release()
+		}
+	}()
+	if err := r.KeepFd(fd); err != nil {
+		return nil, err
+	}
+	if m, err = shm.NewBuffer(r, false); err != nil {
+		return nil, fmt.Errorf("buffer region %s: %w", path, err)
+	}
+	if file {
+		r.RemoveOnRelease()
+	}
+	if !shared {
+		return m, nil
+	}
+	r.OnLastRelease(func() {
+		serverBuffers.Lock()
+		if serverBuffers.m[key] == m {
+			delete(serverBuffers.m, key)
+		}
+		serverBuffers.Unlock()
+	})
+	serverBuffers.m[key] = m
+	return m, nil
 }

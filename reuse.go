@@ -4,6 +4,8 @@ import (
 	"maps"
 	"math"
 	"slices"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // Slice reuse: a stream keeps one slice it received, once read, for the
@@ -21,16 +23,6 @@ import (
 // (dropRef), when the peer closes the stream (peerClose), and, for a session
 // closed locally, before its connection closes (dropAllKept), since a peer
 // may count its free lists as soon as it sees the end.
-
-const (
-	// keepShare bounds the share of a class kept; its count changes with a
-	// stream's permission (mayKeep), not per message.
-	keepShare = 8
-	// keepMaxCap is the largest slice capacity a stream keeps, the
-	// reference layout's largest class: larger slices are few, and a stream
-	// that kept one would hold a MiB or more between messages.
-	keepMaxCap = 128 << 10
-)
 
 // The kept slot of a stream: keptNone until it may keep a slice, keptShut
 // once it has let go of the region, keptFreeFor(li) while it may keep
@@ -51,27 +43,21 @@ func keptSlice(v uint64) (li int, off uint32) { return int(v >> 32), uint32(v) }
 // holdsSlice reports whether slot value v is a kept slice.
 func holdsSlice(v uint64) bool { return v != keptShut && uint32(v) > 1 }
 
-// keepable reports whether the streams of this process may keep slices of
-// list li.
-func (m *bufferManager) keepable(li int32) bool {
-	return li >= 0 && int(li) < len(m.lists) && m.lists[li].keepLimit > 0
-}
-
 // freeReceived frees the segments among segs, which the stream's reader has
 // finished with, keeping one slice of a keepable class for the stream's next
 // message; a slice of another class replaces the permission it held. It
 // runs inside an access, with st.mu held.
-func (st *Stream) freeReceived(segs []segment) error {
+func (st *Stream) freeReceived(segs []shm.Segment) error {
 	s := st.s
 	v := st.kept.Load()
 	if v == keptShut {
 		return s.freeSegments(segs)
 	}
 	for i, seg := range segs {
-		if !s.buf.keepable(seg.list) {
+		if !s.buf.Keepable(seg.List) {
 			continue
 		}
-		li := int(seg.list)
+		li := int(seg.List)
 		if v != keptNone && int(v>>32) == li {
 			if holdsSlice(v) {
 				break // it holds one of this class already
@@ -82,10 +68,10 @@ func (st *Stream) freeReceived(segs []segment) error {
 			if !st.kept.CompareAndSwap(v, keptNone) {
 				break // taken by the writer, or the stream let go of the region
 			}
-			s.buf.keepers[v>>32].Add(-1)
+			s.buf.Unkeep(int(v >> 32))
 			if holdsSlice(v) {
 				oli, ooff := keptSlice(v)
-				if err := s.freeSegments([]segment{{list: int32(oli), off: ooff}}); err != nil {
+				if err := s.freeSegments([]shm.Segment{{List: int32(oli), Off: ooff}}); err != nil {
 					return err
 				}
 			}
@@ -94,10 +80,10 @@ func (st *Stream) freeReceived(segs []segment) error {
 		if v == keptNone && !st.mayKeep(li) {
 			break
 		}
-		if !st.kept.CompareAndSwap(keptFreeFor(li), keptValue(li, seg.off)) {
+		if !st.kept.CompareAndSwap(keptFreeFor(li), keptValue(li, seg.Off)) {
 			break // the stream let go of the region meanwhile
 		}
-		prefetchForWrite(seg.data)
+		shm.PrefetchForWrite(seg.Data)
 		if err := s.freeSegments(segs[:i]); err != nil {
 			return err
 		}
@@ -110,12 +96,11 @@ func (st *Stream) freeReceived(segs []segment) error {
 // within the process's share of the list, and reports whether it has it.
 func (st *Stream) mayKeep(li int) bool {
 	m := st.s.buf
-	if m.keepers[li].Add(1) > m.lists[li].keepLimit {
-		m.keepers[li].Add(-1)
+	if !m.MayKeep(li) {
 		return false
 	}
 	if !st.kept.CompareAndSwap(keptNone, keptFreeFor(li)) {
-		m.keepers[li].Add(-1) // the stream let go of the region meanwhile
+		m.Unkeep(li) // the stream let go of the region meanwhile
 		return false
 	}
 	return true
@@ -129,10 +114,10 @@ func (st *Stream) takeKept(want int) (li int, off uint32, ok bool) {
 		return 0, 0, false
 	}
 	li, off = keptSlice(v)
-	if want > int(st.s.buf.lists[li].sliceCap) || !st.kept.CompareAndSwap(v, keptFreeFor(li)) {
+	if want > st.s.buf.SliceCap(li) || !st.kept.CompareAndSwap(v, keptFreeFor(li)) {
 		return 0, 0, false
 	}
-	st.s.buf.unhold(li, off) // now this process's own, to be sent
+	st.s.buf.Unhold(li, off) // now this process's own, to be sent
 	return li, off, true
 }
 
@@ -140,7 +125,7 @@ func (st *Stream) takeKept(want int) (li int, off uint32, ok bool) {
 // to the process, for good.
 func (st *Stream) dropKept() {
 	if li, off, ok := st.shutKept(); ok {
-		_ = st.s.access(func() error { return st.s.freeSegments([]segment{{list: int32(li), off: off}}) })
+		_ = st.s.access(func() error { return st.s.freeSegments([]shm.Segment{{List: int32(li), Off: off}}) })
 	}
 }
 
@@ -151,7 +136,7 @@ func (st *Stream) shutKept() (li int, off uint32, ok bool) {
 	if v == keptNone || v == keptShut {
 		return 0, 0, false
 	}
-	st.s.buf.keepers[v>>32].Add(-1)
+	st.s.buf.Unkeep(int(v >> 32))
 	li, off = keptSlice(v)
 	return li, off, holdsSlice(v)
 }
@@ -163,10 +148,10 @@ func (s *Session) dropAllKept() {
 	s.mu.Lock()
 	streams := slices.Collect(maps.Values(s.streams))
 	s.mu.Unlock()
-	quietly(func() {
+	shm.Quietly(func() {
 		for _, st := range streams {
 			if li, off, ok := st.shutKept(); ok {
-				if s.buf.push(li, off) != nil {
+				if s.buf.Push(li, off) != nil {
 					return
 				}
 			}

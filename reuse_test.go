@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // echoChecked writes msg on st and reads the echo back, comparing it.
@@ -40,7 +42,7 @@ func echoChecked(t *testing.T, st *Stream, msg []byte) {
 func TestStreamReusesSlice(t *testing.T) {
 	conf := DefaultConfig()
 	sess := dialEchoSession(t, conf)
-	small := int(sess.buf.lists[sess.buf.bySize[0]].sliceCap)
+	small := int(sess.buf.Lists()[0].SliceCap) // lists are in ascending size
 
 	const streams = 4
 	var wg sync.WaitGroup
@@ -81,14 +83,31 @@ func TestStreamReusesSlice(t *testing.T) {
 }
 
 // keptAtMost is the capacity of the largest slice a stream may keep.
-func keptAtMost(m *bufferManager) int {
+func keptAtMost(m *shm.Buffer) int {
 	most := 0
-	for _, l := range m.lists {
-		if l.keepLimit > 0 {
-			most = max(most, int(l.sliceCap))
+	for li, l := range m.Lists() {
+		if m.Keepable(int32(li)) {
+			most = max(most, int(l.SliceCap))
 		}
 	}
 	return most
+}
+
+// keepShare: a process's streams may keep at most 1/keepShare of a list.
+const keepShare = 8
+
+// keepers counts, per list, the streams of sess that may keep a slice of
+// it: those whose kept slot names the list.
+func keepers(sess *Session) map[int]int32 {
+	n := make(map[int]int32)
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	for _, st := range sess.streams {
+		if v := st.kept.Load(); v != keptNone && v != keptShut {
+			n[int(v>>32)]++
+		}
+	}
+	return n
 }
 
 // TestKeptSlicesBounded: however many streams are open, a process keeps at
@@ -97,13 +116,12 @@ func TestKeptSlicesBounded(t *testing.T) {
 	conf := DefaultConfig()
 	conf.ShareMemoryBufferCap = 1 << 20
 	conf.BufferSliceSizes = []SizePercentPair{
-		{Size: 8<<10 - sliceHeaderSize, Percent: 50},
-		{Size: 32<<10 - sliceHeaderSize, Percent: 50},
+		{Size: 8<<10 - shm.SliceHeaderSize, Percent: 50},
+		{Size: 32<<10 - shm.SliceHeaderSize, Percent: 50},
 	}
 	sess := dialEchoSession(t, conf)
 	m := sess.buf
-	smallest := m.lists[m.bySize[0]]
-	limit := int(smallest.count) / keepShare
+	limit := int(m.Lists()[0].Count) / keepShare
 	if limit < 2 {
 		t.Fatalf("the test layout lets a process keep %d slices; want a few", limit)
 	}
@@ -119,18 +137,19 @@ func TestKeptSlicesBounded(t *testing.T) {
 		streams[i] = st
 		echoChecked(t, st, []byte("keep me"))
 	}
-	for li := range m.lists {
-		if kept, max := m.keepers[li].Load(), int32(m.lists[li].count)/keepShare; kept > max {
+	kept := keepers(sess)
+	for li, l := range m.Lists() {
+		if kept, max := kept[li], int32(l.Count)/keepShare; kept > max {
 			t.Errorf("%d streams of this process may keep a slice of list %d; want at most %d", kept, li, max)
 		}
 	}
 	// Both processes (here both ends are this test) keep at most limit
 	// each, so the list has slices left for everybody.
-	if inUse := sess.Stats().Buffer.InUse; inUse > uint64(2*limit)*uint64(smallest.sliceCap) {
+	if inUse := sess.Stats().Buffer.InUse; inUse > uint64(2*limit)*uint64(m.Lists()[0].SliceCap) {
 		t.Errorf("Buffer.InUse %d with %d streams open; want at most %d slices kept", inUse, len(streams), 2*limit)
 	}
 	for _, st := range streams {
-		echoChecked(t, st, bytes.Repeat([]byte("x"), int(smallest.sliceCap)))
+		echoChecked(t, st, bytes.Repeat([]byte("x"), int(m.Lists()[0].SliceCap)))
 	}
 }
 
@@ -141,7 +160,7 @@ func keepOneSlice(t *testing.T) (*rawPeer, *Session, *Stream) {
 	t.Helper()
 	p, sess := acceptRawVictim(t, MemMapTypeMemFd, defaultConsumerSpinTime)
 	st := openPinged(t, p, sess)
-	p.publish(st.ID(), p.msg("pong"), statusOpened)
+	p.publish(st.ID(), p.msg("pong"), shm.StatusOpened)
 	got := make([]byte, 4)
 	if _, err := io.ReadFull(st, got); err != nil || string(got) != "pong" {
 		t.Fatalf("read %q, %v; want \"pong\"", got, err)
@@ -155,12 +174,11 @@ func keepOneSlice(t *testing.T) (*rawPeer, *Session, *Stream) {
 // fullLists reports whether every list of the region, as the raw peer sees
 // it, holds all its slices, and describes the lists.
 func fullLists(p *rawPeer) (bool, string) {
-	free, _ := p.bm.counts()
 	full := true
 	var desc []string
-	for i, f := range free {
-		desc = append(desc, fmt.Sprintf("%d/%d", f, p.bm.lists[i].count))
-		full = full && f == int32(p.bm.lists[i].count)
+	for _, l := range p.bm.Lists() {
+		desc = append(desc, fmt.Sprintf("%d/%d", l.Free, l.Count))
+		full = full && l.Free == int32(l.Count)
 	}
 	return full, strings.Join(desc, " ")
 }
@@ -194,7 +212,7 @@ func TestKeptSliceFreeWhenPeerSeesEnd(t *testing.T) {
 // more, so the slice it kept goes back at once, before the user closes it.
 func TestKeptSliceFreeWhenPeerCloses(t *testing.T) {
 	p, sess, st := keepOneSlice(t)
-	p.publish(st.ID(), 0, statusClosed)
+	p.publish(st.ID(), 0, shm.StatusClosed)
 	waitUntil(t, "the kept slice is free", peerTimeout, func() bool { return sess.Stats().Buffer.InUse == 0 })
 	if full, desc := fullLists(p); !full {
 		t.Errorf("free lists %s after the peer closed the only stream", desc)
@@ -223,7 +241,7 @@ func TestStreamKeepsLargerClass(t *testing.T) {
 			return 0
 		}
 		li, _ := keptSlice(v)
-		return int(m.lists[li].sliceCap)
+		return m.SliceCap(li)
 	}
 	for _, size := range []int{100, 16 << 10, 16 << 10, 100 << 10, 100, 16 << 10} {
 		echoChecked(t, st, bytes.Repeat([]byte{byte(size)}, size))
@@ -233,8 +251,8 @@ func TestStreamKeepsLargerClass(t *testing.T) {
 		}
 	}
 	kept := int32(0)
-	for li := range m.lists {
-		kept += m.keepers[li].Load()
+	for _, n := range keepers(sess) {
+		kept += n
 	}
 	if kept != 1 {
 		t.Errorf("%d permissions to keep held by the process's one stream; want 1", kept)

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // Waiting for space (back-pressure): the first pause, and the longest.
@@ -19,24 +21,24 @@ const (
 // deadline, or Config.WriteSpaceTimeout passes. It reports whether e was
 // published. It runs inside an access, with st's writer lock held, which
 // keeps st's reference on the queue region.
-func (s *Session) putElem(e queueElem, st *Stream) (bool, error) {
+func (s *Session) putElem(e shm.Elem, st *Stream) (bool, error) {
 	var wait spaceWait
 	for {
 		if err := s.sendable(); err != nil {
 			return false, err
 		}
-		ok, err := s.sendQ.put(e)
+		ok, err := s.sendQ.Put(e)
 		if err != nil {
 			s.closeWithError(err)
 			return false, s.closedErr()
 		}
 		if ok {
-			if s.sendQ.markWorking() {
-				if err := s.wakePeer(e.id); err != nil {
+			if s.sendQ.MarkWorking() {
+				if err := s.wakePeer(e.ID); err != nil {
 					return true, s.sendFailed("send wake-up", err)
 				}
 			} else {
-				s.counters.of(e.id).wakeupsSaved.Add(1)
+				s.counters.of(e.ID).wakeupsSaved.Add(1)
 			}
 			return true, nil
 		}
@@ -140,16 +142,16 @@ func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 	var queued bool
 	var err error
 	if !byFrame {
-		if !s.queueRegion.acquire() {
+		if !s.queueRegion.Acquire() {
 			return
 		}
 		queued, err = func() (bool, error) {
 			// Released even when a fault in the queue unwinds from here (the
 			// caller's access recovers it): a reference left would keep the
 			// region mapped after the session.
-			defer s.queueRegion.release()
-			ok, err := s.sendQ.put(queueElem{id: id, status: statusClosed})
-			if ok && s.sendQ.markWorking() {
+			defer s.queueRegion.Release()
+			ok, err := s.sendQ.Put(shm.Elem{ID: id, Status: shm.StatusClosed})
+			if ok && s.sendQ.MarkWorking() {
 				err = s.wakePeer(id)
 			}
 			return ok, err
@@ -166,12 +168,12 @@ func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 // freeSegments returns the shared-memory segments among segs to the buffer
 // region. An error means the peer corrupted the region; the session is
 // closed. It runs inside an access.
-func (s *Session) freeSegments(segs []segment) error {
+func (s *Session) freeSegments(segs []shm.Segment) error {
 	for _, seg := range segs {
-		if seg.list == heapSegment {
+		if seg.List == shm.HeapSegment {
 			continue
 		}
-		if err := s.buf.push(int(seg.list), seg.off); err != nil {
+		if err := s.buf.Push(int(seg.List), seg.Off); err != nil {
 			s.closeWithError(err)
 			return err
 		}

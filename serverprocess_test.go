@@ -13,6 +13,7 @@ import (
 	"unsafe"
 
 	"github.com/goshm/shmipc/internal/proctest"
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // One process listens, others serve: socket activation, a supervisor, a
@@ -71,10 +72,10 @@ func TestServingProcessesBehindOneListener(t *testing.T) {
 		}
 	}
 	if a1.buf != a2.buf {
-		t.Errorf("two sessions to one server process have buffer regions %s and %s; want one", a1.buf.region.path, a2.buf.region.path)
+		t.Errorf("two sessions to one server process have buffer regions %s and %s; want one", a1.buf.Region().Path(), a2.buf.Region().Path())
 	}
 	if a1.buf == b.buf {
-		t.Errorf("sessions to two server processes share the buffer region %s", b.buf.region.path)
+		t.Errorf("sessions to two server processes share the buffer region %s", b.buf.Region().Path())
 	}
 	if err := echoRoundTrip(a1, secret); err != nil {
 		t.Fatalf("echo on A: %v", err)
@@ -132,12 +133,8 @@ func TestServingProcessChild(t *testing.T) {
 			}
 		}
 		seen := bytes.Contains(buf, secret)
-		m, err := newBufferManager(&region{mem: buf}, false)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, li := range m.lists {
-			*(*uint32)(unsafe.Pointer(&buf[li.header+listHeadOff])) = 0xFFFFFFF0
+		for _, l := range rawLists(buf) {
+			*(*uint32)(unsafe.Pointer(&buf[l.header+listHeadOff])) = 0xFFFFFFF0
 		}
 		if seen {
 			proctest.Println("seen")
@@ -214,7 +211,7 @@ func TestHandshakeRepliesChild(t *testing.T) {
 	}
 	c.SetReadDeadline(time.Now().Add(3 * time.Second))
 	fds, err := rawRecvFds(c)
-	closeFds(fds...)
+	shm.CloseFds(fds...)
 	proctest.Println(fmt.Sprintf("fds %d %v", len(fds), err))
 	<-proctest.StdinClosed()
 }

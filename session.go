@@ -6,11 +6,13 @@ import (
 	"maps"
 	"math"
 	"net"
+	"runtime/debug"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"github.com/goshm/shmipc/internal/wire"
 )
 
@@ -28,10 +30,10 @@ type Session struct {
 	version  uint8
 	ec       *eventConn
 
-	buf         *bufferManager
-	queueRegion *region
-	sendQ       *ioQueue
-	recvQ       *ioQueue
+	buf         *shm.Buffer
+	queueRegion *shm.Region
+	sendQ       *shm.Queue
+	recvQ       *shm.Queue
 
 	serverPid int32         // a memfd client's server process (exchangeVersion), 0 if unknown
 	closed    chan struct{} // closed when the session ends
@@ -61,7 +63,7 @@ type Session struct {
 	closeOnce sync.Once
 	err       error // why the session ended; written before closed is closed
 	// sendErr is the failure of a write that found the peer gone; sending
-	// stops while the receive loop reads to the end (peergone.go).
+	// stops while the receive loop reads to the end (uds_conn.go).
 	sendErr    atomic.Pointer[error]
 	localClose bool
 	loopDone   chan struct{}
@@ -81,7 +83,7 @@ type Session struct {
 	// The receive loop's alone (recv.go), and the token holder's (consume.go).
 	_       cacheLinePad
 	cons    consumer
-	scratch []segment
+	scratch []shm.Segment
 	handled uint64         // bytes of the socket's byte stream acted on
 	closing []pendingClose // close elements waiting for the socket to catch up
 	stall   *stalledFrame  // fallback data waiting for room (fallback_recv.go)
@@ -160,7 +162,7 @@ func (s *Session) OpenStream() (*Stream, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.sendable(); err != nil {
-		return nil, err // ended, or ending: the peer has gone (peergone.go)
+		return nil, err // ended, or ending: the peer has gone (uds_conn.go)
 	}
 	if len(s.streams) >= s.conf.MaxStreams {
 		return nil, fmt.Errorf("%w: %d streams are open, the limit set by Config.MaxStreams", ErrLimitExceeded, len(s.streams))
@@ -180,11 +182,11 @@ func (s *Session) OpenStream() (*Stream, error) {
 // session's buffer and queue regions, so that a message costs no reference
 // counting on lines all streams share.
 func (s *Session) addStreamLocked(id uint32) (*Stream, error) {
-	if !s.buf.region.acquire() {
+	if !s.buf.Region().Acquire() {
 		return nil, ErrSessionClosed
 	}
-	if !s.queueRegion.acquire() {
-		s.buf.region.release()
+	if !s.queueRegion.Acquire() {
+		s.buf.Region().Release()
 		return nil, ErrSessionClosed
 	}
 	st := newStream(s, id)
@@ -256,7 +258,7 @@ func (s *Session) closeWithError(cause error) {
 		if s.buf != nil {
 			// Before the peer sees the end: it may count its free lists.
 			s.dropAllKept()
-			s.buf.sessionEnding()
+			s.buf.SessionEnding()
 		}
 		s.ec.conn.Close()
 	})
@@ -442,4 +444,27 @@ func (r *recentIDs) add(id uint32) {
 
 func (r *recentIDs) has(id uint32) bool {
 	return slices.Contains(r.ring, id)
+}
+
+// access runs f, which touches the session's shared regions, with memory
+// faults turned into the session's error (the trust boundary: shm's
+// access.go). Every code path that touches a region runs inside access, or
+// begins with `defer s.endAccess(&err, debug.SetPanicOnFault(true))`; a
+// caller may hold locks around it. Slices handed to the application
+// (ReadBytes, Peek, Reserve) are touched outside it: RequireSealedMemory.
+func (s *Session) access(f func() error) (err error) {
+	defer s.endAccess(&err, debug.SetPanicOnFault(true))
+	return f()
+}
+
+// endAccess restores the goroutine's fault setting and, after a fault, ends
+// the session with an error wrapping ErrProtocol. Any other panic goes on.
+func (s *Session) endAccess(err *error, old bool) {
+	debug.SetPanicOnFault(old)
+	r := recover()
+	if r == nil {
+		return
+	}
+	s.closeWithError(shm.FaultError(r))
+	*err = s.closedErr()
 }

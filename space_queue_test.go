@@ -12,38 +12,6 @@ import (
 	"github.com/goshm/shmipc/internal/proctest"
 )
 
-func TestSpaceQueueOrder(t *testing.T) {
-	var sq spaceQueues
-	sq.init(2)
-	a, b, c := make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{}, 1)
-	if !sq.join(1, a) {
-		t.Fatal("the first writer of an empty queue is not its head")
-	}
-	if sq.join(1, b) || sq.join(1, c) {
-		t.Fatal("a writer joining a queue with others in it became its head")
-	}
-	if sq.busy(0) || !sq.busy(1) {
-		t.Fatalf("busy(0) %v, busy(1) %v: want false, true", sq.busy(0), sq.busy(1))
-	}
-	sq.freed() // wakes the head alone
-	if len(a) != 1 || len(b) != 0 || len(c) != 0 {
-		t.Fatalf("after a free: wake-ups a %d, b %d, c %d; want only the head's", len(a), len(b), len(c))
-	}
-	<-a
-	sq.leave(1, c) // not the head: nobody is woken
-	if len(a)+len(b) != 0 || !sq.isHead(1, a) {
-		t.Fatal("a writer leaving from the middle woke someone or changed the head")
-	}
-	sq.leave(1, a) // the head: the next is woken and heads the queue
-	if len(b) != 1 || !sq.isHead(1, b) {
-		t.Fatal("the head left and the next writer was not woken as the new head")
-	}
-	sq.leave(1, b)
-	if sq.busy(1) || sq.waiting.Load() != 0 {
-		t.Fatalf("queue still busy (%v) or counting %d waiters after all left", sq.busy(1), sq.waiting.Load())
-	}
-}
-
 // sqRegion is a region whose large class has 7 slices of sqSize: with the
 // last never handed out and a reserve of 1, a writer that holds nothing can
 // take 5 of them.
@@ -81,7 +49,7 @@ func TestWritersGetRoomInTurn(t *testing.T) {
 		}
 		holders = append(holders, st)
 	}
-	class := sess.buf.class(sqSize, false)
+	class := sess.buf.Class(sqSize, false)
 	const writers = 4
 	done := make(chan int, writers)
 	var wg sync.WaitGroup
@@ -96,7 +64,7 @@ func TestWritersGetRoomInTurn(t *testing.T) {
 			done <- i
 		}()
 		// Let it queue before the next one starts.
-		waitFor(t, fmt.Sprintf("writer %d to queue", i), func() bool { return sess.buf.space.qs[class].n.Load() == int32(i+1) })
+		waitFor(t, fmt.Sprintf("writer %d to queue", i), func() bool { return sess.buf.Space().Waiters(class) == i+1 })
 	}
 	for want := range writers {
 		holders[want].Close() // frees one large slice: room for one writer
@@ -113,8 +81,8 @@ func TestWritersGetRoomInTurn(t *testing.T) {
 	if w := sess.Stats().SpaceWaits; w != writers {
 		t.Errorf("Stats.SpaceWaits = %d, want %d: each writer waited for room once", w, writers)
 	}
-	if n := sess.buf.space.waiting.Load(); n != 0 {
-		t.Fatalf("%d writers still counted as waiting", n)
+	if sess.buf.Space().Waiting() {
+		t.Fatal("writers still counted as waiting")
 	}
 }
 
@@ -361,7 +329,7 @@ func TestSpaceQueuePushChild(t *testing.T) {
 }
 
 // The server maps the region the client created, and the client parks the
-// slices of a busy list that traffic does not need (circulation.go): the
+// slices of a busy list that traffic does not need (internal/shm, circulation.go): the
 // list of 4 MiB slices, with one message in flight, keeps only a few of its
 // 20 slices free. The server's writers must still get room there, message
 // after message.
@@ -375,11 +343,11 @@ func TestMapperWritesIntoParkedRegion(t *testing.T) {
 	if _, err := st.Write([]byte("go")); err != nil { // the server accepts it
 		t.Fatal(err)
 	}
-	large := sess.buf.class(4<<20, false)
+	large := sess.buf.Class(4<<20, false)
 	// Messages for 20 circulation periods (6 with -short), and at least
 	// until a slice has been parked.
 	start, parked, n := time.Now(), int32(0), 0
-	for ; time.Since(start) < shortOr[time.Duration](20, 6)*circulationPeriod || parked == 0; n++ {
+	for ; time.Since(start) < shortOr[time.Duration](20, 6)*circulationPeriods.Look || parked == 0; n++ {
 		if time.Since(start) > 20*time.Second {
 			t.Fatalf("no 4 MiB slice was parked in 20 s: the test does not test what it should")
 		}
@@ -409,4 +377,58 @@ func TestMapperWritesIntoParkedRegion(t *testing.T) {
 		t.Fatalf("server: %q, %v (want \"sent, 0 waits\": no write waited for room)\n%s", line, err, c.Output())
 	}
 	t.Logf("%d messages of 4 MiB in %v; at most %d slices of 4 MiB parked", n, time.Since(start).Round(time.Millisecond), parked)
+}
+
+const splitEchoRole = "split-echo"
+
+// Echoes between two processes that need more large slices than the
+// region has, written with WriteBytes, which may split a message over
+// smaller slices. Split into 4 KiB slices (64 per message), the messages
+// used to hold parts of the region while their writers waited for the
+// rest, until the writers gave up and sent over the socket; split no
+// finer than an eighth, a writer waits for a large slice instead, and
+// every exchange stays in shared memory.
+func TestSplitEchoesStayInSharedMemory(t *testing.T) {
+	c, sess := sqDialChild(t, "TestSpaceQueueEchoChild", splitEchoRole, sqRegion())
+	const (
+		streams = 16
+		rounds  = 30
+	)
+	sqEchoStreams(t, sess, streams, rounds, func(st *Stream, msg []byte) error {
+		_, err := st.BufferWriter().WriteBytes(msg) // may split it over slices
+		return err
+	})
+	if fb := sess.Stats().FallbackMessagesOut; fb != 0 {
+		t.Errorf("the client sent %d messages as fallback data, want 0", fb)
+	}
+	sqCheckServerFallbacks(t, c)
+}
+
+// A message that fits one slice of the largest size is never sent as
+// fallback data for being too large to split, even when the region has
+// only two slices of that size.
+func TestMessageWithinLargestSliceStaysInSharedMemory(t *testing.T) {
+	const big = 256 << 10
+	sess, accepted := twoClassPair(t, big, 30, 2, nil)
+	st, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	msg := bytes.Repeat([]byte("w"), big*6/10)
+	if _, err := st.BufferWriter().WriteBytes(msg); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Flush(false); err != nil {
+		t.Fatal(err)
+	}
+	srv := <-accepted
+	defer srv.Close()
+	got, err := srv.BufferReader().ReadBytes(len(msg))
+	if err != nil || !bytes.Equal(got, msg) {
+		t.Fatalf("the message arrived as %d bytes, %v", len(got), err)
+	}
+	if fb := sess.Stats().FallbackMessagesOut; fb != 0 {
+		t.Errorf("%d messages went as fallback data, want 0", fb)
+	}
 }

@@ -8,6 +8,8 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // Stats are a session's counters, or the sum over sessions (AggregateStats).
@@ -155,30 +157,30 @@ func (c *sessionCounters) addTo(st *Stats) {
 func (s *Session) Stats() Stats {
 	var counts Stats
 	s.counters.addTo(&counts)
-	if s.IsClosed() || !s.queueRegion.acquire() {
+	if s.IsClosed() || !s.queueRegion.Acquire() {
 		return counts
 	}
-	defer s.queueRegion.release()
+	defer s.queueRegion.Release()
 	st := counts
 	s.mu.Lock()
 	st.ActiveStreams = len(s.streams)
 	s.mu.Unlock()
 	err := s.access(func() error {
-		st.SendQueueDepth = s.sendQ.depth()
-		st.RecvQueueDepth = s.recvQ.depth()
-		if m := s.buf; m.region.acquire() {
-			defer m.region.release()
-			free, parked := m.counts()
-			st.Lists = make([]ListStats, len(m.lists))
-			st.Buffer = RegionStats{Size: uint64(len(m.mem)), Committed: m.region.committed(), Sessions: int(m.sessions.Load())}
-			for i, l := range m.lists {
-				st.Lists[i] = ListStats{SliceSize: l.sliceCap, Slices: l.count, Free: free[i], Parked: parked[i]}
-				if held := int64(l.count) - int64(free[i]); held > 0 {
-					st.Buffer.InUse += uint64(held) * uint64(l.sliceCap)
+		st.SendQueueDepth = s.sendQ.Depth()
+		st.RecvQueueDepth = s.recvQ.Depth()
+		if m := s.buf; m.Region().Acquire() {
+			defer m.Region().Release()
+			lists := m.Lists()
+			st.Lists = make([]ListStats, len(lists))
+			st.Buffer = RegionStats{Size: uint64(len(m.Region().Mem())), Committed: m.Region().Committed(), Sessions: int(m.Sessions())}
+			for i, l := range lists {
+				st.Lists[i] = ListStats{SliceSize: l.SliceCap, Slices: l.Count, Free: l.Free, Parked: l.Parked}
+				if held := int64(l.Count) - int64(l.Free); held > 0 {
+					st.Buffer.InUse += uint64(held) * uint64(l.SliceCap)
 				}
 			}
 		}
-		st.Queue = RegionStats{Size: uint64(len(s.queueRegion.mem)), Committed: s.queueRegion.committed(), Sessions: 1}
+		st.Queue = RegionStats{Size: uint64(len(s.queueRegion.Mem())), Committed: s.queueRegion.Committed(), Sessions: 1}
 		return nil
 	})
 	if err != nil {
@@ -218,7 +220,7 @@ func AggregateStats() Stats {
 	total := registry.ended
 	live := slices.Collect(maps.Keys(registry.live))
 	registry.Unlock()
-	buffers := make(map[*bufferManager]bool)
+	buffers := make(map[*shm.Buffer]bool)
 	for _, s := range live {
 		st := s.Stats()
 		s.counters.addTo(&total)
@@ -253,23 +255,3 @@ func PublishExpvar(name string) {
 var discardLogger = slog.New(slog.DiscardHandler)
 
 func (c *Config) logger() *slog.Logger { return cmp.Or(c.Logger, discardLogger) }
-
-// counts returns the free slices of each list (parked ones included) and,
-// of those, how many this process has parked.
-func (m *bufferManager) counts() (free, parked []int32) {
-	free = make([]int32, len(m.lists))
-	parked = make([]int32, len(m.lists))
-	c := m.circ
-	if c != nil {
-		c.mu.Lock()
-		defer c.mu.Unlock()
-	}
-	for i := range m.lists {
-		free[i] = m.freeCount(i)
-		if c != nil {
-			parked[i] = int32(len(c.parked[i]))
-			free[i] += parked[i]
-		}
-	}
-	return free, parked
-}

@@ -6,6 +6,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // Stream is one bidirectional byte stream of a session (the boundaries of
@@ -41,7 +43,7 @@ type Stream struct {
 	wmu        handoverMutex // serialises writers, Flush and Close
 	writer     streamWriter
 	partSent   int           // of a failed send, what the peer may read: whole fallback frames, or all if queued
-	spaceCh    chan struct{} // the writer's, for waiting for room (send.go, space_queue.go)
+	spaceCh    chan struct{} // the writer's, for waiting for room (send.go, shm.SpaceQueues)
 	spaceTimer *time.Timer
 	wDeadline  atomic.Pointer[time.Time]
 
@@ -240,7 +242,7 @@ func (st *Stream) holdsReceived() bool {
 
 // deliver hands a received message to the stream. It reports false when
 // the stream no longer takes data; the caller then frees the slices.
-func (st *Stream) deliver(slices []segment, heap []byte) bool {
+func (st *Stream) deliver(slices []shm.Segment, heap []byte) bool {
 	st.mu.Lock()
 	if st.closed || st.peerClosed || st.failErr != nil || st.isEnded() {
 		st.mu.Unlock()

@@ -139,7 +139,7 @@ func (st *Stream) unlockWriter() {
 func (st *Stream) dropRef() {
 	if st.life.Or(lifeDropped)&lifeDropped == 0 {
 		st.dropKept()
-		st.s.buf.region.release()
-		st.s.queueRegion.release()
+		st.s.buf.Region().Release()
+		st.s.queueRegion.Release()
 	}
 }

@@ -107,7 +107,7 @@ func echoWithBuffers(st *Stream, msg []byte) error {
 	if err := st.Flush(false); err != nil {
 		return fmt.Errorf("flush header of %d: %w", n, err)
 	}
-	if n <= int(st.Session().buf.maxSliceCap()) {
+	if n <= maxSliceCap(st.Session().buf) {
 		b, err := bw.Reserve(n)
 		if err != nil {
 			return fmt.Errorf("reserve %d: %w", n, err)
@@ -181,7 +181,7 @@ func TestStreamEchoSizes(t *testing.T) {
 					// time, far less than the 32 MiB region.
 					if !fallbackSeen && st.fallback.Load() {
 						fallbackSeen = true
-						t.Errorf("the %d-byte echo switched the stream to fallback data although the region had room (free counts now %v)", n, p.client.buf.freeCounts())
+						t.Errorf("the %d-byte echo switched the stream to fallback data although the region had room (free counts now %v)", n, freeCounts(p.client.buf))
 					}
 				}
 				if err := st.Close(); err != nil {

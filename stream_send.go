@@ -3,6 +3,8 @@ package shmipc
 import (
 	"errors"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // Write writes p as one message and flushes it. On error n counts the
@@ -93,11 +95,11 @@ func (st *Stream) sendShm() error {
 	}
 	var root uint32
 	for i := len(w.segs) - 1; i >= 0; i-- {
-		s.buf.linkSlice(w.segs[i].off, w.segs[i].n, root)
-		root = w.segs[i].off
+		s.buf.LinkSlice(w.segs[i].Off, w.segs[i].N, root)
+		root = w.segs[i].Off
 	}
 	c := s.counters.of(st.id)
-	sent, err := s.putElem(queueElem{id: st.id, offset: root, status: statusOpened}, st)
+	sent, err := s.putElem(shm.Elem{ID: st.id, Offset: root, Status: shm.StatusOpened}, st)
 	if !sent {
 		_ = w.discard()
 		return err
@@ -139,7 +141,7 @@ func (st *Stream) sendFallback() error {
 		frame, size = frame[:0], 0
 	}
 	for i := 0; i < len(w.segs) && err == nil; i++ {
-		data := w.segs[i].data[:w.segs[i].n]
+		data := w.segs[i].Data[:w.segs[i].N]
 		for len(data) > 0 && err == nil {
 			c := min(len(data), limit-size)
 			frame = append(frame, data[:c])

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"golang.org/x/sys/unix"
 )
 
@@ -101,7 +102,7 @@ func toPairOn(t *testing.T, addr string, victimAccepts bool) (victim, peer net.C
 // connection): its buffer manager and the queue it produces into.
 type tcpRawPeer struct {
 	conn net.Conn
-	bm   *bufferManager
+	bm   *shm.Buffer
 	send rawQueue
 }
 
@@ -113,23 +114,23 @@ func (p *tcpRawPeer) sendStream(id uint32) error {
 	var off uint32
 	var err error
 	for deadline := time.Now().Add(peerTimeout); ; time.Sleep(time.Millisecond) {
-		if li, off, err = p.bm.alloc(toHead, false, false); err != nil || (li >= 0 && off != 0) || time.Now().After(deadline) {
+		if li, off, err = p.bm.Alloc(toHead, false, false); err != nil || (li >= 0 && off != 0) || time.Now().After(deadline) {
 			break
 		}
 	}
 	if err != nil || li < 0 || off == 0 {
 		return fmt.Errorf("stream %d: no slice: list %d, %v", id, li, err)
 	}
-	copy(p.bm.sliceData(li, off), data[:toHead])
-	p.bm.linkSlice(off, toHead, 0)
-	if err := p.publish(id, off, statusOpened); err != nil {
+	copy(p.bm.SliceData(li, off), data[:toHead])
+	p.bm.LinkSlice(off, toHead, 0)
+	if err := p.publish(id, off, shm.StatusOpened); err != nil {
 		return err
 	}
 	p.conn.SetWriteDeadline(time.Now().Add(peerTimeout))
 	if _, err := p.conn.Write(rawFallbackFrame(2, 0, id, 0, string(data[toHead:]))); err != nil {
 		return fmt.Errorf("stream %d: fallback frame: %w", id, err)
 	}
-	return p.publish(id, 0, statusClosed) // the write has returned
+	return p.publish(id, 0, shm.StatusClosed) // the write has returned
 }
 
 func (p *tcpRawPeer) publish(id, off, status uint32) error {
@@ -184,11 +185,11 @@ func toRunServer(t *testing.T, n int) []error {
 		t.Fatalf("Server: %v", err)
 	}
 	t.Cleanup(func() { s.Close() })
-	bm, err := newBufferManager(r.buf, true)
+	bm, err := shm.NewBuffer(r.buf, true)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &tcpRawPeer{conn: peerConn, bm: bm, send: rawQueue{mem: r.queue.mem[:len(r.queue.mem)/2], cap: conf.QueueCap}}
+	p := &tcpRawPeer{conn: peerConn, bm: bm, send: rawQueue{mem: r.queue.Mem()[:len(r.queue.Mem())/2], cap: conf.QueueCap}}
 	peerErr := make(chan error, 1)
 	go func() {
 		for id := uint32(1); id <= uint32(n); id++ {
@@ -265,7 +266,7 @@ func toRunClient(t *testing.T) []error {
 		t.Fatalf("Client: %v", cerr)
 	}
 	t.Cleanup(func() { s.Close() })
-	bm, err := newBufferManager(&region{mem: maps[0]}, false)
+	bm, err := shm.NewBuffer(shm.RegionOf(maps[0]), false)
 	if err != nil {
 		t.Fatal(err)
 	}

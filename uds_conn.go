@@ -10,6 +10,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/goshm/shmipc/internal/shm"
 	"github.com/goshm/shmipc/internal/wire"
 	"golang.org/x/sys/unix"
 )
@@ -29,7 +30,7 @@ type eventConn struct {
 	// SIOCINQ; nil when it has none.
 	raw syscall.RawConn
 
-	// SIOCINQ, set up on first use (uds_inq.go); receive loop only.
+	// SIOCINQ, set up on first use (inq, uds_read.go); receive loop only.
 	inqFn  func(fd uintptr)
 	inqN   int
 	inqErr error
@@ -205,7 +206,7 @@ func (c *eventConn) writeFallback(version uint8, id uint32, data [][]byte, deadl
 		}
 		c.deadline = deadline
 	}
-	c.wbuf = wire.AppendFallbackHead(c.wbuf[:0], version, id, statusOpened, n)
+	c.wbuf = wire.AppendFallbackHead(c.wbuf[:0], version, id, shm.StatusOpened, n)
 	total := len(c.wbuf) + n
 	c.wvec = append(append(c.wvec[:0], c.wbuf), data...)
 	bufs := c.wvec
@@ -267,7 +268,7 @@ func (c *eventConn) recvFds(n int) ([]int, error) {
 		err = fmt.Errorf("fd message carries %d fds, want %d", len(fds), n)
 	}
 	if err != nil {
-		closeFds(fds...)
+		shm.CloseFds(fds...)
 		return nil, err
 	}
 	return fds, nil
@@ -294,4 +295,42 @@ func checkPeer(conn net.Conn, allowed []uint32) error {
 		return nil
 	}
 	return fmt.Errorf("%w: uid %d (pid %d)", errPeerNotAllowed, id.uid, id.pid)
+}
+
+// A write on the connection can fail because the peer has gone (EPIPE,
+// ECONNRESET) while what it sent before it went is still to be read, in
+// this side's socket buffer and on the IO queue. So such a failure only
+// stops this side's sending (sendable), and the receive loop reads on to
+// the end of the socket, drains the queue and ends the session with
+// ErrPeerClosed, as for any peer that closed its end. If that end has not
+// come within peerGoneGrace (a peer that shut down only its reading side,
+// or a receive loop waiting for a reader to take fallback data), the
+// session ends with the write's error then.
+const peerGoneGrace = time.Second
+
+// sendable returns the error that sending on s must fail with: the
+// session's, or that of a write that found the peer gone.
+func (s *Session) sendable() error {
+	if err := s.Err(); err != nil {
+		return err
+	}
+	if e := s.sendErr.Load(); e != nil {
+		return *e
+	}
+	return nil
+}
+
+// sendFailed handles the failure err of a write on the connection, what
+// naming the write. It returns the error the caller's send fails with.
+func (s *Session) sendFailed(what string, err error) error {
+	cause := fmt.Errorf("%s: %w", what, err)
+	if !errors.Is(err, syscall.EPIPE) && !errors.Is(err, syscall.ECONNRESET) {
+		s.closeWithError(cause)
+		return s.closedErr()
+	}
+	e := errorf("%w: %w (%w)", ErrSessionClosed, ErrPeerClosed, cause)
+	if s.sendErr.CompareAndSwap(nil, &e) {
+		time.AfterFunc(peerGoneGrace, func() { s.closeWithError(fmt.Errorf("%w (%w)", ErrPeerClosed, cause)) })
+	}
+	return s.sendable() // sendErr is set now
 }

@@ -3,8 +3,11 @@ package shmipc
 import (
 	"fmt"
 	"io"
+	"os"
 	"slices"
 	"unsafe"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // BufferWriter builds an outgoing message directly in shared memory. Nothing
@@ -40,7 +43,7 @@ const minHeapSegment = 64 << 10
 // It is used by one goroutine at a time (see BufferWriter).
 type streamWriter struct {
 	st   *Stream
-	segs []segment
+	segs []shm.Segment
 	size int
 	heap bool // some segment is private memory: the message goes as fallback
 	// closedUnsent: Close discarded a message built and not yet flushed,
@@ -48,29 +51,16 @@ type streamWriter struct {
 	closedUnsent bool
 }
 
-func (w *streamWriter) last() *segment {
+func (w *streamWriter) last() *shm.Segment {
 	if len(w.segs) == 0 {
 		return nil
 	}
 	return &w.segs[len(w.segs)-1]
 }
 
-// neverFits reports whether want more bytes can never come from shared
-// memory: a contiguous piece larger than any slice, a message over half of
-// what the region can hand out, or one larger than any slice and over half
-// of what the region can hand out in pieces (splitCapacity).
-func (w *streamWriter) neverFits(want int, contiguous bool) bool {
-	buf := w.st.s.buf
-	size := uint64(w.size + want)
-	if contiguous {
-		return want > int(buf.usable) || size > buf.capacity/2
-	}
-	return size > buf.capacity/2 || size > uint64(buf.usable) && size > buf.splitCapacity/2
-}
-
 func (w *streamWriter) appendHeap(want int) {
 	w.heap = true
-	w.segs = append(w.segs, segment{data: make([]byte, max(want, minHeapSegment)), list: heapSegment})
+	w.segs = append(w.segs, shm.Segment{Data: make([]byte, max(want, minHeapSegment)), List: shm.HeapSegment})
 }
 
 // usable reports whether the writer may build a message now.
@@ -104,17 +94,17 @@ func (w *streamWriter) reserve(n int) ([]byte, error) {
 		return nil, err
 	}
 	l := w.last()
-	if l == nil || len(l.data)-l.n < n {
+	if l == nil || len(l.Data)-l.N < n {
 		if err := w.grow(n, true); err != nil {
 			return nil, err
 		}
 		l = w.last()
 	}
-	p := l.data[l.n : l.n+n : l.n+n]
-	if l.list != heapSegment {
+	p := l.Data[l.N : l.N+n : l.N+n]
+	if l.List != shm.HeapSegment {
 		commitPages(p)
 	}
-	l.n += n
+	l.N += n
 	w.size += n
 	return p, nil
 }
@@ -125,6 +115,7 @@ func (w *streamWriter) reserve(n int) ([]byte, error) {
 // caller's access, that becomes an error instead of a crash in application
 // code.
 func commitPages(p []byte) {
+	pageSize := os.Getpagesize()
 	if len(p) == 0 {
 		return
 	}
@@ -155,16 +146,16 @@ func (w *streamWriter) fill(n int, put func(dst []byte, done int)) (int, error) 
 	done := 0
 	for done < n {
 		l := w.last()
-		if l == nil || l.n == len(l.data) {
+		if l == nil || l.N == len(l.Data) {
 			if err := w.grow(n-done, false); err != nil {
 				w.size += done
 				return done, err
 			}
 			l = w.last()
 		}
-		c := min(len(l.data)-l.n, n-done)
-		put(l.data[l.n:l.n+c], done)
-		l.n += c
+		c := min(len(l.Data)-l.N, n-done)
+		put(l.Data[l.N:l.N+c], done)
+		l.N += c
 		done += c
 	}
 	w.size += done
@@ -190,7 +181,7 @@ func (w *streamWriter) discard() error {
 // the offset in it.
 func (w *streamWriter) locate(pos int) (int, int) {
 	for i := range w.segs {
-		if n := w.segs[i].n; pos < n {
+		if n := w.segs[i].N; pos < n {
 			return i, pos
 		} else {
 			pos -= n
@@ -206,7 +197,7 @@ func (w *streamWriter) appendRange(dst [][]byte, from, to int) [][]byte {
 	}
 	i, off := w.locate(from)
 	for left := to - from; left > 0; i, off = i+1, 0 {
-		d := w.segs[i].data[off:w.segs[i].n]
+		d := w.segs[i].Data[off:w.segs[i].N]
 		if len(d) == 0 {
 			continue
 		}
@@ -224,7 +215,7 @@ func (w *streamWriter) copyAt(pos int, src []byte) {
 	}
 	i, off := w.locate(pos)
 	for ; len(src) > 0; i, off = i+1, 0 {
-		c := copyCached(w.segs[i].data[off:w.segs[i].n], src)
+		c := copyCached(w.segs[i].Data[off:w.segs[i].N], src)
 		src = src[c:]
 	}
 }
@@ -238,9 +229,9 @@ func (w *streamWriter) owns(p []byte) bool {
 	lo := uintptr(unsafe.Pointer(unsafe.SliceData(p)))
 	hi := lo + uintptr(len(p))
 	for i := range w.segs {
-		d := w.segs[i].data
+		d := w.segs[i].Data
 		base := uintptr(unsafe.Pointer(unsafe.SliceData(d)))
-		if lo >= base+uintptr(w.segs[i].n) && hi <= base+uintptr(cap(d)) {
+		if lo >= base+uintptr(w.segs[i].N) && hi <= base+uintptr(cap(d)) {
 			return true
 		}
 	}
@@ -255,9 +246,9 @@ func (w *streamWriter) truncateKeep(n int) {
 	left := n
 	for i := range w.segs {
 		seg := &w.segs[i]
-		seg.n = min(seg.n, left)
-		left -= seg.n
-		seg.data = seg.data[:seg.n]
+		seg.N = min(seg.N, left)
+		left -= seg.N
+		seg.Data = seg.Data[:seg.N]
 	}
 	w.size = n
 }
@@ -269,16 +260,16 @@ func (w *streamWriter) truncate(n int) error {
 		return w.discard()
 	}
 	keep, left := 0, n
-	for keep < len(w.segs) && left > w.segs[keep].n {
-		left -= w.segs[keep].n
+	for keep < len(w.segs) && left > w.segs[keep].N {
+		left -= w.segs[keep].N
 		keep++
 	}
 	// left <= segs[keep].n: the message ends in segment keep.
-	w.segs[keep].n = left
+	w.segs[keep].N = left
 	err := w.st.s.freeSegments(w.segs[keep+1:])
 	clear(w.segs[keep+1:])
 	w.segs = w.segs[:keep+1]
-	w.heap = slices.ContainsFunc(w.segs, func(seg segment) bool { return seg.list == heapSegment })
+	w.heap = slices.ContainsFunc(w.segs, func(seg shm.Segment) bool { return seg.List == shm.HeapSegment })
 	w.size = n
 	return err
 }
@@ -289,9 +280,9 @@ func (w *streamWriter) truncate(n int) error {
 // short frees none twice.
 func (w *streamWriter) dropEmpty() error {
 	kept := w.segs[:0]
-	var empty []segment
+	var empty []shm.Segment
 	for _, seg := range w.segs {
-		if seg.n == 0 {
+		if seg.N == 0 {
 			empty = append(empty, seg)
 		} else {
 			kept = append(kept, seg)

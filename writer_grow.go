@@ -3,34 +3,36 @@ package shmipc
 import (
 	"fmt"
 	"time"
+
+	"github.com/goshm/shmipc/internal/shm"
 )
 
 // grow appends a segment with room for want bytes when contiguous is set,
 // or for as much of want as one slice gives otherwise: a slice from the
 // stream's kept slot or the free lists, after a wait for room in turn
-// (space_queue.go) if need be, or heap memory for fallback data. It runs
+// (shm.SpaceQueues) if need be, or heap memory for fallback data. It runs
 // inside an access.
 func (w *streamWriter) grow(want int, contiguous bool) error {
 	st := w.st
 	buf := st.s.buf
-	if st.fallback.Load() || w.heap || w.neverFits(want, contiguous) {
+	if st.fallback.Load() || w.heap || buf.NeverFits(uint64(w.size+want), want, contiguous) {
 		w.appendHeap(want)
 		return nil
 	}
 	if li, off, ok := st.takeKept(want); ok {
-		w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
+		w.segs = append(w.segs, shm.Segment{Data: buf.SliceData(li, off), List: int32(li), Off: off})
 		return nil
 	}
 	var wait spaceWait
 	// A writer that holds no slice leaves each list's reserve to those that
-	// do (bufferManager.alloc), and waits for room in turn (space_queue.go),
+	// do (shm.Buffer.Alloc), and waits for room in turn (shm.SpaceQueues),
 	// unless it never waits.
 	leave := len(w.segs) == 0 && !st.s.conf.FallbackWhenFull
 	asked := false
 	class, queued := -1, false
 	quit := func() {
 		if queued {
-			buf.space.leave(class, st.spaceCh)
+			buf.Space().Leave(class, st.spaceCh)
 			queued = false
 		}
 	}
@@ -45,12 +47,12 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 		case <-st.spaceCh: // a wake-up left over from an earlier wait
 		default:
 		}
-		buf.space.join(class, st.spaceCh)
+		buf.Space().Join(class, st.spaceCh)
 		queued = true
 	}
-	if leave && buf.space.waiting.Load() > 0 {
-		class = buf.class(want, !contiguous)
-		if buf.space.busy(class) {
+	if leave && buf.Space().Waiting() {
+		class = buf.Class(want, !contiguous)
+		if buf.Space().Waiters(class) > 0 {
 			// Others wait for this class: after them, unless the stream
 			// holds received slices.
 			asked = true
@@ -63,20 +65,20 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 	}
 	head := false
 	for {
-		if queued && !head && buf.space.isHead(class, st.spaceCh) {
+		if queued && !head && buf.Space().IsHead(class, st.spaceCh) {
 			// Its turn: it looks for everyone in the queue, so it looks
 			// often. Room the peer frees wakes nobody.
 			head = true
 			wait.delay, wait.max = minSpacePause, headSpacePause
 		}
 		if !queued || head {
-			li, off, err := buf.alloc(want, !contiguous, leave)
+			li, off, err := buf.Alloc(want, !contiguous, leave)
 			if err != nil {
 				st.s.closeWithError(err)
 				return errorf("%w: %w", ErrSessionClosed, err)
 			}
 			if li >= 0 {
-				w.segs = append(w.segs, segment{data: buf.sliceData(li, off), list: int32(li), off: off})
+				w.segs = append(w.segs, shm.Segment{Data: buf.SliceData(li, off), List: int32(li), Off: off})
 				return nil
 			}
 			if leave && !asked {
@@ -100,7 +102,7 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			return nil
 		}
 		if leave && !queued {
-			class = buf.class(want, !contiguous)
+			class = buf.Class(want, !contiguous)
 			join()
 		}
 		// Back-pressure: wait for the peer to free slices.
@@ -123,6 +125,6 @@ const (
 	headSpacePause = 50 * time.Microsecond
 	// heldSpaceWait is how long a writer that holds part of its message
 	// waits for more before the rest goes as fallback data: one look of the
-	// region's creator (circulationPeriod), which unparks slices.
+	// region's creator (circulationPeriods.Look), which unparks slices.
 	heldSpaceWait = 50 * time.Millisecond
 )

@@ -1,0 +1,6 @@
+//go:build !amd64
+
+package shm
+
+// PrefetchForWrite does nothing on this architecture.
+func PrefetchForWrite(p []byte) {}
