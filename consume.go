@@ -37,9 +37,9 @@ const pollCheckEvery = 8
 
 // A spinning receive loop looks for frames on the socket every
 // socketCheckEvery. It lets other goroutines on its processor run every
-// yieldEvery, which is longer than a default spin: runtime.Gosched wakes
+// yieldEvery, which is longer than a default spin (runtime.Gosched wakes
 // another thread to look for work, and that thread takes a core from the
-// peer the spinner waits for.
+// peer the spinner waits for), or sooner if goroutines wait (othersWait).
 const (
 	socketCheckEvery = 50 * time.Microsecond
 	yieldEvery       = time.Millisecond

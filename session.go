@@ -449,8 +449,10 @@ func (r *recentIDs) has(id uint32) bool {
 // access runs f, which touches the session's shared regions, with memory
 // faults turned into the session's error (the trust boundary: shm's
 // access.go). Every code path that touches a region runs inside access, or
-// begins with `defer s.endAccess(&err, debug.SetPanicOnFault(true))`; a
-// caller may hold locks around it. Slices handed to the application
+// begins with `defer s.endAccess(&err, debug.SetPanicOnFault(true))`. The
+// fault is recovered inside it, so a caller may hold locks around it; code
+// inside must not be half-way through updating state outside the region
+// when it touches the region. Slices handed to the application
 // (ReadBytes, Peek, Reserve) are touched outside it: RequireSealedMemory.
 func (s *Session) access(f func() error) (err error) {
 	defer s.endAccess(&err, debug.SetPanicOnFault(true))
