@@ -68,14 +68,7 @@ type srvHotRestart struct {
 	err  error // written before done is closed
 }
 
-func (hr *srvHotRestart) finished() bool {
-	select {
-	case <-hr.done:
-		return true
-	default:
-		return false
-	}
-}
+func (hr *srvHotRestart) finished() bool { return isClosedChan(hr.done) }
 
 // HotRestart starts a hot restart with the given epoch: it sends a
 // HotRestart frame to every session of the listener (docs/protocol.md §10)

@@ -243,14 +243,7 @@ func (l *Listener) forget(s *Session) {
 	l.mu.Unlock()
 }
 
-func (l *Listener) isClosed() bool {
-	select {
-	case <-l.closed:
-		return true
-	default:
-		return false
-	}
-}
+func (l *Listener) isClosed() bool { return isClosedChan(l.closed) }
 
 // Accept waits for the next stream opened by any client and returns it as a
 // net.Conn (a *Stream).

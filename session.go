@@ -218,9 +218,12 @@ func (s *Session) Close() error {
 }
 
 // IsClosed reports whether the session has ended.
-func (s *Session) IsClosed() bool {
+func (s *Session) IsClosed() bool { return isClosedChan(s.closed) }
+
+// isClosedChan reports whether ch is closed, without waiting.
+func isClosedChan(ch <-chan struct{}) bool {
 	select {
-	case <-s.closed:
+	case <-ch:
 		return true
 	default:
 		return false
