@@ -51,16 +51,8 @@ func (q *streamQueue) push(st *Stream, limit int) error {
 	q.items = append(q.items, st)
 	q.pending[st.s]++
 	q.mu.Unlock()
-	q.signal()
+	signalChan(q.notify)
 	return nil
-}
-
-// signal wakes one waiting pop.
-func (q *streamQueue) signal() {
-	select {
-	case q.notify <- struct{}{}:
-	default:
-	}
 }
 
 // close makes pop fail once the queue is empty and push refuse streams;
@@ -75,7 +67,7 @@ func (q *streamQueue) close() {
 	for _, st := range items {
 		st.Close()
 	}
-	q.signal()
+	signalChan(q.notify)
 }
 
 // pop waits for a stream until closed is closed; errFn gives the error then.
@@ -92,7 +84,7 @@ func (q *streamQueue) pop(closed <-chan struct{}, errFn func() error) (*Stream, 
 			more := len(q.items) > 0
 			q.mu.Unlock()
 			if more {
-				q.signal() // another pop may be waiting
+				signalChan(q.notify) // another pop may be waiting
 			}
 			return st, nil
 		}

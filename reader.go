@@ -113,10 +113,7 @@ func (r *streamReader) freeHeap(segs []shm.Segment) {
 	}
 	r.st.heldFallback.Add(-int64(n))
 	r.st.s.fallbackHeld.Add(-int64(n))
-	select {
-	case r.st.s.fallbackRoom <- struct{}{}:
-	default:
-	}
+	signalChan(r.st.s.fallbackRoom)
 }
 
 // exposed reports whether data has been handed out that may still be in use.

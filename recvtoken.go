@@ -96,10 +96,7 @@ func (t *recvToken) pass(state int32) bool {
 	if !t.wanted.Load() {
 		return false
 	}
-	select {
-	case t.handed <- struct{}{}:
-	default:
-	}
+	signalChan(t.handed)
 	return true
 }
 

@@ -90,9 +90,12 @@ func (st *Stream) BufferReader() BufferReader { return (*bufferReader)(st) }
 // BufferWriter builds the next message directly in shared memory.
 func (st *Stream) BufferWriter() BufferWriter { return (*bufferWriter)(st) }
 
-func (st *Stream) notify() {
+func (st *Stream) notify() { signalChan(st.readNotify) }
+
+// signalChan signals ch, a channel of capacity 1, unless it holds a signal.
+func signalChan(ch chan<- struct{}) {
 	select {
-	case st.readNotify <- struct{}{}:
+	case ch <- struct{}{}:
 	default:
 	}
 }
@@ -217,10 +220,7 @@ func (st *Stream) countWaiting() {
 		st.waiting = true
 		st.s.waiting.Add(1)
 	}
-	select {
-	case st.s.readerWaits <- struct{}{}:
-	default:
-	}
+	signalChan(st.s.readerWaits)
 }
 
 // uncountWaiting ends what countWaiting began, unless a delivery did.
