@@ -2,8 +2,6 @@ package shmipc
 
 import (
 	"fmt"
-	"maps"
-	"slices"
 	"time"
 
 	"github.com/goshm/shmipc/internal/shm"
@@ -79,12 +77,9 @@ const (
 // largestFallbackHolder returns the stream not yet failed that holds the
 // most fallback data, or nil if none holds any.
 func (s *Session) largestFallbackHolder() *Stream {
-	s.mu.Lock()
-	streams := slices.Collect(maps.Values(s.streams))
-	s.mu.Unlock()
 	var hog *Stream
 	var most int64
-	for _, st := range streams {
+	for _, st := range s.streamList() {
 		if held := st.heldFallback.Load(); held > most && !st.failed() {
 			hog, most = st, held
 		}

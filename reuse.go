@@ -1,9 +1,7 @@
 package shmipc
 
 import (
-	"maps"
 	"math"
-	"slices"
 
 	"github.com/goshm/shmipc/internal/shm"
 )
@@ -145,9 +143,7 @@ func (st *Stream) shutKept() (li int, off uint32, ok bool) {
 // lists before its connection closes. It runs inside closeWithError, so a
 // fault or a corrupt list ends the work quietly instead of the session.
 func (s *Session) dropAllKept() {
-	s.mu.Lock()
-	streams := slices.Collect(maps.Values(s.streams))
-	s.mu.Unlock()
+	streams := s.streamList()
 	shm.Quietly(func() {
 		for _, st := range streams {
 			if li, off, ok := st.shutKept(); ok {

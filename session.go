@@ -394,13 +394,17 @@ func (s *Session) forgetStream(st *Stream, open bool) {
 	}
 }
 
+// streamList returns the streams in the session's table.
+func (s *Session) streamList() []*Stream {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Collect(maps.Values(s.streams))
+}
+
 // teardown runs on the receive loop once it has stopped reading.
 func (s *Session) teardown() {
 	defer s.finishTeardown()
-	s.mu.Lock()
-	streams := slices.Collect(maps.Values(s.streams))
-	s.mu.Unlock()
-	for _, st := range streams {
+	for _, st := range s.streamList() {
 		st.sessionEnded(s.localClose)
 	}
 	s.accepted.close()
