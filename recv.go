@@ -1,6 +1,7 @@
 package shmipc
 
 import (
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -163,10 +164,7 @@ func (s *Session) handleData(id, offset uint32) error {
 	if err != nil {
 		// A limit ends the session: the slices go back, or they are
 		// lost to the other sessions on a shared region.
-		if ferr := s.freeSegments(segs); ferr != nil {
-			return ferr
-		}
-		return err
+		return cmp.Or(s.freeSegments(segs), err)
 	}
 	if st == nil || !st.deliver(segs, nil) {
 		return s.freeSegments(segs)

@@ -1,5 +1,7 @@
 package shmipc
 
+import "cmp"
+
 // Close closes the stream in both directions. If the peer had not closed
 // it, the peer is told (docs/protocol.md §9.4). Slices returned by reads and
 // Reserve become invalid. Close is idempotent.
@@ -21,10 +23,7 @@ func (st *Stream) Close() error {
 		owed = closeTell
 	}
 	st.closeOwed.Store(owed)
-	if werr := st.finishClose(); err == nil {
-		err = werr
-	}
-	return err
+	return cmp.Or(err, st.finishClose())
 }
 
 // What Close left to its writer's part (Stream.closeOwed).

@@ -1,6 +1,7 @@
 package shmipc
 
 import (
+	"cmp"
 	"errors"
 	"time"
 
@@ -167,8 +168,5 @@ func (st *Stream) sendFallback() error {
 	} else {
 		st.partSent = sent
 	}
-	if derr := w.discard(); err == nil {
-		err = derr
-	}
-	return err
+	return cmp.Or(err, w.discard())
 }

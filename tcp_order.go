@@ -1,6 +1,7 @@
 package shmipc
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
@@ -167,10 +168,7 @@ func (c *eventConn) tcpConsumed() (uint64, error) {
 			}
 		}
 	})
-	if err == nil {
-		err = cerr
-	}
-	return n, err
+	return n, cmp.Or(err, cerr)
 }
 
 // settleTCPClose looks again at a first pending close whose target may lie
