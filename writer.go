@@ -181,11 +181,10 @@ func (w *streamWriter) discard() error {
 // the offset in it.
 func (w *streamWriter) locate(pos int) (int, int) {
 	for i := range w.segs {
-		if n := w.segs[i].N; pos < n {
+		if pos < w.segs[i].N {
 			return i, pos
-		} else {
-			pos -= n
 		}
+		pos -= w.segs[i].N
 	}
 	return len(w.segs), pos
 }
