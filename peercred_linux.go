@@ -56,11 +56,7 @@ func peerOf(conn net.Conn) (peerID, error) {
 		if !lok || !rok {
 			return peerID{}, fmt.Errorf("%w: TCP connection without TCP addresses", errNoPeerID)
 		}
-		uid, err := tcpPeerUID(local, remote)
-		if err != nil {
-			return peerID{}, err
-		}
-		return peerID{uid: uid}, nil
+		return tcpPeer(local, remote)
 	case peerCredentialer:
 		return c.peerCredentials()
 	}
@@ -97,21 +93,21 @@ const (
 	tcpStateNewSynRecv = 0x0C
 )
 
-// tcpPeerUID finds the owner of the peer's end of a TCP connection: the
-// uid column of the row of /proc/net/tcp{,6} whose local address is remote
-// and whose remote address is local. Only a peer in this network namespace
-// (as loopback implies) has such a row.
-func tcpPeerUID(local, remote *net.TCPAddr) (uint32, error) {
+// tcpPeer finds the owner of the peer's end of a TCP connection: the uid
+// column of the row of /proc/net/tcp{,6} whose local address is remote and
+// whose remote address is local. Only a peer in this network namespace (as
+// loopback implies) has such a row.
+func tcpPeer(local, remote *net.TCPAddr) (peerID, error) {
 	for _, table := range procNetTCP {
 		uid, found, err := scanTCPTable(table, remote, local)
 		if err != nil {
-			return 0, fmt.Errorf("%w: %w", errNoPeerID, err)
+			return peerID{}, fmt.Errorf("%w: %w", errNoPeerID, err)
 		}
 		if found {
-			return uid, nil
+			return peerID{uid: uid}, nil
 		}
 	}
-	return 0, fmt.Errorf("%w: no socket %v connected to %v in %s (is the peer on this host, in this network namespace?)",
+	return peerID{}, fmt.Errorf("%w: no socket %v connected to %v in %s (is the peer on this host, in this network namespace?)",
 		errNoPeerID, remote, local, strings.Join(procNetTCP, " or "))
 }
 
