@@ -118,9 +118,6 @@ func (b *netpollReader) ReadString(n int) (string, error) {
 
 // ReadBinary returns a copy of the next n bytes that the caller owns.
 func (b *netpollReader) ReadBinary(n int) ([]byte, error) {
-	if n < 0 {
-		return nil, errNegative
-	}
 	return (*Stream)(b).readInto(n, func(n int) ([]byte, error) { return make([]byte, n), nil })
 }
 
@@ -128,6 +125,9 @@ func (b *netpollReader) ReadBinary(n int) ([]byte, error) {
 // consumes them. get runs only once the bytes are there: n is often a
 // length the peer announced, and memory must grow with bytes received.
 func (st *Stream) readInto(n int, get func(int) ([]byte, error)) ([]byte, error) {
+	if n < 0 {
+		return nil, errNegative
+	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if err := st.waitReadable(n); err != nil {
@@ -152,9 +152,6 @@ func (b *netpollReader) ReadByte() (byte, error) { return (*bufferReader)(b).Rea
 // beyond the release, so they are copied into a new netpoll.LinkBuffer,
 // which the caller owns.
 func (b *netpollReader) Slice(n int) (netpoll.Reader, error) {
-	if n < 0 {
-		return nil, errNegative
-	}
 	var lb *netpoll.LinkBuffer
 	_, err := (*Stream)(b).readInto(n, func(n int) ([]byte, error) {
 		lb = netpoll.NewLinkBuffer(n)
