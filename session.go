@@ -307,10 +307,8 @@ func (s *Session) indexed(id uint32) *Stream {
 // the slot is free.
 func (s *Session) lookupLocked(id uint32) *Stream {
 	st := s.streams[id]
-	if st != nil {
-		if slot := &s.index[id%streamIndexSize]; slot.Load() == nil {
-			slot.Store(st)
-		}
+	if slot := &s.index[id%streamIndexSize]; st != nil && slot.Load() == nil {
+		slot.Store(st)
 	}
 	return st
 }
