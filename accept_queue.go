@@ -6,13 +6,10 @@ import (
 	"sync"
 )
 
-// Errors of push, which leaves the stream out of the queue.
+// Errors of push, which leaves the stream out of the queue (see push). The
+// caller decides what becomes of a stream refused for errTooManyPending.
 var (
-	// errAcceptClosed: nobody will accept the stream; push has closed it.
-	errAcceptClosed = errors.New("shmipc: no longer accepting streams")
-
-	// errTooManyPending: the stream's session has as many streams waiting
-	// as it may. The caller decides what becomes of the stream.
+	errAcceptClosed   = errors.New("shmipc: no longer accepting streams")
 	errTooManyPending = errors.New("shmipc: too many streams not yet accepted")
 )
 

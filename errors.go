@@ -162,13 +162,11 @@ func (st *Stream) writeClosedErr() error {
 	return ErrStreamClosed
 }
 
-// Every error of this package starts with "shmipc: ", and many wrap another
+// Every error of this package starts with errPrefix, and many wrap another
 // of them, so joined naively the prefix would come back at each level:
-// errorf says it once, at the start.
-
+// errorf's prefixedError says it once, at the start.
 const errPrefix = "shmipc: "
 
-// prefixedError is an error whose message says errPrefix once.
 type prefixedError struct{ err error }
 
 func (e *prefixedError) Error() string { return oncePrefixed(e.err.Error()) }
@@ -180,7 +178,7 @@ func oncePrefixed(s string) string {
 	return strings.ReplaceAll(s, "("+errPrefix, "(")
 }
 
-// errorf is fmt.Errorf whose message says "shmipc: " once.
+// errorf is fmt.Errorf whose message says errPrefix once.
 func errorf(format string, a ...any) error {
 	return &prefixedError{fmt.Errorf(format, a...)}
 }
