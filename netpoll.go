@@ -48,7 +48,6 @@ var (
 // Like BufferReader, the Reader is not safe for concurrent use.
 func (st *Stream) NetpollReader() netpoll.Reader { return (*netpollReader)(st) }
 
-// netpollReader is the netpoll.Reader of a stream.
 type netpollReader Stream
 
 // Next returns the next n bytes and consumes them, blocking until they have

@@ -21,7 +21,6 @@ import (
 // together with Write on the same stream.
 func (st *Stream) NetpollWriter() netpoll.Writer { return &netpollWriter{st: st} }
 
-// netpollWriter is the netpoll.Writer of a stream.
 type netpollWriter struct {
 	st *Stream
 	// moves are copies WriteDirect left for Flush, in message order: bytes

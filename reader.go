@@ -188,7 +188,6 @@ func (r *streamReader) releaseAll() error {
 	return r.st.s.freeSegments(r.segs)
 }
 
-// bufferReader is the BufferReader of a stream.
 type bufferReader Stream
 
 func (b *bufferReader) ReadBytes(n int) ([]byte, error) { return (*Stream)(b).next(n, true) }

@@ -292,7 +292,6 @@ func (w *streamWriter) dropEmpty() error {
 	return w.st.s.freeSegments(empty)
 }
 
-// bufferWriter is the BufferWriter of a stream.
 type bufferWriter Stream
 
 // locked runs f on the stream's writer, holding its lock, in an access.
