@@ -25,10 +25,8 @@ func (m *Buffer) Pop(li int) (uint32, error) {
 	return m.popLeaving(li, 0)
 }
 
-// popLeaving takes one free slice from list li (docs/protocol.md §6.8), unless
-// that would leave the list with fewer than keep free slices. It returns the
-// absolute offset of the slice header, or 0 when the list has no slice to
-// spare. An error means the list is corrupt.
+// popLeaving is Pop, unless that would leave the list with fewer than keep
+// free slices.
 func (m *Buffer) popLeaving(li int, keep int32) (uint32, error) {
 	off, left, err := m.popList(li, keep)
 	if off != 0 && m.circ != nil {
