@@ -207,12 +207,11 @@ func (sl *smSlot) watch(s *Session) {
 			ns, err := m.dial()
 			if err == nil {
 				cur := sl.attach(ns)
-				if cur == nil {
+				if cur != ns { // the manager closed (nil), or a hot restart installed a session meanwhile
 					ns.Close()
-					return
 				}
-				if cur != ns { // a hot restart installed a session meanwhile
-					ns.Close()
+				if cur == nil {
+					return
 				}
 				s, born = cur, time.Now()
 				break
