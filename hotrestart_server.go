@@ -17,10 +17,6 @@ package shmipc
 //
 // Close lets the requests in progress finish (CloseAll does not).
 //
-// ListenTakeover renames its socket over the path (rename(2) is atomic): a
-// client sees the old or the new server, never none, and no listener fd
-// travels between the processes.
-//
 // Client side (hotrestart_client.go): a SessionManager reacts to HotRestart
 // on its own. A plain Session (Dial, Client) ignores it and ends when the
 // old server closes it.
@@ -234,9 +230,11 @@ func (l *Listener) WaitHotRestart(ctx context.Context) error {
 // Listen("unix", address, conf), except that a socket already bound there
 // (the old server of a hot restart) is replaced atomically: the new socket
 // is bound under a temporary name in the same directory and renamed over
-// address. Connections made before still reach the old server. Abstract
-// addresses ("@...") cannot be taken over. Close removes the socket file
-// only if it is still this listener's.
+// address (rename(2)), so a client finds the old or the new server, never
+// none, and no listener fd travels between the processes. Connections made
+// before still reach the old server. Abstract addresses ("@...") cannot be
+// taken over. Close removes the socket file only if it is still this
+// listener's.
 func ListenTakeover(address string, conf *Config) (*Listener, error) {
 	conf, err := verified(conf)
 	if err != nil {
