@@ -8,16 +8,11 @@ import (
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// Fallback data received (docs/protocol.md §9.5) is copied
-// into process memory, bounded per stream (MaxFallbackBufferedPerStream)
-// and per session (MaxFallbackBuffered). A frame that would pass a bound
-// waits, and the socket with it, until the stream's reader makes room,
-// while the receive loop serves the queue for the other streams. If no
-// room comes within FallbackStallTimeout, that stream fails with
-// ErrLimitExceeded (its data dropped, the peer told it is closed) and the
-// session goes on. A frame is always taken while its stream (or, for the
-// session's bound, the session) holds none, so a bound below the largest
-// frame cannot wedge a stream.
+// Fallback data received (docs/protocol.md §9.5) is copied into process
+// memory, within the bounds Config.MaxFallbackBufferedPerStream describes,
+// and a frame that would pass one waits for room (serveStalled). A frame is
+// always taken while its stream (or, for the session's bound, the session)
+// holds none, so a bound below the largest frame cannot wedge a stream.
 
 // stalledFrame is a FallbackData frame waiting for room.
 type stalledFrame struct {
