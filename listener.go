@@ -34,10 +34,7 @@ func Dial(network, address string, conf *Config) (*Session, error) {
 
 // Listener accepts sessions on a socket and delivers the streams their
 // clients open. It implements net.Listener: Accept returns each new stream
-// as a net.Conn (a *Stream).
-//
-// Close stops accepting and leaves the streams already accepted open, as a
-// net.Listener's Close does; CloseAll also ends every session at once.
+// as a net.Conn (a *Stream). Close and CloseAll say how it stops.
 type Listener struct {
 	ln       net.Listener
 	conf     *Config
