@@ -48,9 +48,8 @@ type SessionManagerConfig struct {
 
 	// MinReconnectBackoff and MaxReconnectBackoff bound the delay between
 	// attempts to re-dial a session that died: it starts at the minimum and
-	// doubles after each attempt up to the maximum (defaults 10 ms and 2 s).
-	// It is reset only by a session that lived longer than
-	// MaxReconnectBackoff.
+	// doubles after each attempt up to the maximum (defaults 10 ms and 2 s),
+	// and is reset only by a session that lived longer than the maximum.
 	MinReconnectBackoff time.Duration
 	MaxReconnectBackoff time.Duration
 }

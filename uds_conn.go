@@ -55,8 +55,7 @@ type eventConn struct {
 	wn   int
 	wErr error
 
-	// One read (readSome) at a time, by whoever holds the socket: the
-	// handshake, then the receive loop.
+	// One read at a time (readSome).
 	rfn  func(fd uintptr) bool
 	rb   []byte
 	rn   int
