@@ -33,10 +33,9 @@ const (
 	flagHasNext = 0x01
 	flagInUse   = 0x02
 
-	// maxReserve is how many free slices a list keeps for writers that
-	// hold slices (Alloc): min(maxReserve, count/4). It
-	// is about liveness, not room: one slice lets an answer go out and free
-	// its request.
+	// maxReserve is how many free slices a list keeps for writers that hold
+	// slices (Alloc): min(maxReserve, count/4). It is about liveness, not
+	// room: one slice lets an answer go out and free its request.
 	maxReserve = 2
 
 	// maxSplitPieces bounds how finely alloc splits a message. Unbounded, a

@@ -6,15 +6,14 @@ import (
 	"sync/atomic"
 )
 
-// spaceQueue makes the writers of this process that hold no slice and find
-// no room wait for it in turn. Retrying at intervals would hand the room to
-// whoever looks first after a slice is freed, which favours the streams
-// just served and starves the others. So there is one queue per class of
-// slice asked for (Class): only its head looks for room, at
-// short intervals (headSpacePause) and at once whenever this process frees
-// a slice, and a writer that finds others queued joins the end. A writer
-// that leaves the queue (it got its room, or gave up) passes the turn on if
-// it was the head.
+// spaceQueue makes the writers of this process that hold no slice and find no
+// room wait for it in turn. Retrying at intervals would hand the room to
+// whoever looks first after a slice is freed, which favours the streams just
+// served and starves the others. So there is one queue per class of slice
+// asked for (Class): only its head looks for room, at short intervals
+// (headSpacePause) and at once whenever this process frees a slice, and a
+// writer that finds others queued joins the end. A writer that leaves the
+// queue (it got its room, or gave up) passes the turn on if it was the head.
 //
 // Writers that hold slices do not queue: the room they take lets an
 // exchange finish and free slices, and the list reserve keeps room for
