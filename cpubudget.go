@@ -35,8 +35,7 @@ var cpuQuota struct {
 }
 
 // spinSlots is how many goroutines of the process may spin at once when it
-// runs goroutines on procs processors. It reads the quota again, in the
-// background, when the last read is older than quotaRefresh.
+// runs goroutines on procs processors. It reads the quota again if due.
 func spinSlots(procs int) int {
 	now := time.Now().UnixNano()
 	if at := cpuQuota.readAt.Load(); (at == 0 || now-at > int64(quotaRefresh)) && cpuQuota.reading.CompareAndSwap(false, true) {

@@ -57,9 +57,8 @@ func (m *handoverMutex) tryLockOrLeave() bool {
 		if !countHolders || m.holders.Load() > 0 {
 			return false
 		}
-		// Taken and not yet counted, or counted out and not yet
-		// released (or handed to a waiter that has not run yet): a
-		// moment.
+		// Taken and not yet counted, or counted out and not yet released (or
+		// handed to a waiter that has not run yet): a moment.
 		runtime.Gosched()
 	}
 }
