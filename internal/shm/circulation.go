@@ -180,13 +180,6 @@ func (c *circulation) rest(m *Buffer) bool {
 	return true
 }
 
-// wake schedules a look of a region at rest; traffic has resumed.
-func (c *circulation) wake(m *Buffer) {
-	if c.running.CompareAndSwap(false, true) {
-		time.AfterFunc(c.period, m.tick)
-	}
-}
-
 // spareFor is how many free slices list li keeps when peak slices of it
 // are in flight.
 func (m *Buffer) spareFor(li int, peak int32) int32 {
@@ -198,8 +191,8 @@ func (m *Buffer) spareFor(li int, peak int32) int32 {
 // observe notes that list li was left with left free slices by a pop or
 // push of this process, and refills the list if it is short.
 func (c *circulation) observe(m *Buffer, li int, left int32) error {
-	if !c.running.Load() {
-		c.wake(m)
+	if !c.running.Load() && c.running.CompareAndSwap(false, true) {
+		time.AfterFunc(c.period, m.tick) // traffic resumed on a region at rest
 	}
 	c.noteInFlight(m, li, left)
 	if left >= c.lists[li].floor.Load() {
