@@ -135,7 +135,13 @@ func (hr *srvHotRestart) hook(s *Session) bool {
 	if s.IsClosed() || hr.over {
 		return false
 	}
-	f := func(e uint64) { hr.ack(s, e) }
+	f := func(epoch uint64) { // a HotRestartAck frame received on s
+		if epoch == hr.epoch {
+			hr.mu.Lock()
+			delete(hr.waiting, s)
+			hr.mu.Unlock()
+		}
+	}
 	s.onHotRestartAck.Store(&f)
 	hr.waiting[s] = struct{}{}
 	hr.hooked[s] = &f
@@ -151,16 +157,6 @@ func (hr *srvHotRestart) tell(s *Session) {
 	if err := s.ec.write(frame); err != nil {
 		_ = s.sendFailed("send HotRestart", err)
 	}
-}
-
-// ack counts a HotRestartAck frame received on s.
-func (hr *srvHotRestart) ack(s *Session, epoch uint64) {
-	if epoch != hr.epoch {
-		return
-	}
-	hr.mu.Lock()
-	delete(hr.waiting, s)
-	hr.mu.Unlock()
 }
 
 // monitor checks every hotRestartPoll whether every session acknowledged,
