@@ -105,7 +105,7 @@ func (w *netpollWriter) WriteDirect(p []byte, remainCap int) error {
 		_, err := writeTo(sw, p)
 		if err == nil {
 			pos := sw.size
-			err = sw.extend(remainCap)
+			_, err = sw.fill(remainCap, func([]byte, int) {}) // room for the bytes Flush moves
 			for _, src := range w.srcs {
 				w.moves = append(w.moves, netpollMove{pos: pos, src: src})
 				pos += len(src)

@@ -133,12 +133,6 @@ func writeTo[T string | []byte](w *streamWriter, p T) (int, error) {
 	return w.fill(len(p), func(dst []byte, done int) { copyCached(dst, p[done:]) })
 }
 
-// extend adds n bytes to the message without writing them.
-func (w *streamWriter) extend(n int) error {
-	_, err := w.fill(n, func([]byte, int) {})
-	return err
-}
-
 // fill adds n bytes to the message, taking slices as it goes, and lets put
 // write each piece dst of them, done bytes in. On error it keeps what it
 // added and returns how much that is.
