@@ -20,10 +20,9 @@ import (
 // shared regions. It carries any number of streams. Only the client opens
 // streams; the server accepts them. A Session is safe for concurrent use.
 type Session struct {
-	// The fields are grouped by who writes them, and the groups written for
-	// every message have cache lines of their own: the first group, read
-	// for every message on every core, is written only while the session
-	// starts.
+	// Fields are grouped by who writes them; the groups written for every
+	// message have cache lines of their own, and the first group, read for
+	// every message on every core, is written only as the session starts.
 
 	conf     *Config
 	isClient bool
@@ -177,10 +176,9 @@ func (s *Session) OpenStream() (*Stream, error) {
 	return s.addStreamLocked(s.nextID)
 }
 
-// addStreamLocked adds stream id. The stream holds a reference on each
-// region its messages go through until it lets go of them (dropRef): the
-// session's buffer and queue regions, so that a message costs no reference
-// counting on lines all streams share.
+// addStreamLocked adds stream id, holding a reference on the session's
+// buffer and queue regions until it lets go of them (dropRef), so that a
+// message costs no reference counting on lines all streams share.
 func (s *Session) addStreamLocked(id uint32) (*Stream, error) {
 	if !s.buf.Region().Acquire() {
 		return nil, ErrSessionClosed

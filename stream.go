@@ -273,11 +273,10 @@ func (st *Stream) takesData() bool {
 	return !st.closed && !st.peerClosed && st.failErr == nil && !st.isEnded()
 }
 
-// fail ends the stream for a reason of this side's, err (serveStalled):
-// what it received and has not handed out goes back, the peer is told the
-// stream is closed, and reads and writes return err. The stream stays in
-// its session's table until Close. It runs inside an access, on the
-// receive loop.
+// fail ends the stream for this side's reason err (serveStalled), on the
+// receive loop inside an access: what it received and has not handed out
+// goes back, the peer is told the stream is closed, and reads and writes
+// return err. It stays in its session's table until Close.
 func (st *Stream) fail(err error) {
 	st.mu.Lock()
 	if st.closed || st.failErr != nil {
