@@ -26,9 +26,7 @@ type eventConn struct {
 	r, w int
 	read uint64 // bytes read into rbuf so far (the running phase)
 
-	// The connection's file descriptor, for raw reads and writes and
-	// SIOCINQ; nil when it has none.
-	raw syscall.RawConn
+	raw syscall.RawConn // the connection's fd, for raw I/O and SIOCINQ; nil if none
 
 	// SIOCINQ, set up on first use (inq, uds_read.go); receive loop only.
 	inqFn  func(fd uintptr)
@@ -154,8 +152,7 @@ func (c *eventConn) writeOnce(fd uintptr) bool {
 	}
 }
 
-// writeEvent sends a frame without payload (handshake frames only: it
-// allocates).
+// writeEvent sends a frame without payload (for the handshake: it allocates).
 func (c *eventConn) writeEvent(version uint8, t wire.Type) error {
 	return c.write(wire.AppendEvent(nil, version, t))
 }
