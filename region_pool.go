@@ -54,9 +54,8 @@ func serverGone(pidfd int) bool {
 	return err == nil && n > 0
 }
 
-// poolKeyFor returns the pool key of a client session with the server
-// process server (0 when unknown), or false when its region is not to be
-// shared.
+// poolKeyFor returns the pool key of a client session with server process
+// server (0 when unknown), or false if its region is not to be shared.
 func poolKeyFor(conf *Config, server int32) (poolKey, bool) {
 	if conf.MemMapType != MemMapTypeMemFd || server <= 0 {
 		return poolKey{}, false
@@ -72,9 +71,9 @@ func poolKeyFor(conf *Config, server int32) (poolKey, bool) {
 	return poolKey{size: conf.ShareMemoryBufferCap, layout: b.String(), prefix: conf.ShareMemoryPathPrefix, server: server}, true
 }
 
-// newRegionPrefix returns a fresh name prefix for a client's regions.
 var pid = os.Getpid()
 
+// newRegionPrefix returns a fresh name prefix for a client's regions.
 func newRegionPrefix(conf *Config) string {
 	return fmt.Sprintf("%s_%d_%016x", conf.ShareMemoryPathPrefix, pid, rand.Uint64())
 }
