@@ -112,8 +112,7 @@ func (w *streamWriter) reserve(n int) ([]byte, error) {
 // commitPages writes a zero to every page of p, a piece of a slice about to
 // be handed to the application. Regions are sparse, and a page that cannot
 // be committed (a full tmpfs) faults on its first write: here, inside the
-// caller's access, that becomes an error instead of a crash in application
-// code.
+// caller's access, that is an error, not a crash in application code.
 func commitPages(p []byte) {
 	pageSize := os.Getpagesize()
 	if len(p) == 0 {
@@ -269,8 +268,7 @@ func (w *streamWriter) truncate(n int) error {
 
 // dropEmpty frees the segments that send nothing, which WriteDirect and
 // Reserve(0) leave, so that only segments with data are linked. They leave
-// the message before they are freed, so that a fault cutting the frees
-// short frees none twice.
+// the message before they are freed, as in discard.
 func (w *streamWriter) dropEmpty() error {
 	kept := w.segs[:0]
 	var empty []shm.Segment
