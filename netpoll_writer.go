@@ -76,8 +76,7 @@ func (w *netpollWriter) WriteByte(c byte) error { return (*bufferWriter)(w.st).W
 //
 // p is copied at once, and the last remainCap bytes are moved behind it at
 // Flush, so that what the caller writes into them until then is sent: they
-// cost a second copy and, until Flush, twice their shared memory. Flush
-// with this Writer.
+// cost a second copy and, until Flush, twice their shared memory.
 func (w *netpollWriter) WriteDirect(p []byte, remainCap int) error {
 	return (*bufferWriter)(w.st).locked(func(sw *streamWriter) error {
 		if remainCap < 0 {

@@ -11,9 +11,8 @@ import (
 // they serve their streams until those end; after CloseAll their reads and
 // writes fail.
 //
-// The handler owns its stream while it runs. Serve closes the stream when
-// the handler returns: the handler must not keep it, nor slices read from
-// it.
+// The handler owns its stream while it runs; Serve closes it when the
+// handler returns, so the handler must not keep it, nor slices read from it.
 func (l *Listener) Serve(handler func(st *Stream)) error {
 	for {
 		st, err := l.AcceptStream()
@@ -38,11 +37,10 @@ type StreamHandler interface {
 	// OnClose is called once, after the last OnData, when the stream has
 	// ended: err is nil when the peer closed the stream (or the handler
 	// closed it), the error OnData returned, or why reading failed (an error
-	// wrapping ErrSessionClosed when the session died, ErrTimeout when a read
-	// deadline passed, io.ErrUnexpectedEOF when the peer closed the stream
-	// in the middle of what OnData waited for). The stream is still open,
-	// so OnClose may write a last message; it is closed when OnClose
-	// returns.
+	// wrapping ErrSessionClosed when the session died, ErrTimeout when a
+	// read deadline passed, io.ErrUnexpectedEOF when the peer closed the
+	// stream in the middle of what OnData waited for). The stream is closed
+	// only when OnClose returns, so OnClose may write a last message.
 	OnClose(st *Stream, err error)
 }
 
