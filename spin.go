@@ -49,9 +49,8 @@ func (c *procsCache) read(now time.Time) {
 }
 
 // check looks at the clock between rounds of looks. It returns spinGaveUp
-// when the spinner must stop, spinFramesWaiting every socketCheckEvery
-// (time for the receive loop to look at the socket), and spinFound
-// otherwise (go on).
+// when the spinner must stop, spinFramesWaiting every socketCheckEvery (for
+// the receive loop to look at the socket), and spinFound to go on.
 func (w *spinWatch) check(s *Session) int {
 	var now time.Time
 	if w.alone {
@@ -91,8 +90,7 @@ func (w *spinWatch) check(s *Session) int {
 // the work a polling reader's caller handed off) wait on its processor
 // until it yields or a thread woken for them takes them: in gRPC calls
 // 2-9 % of goroutine wake-ups then waited over 64 µs (under 1 % without
-// spinning). The count takes the scheduler's lock, hence not every round;
-// a spinner alone on the process's one processor yields every round.
+// spinning). The count takes the scheduler's lock, hence not every round.
 func (w *spinWatch) othersWait(s *Session, now time.Time) bool {
 	if now.Sub(w.lastLook) < lookRunnableEvery {
 		return false
