@@ -120,11 +120,9 @@ const (
 	counterStripes    = 1 << counterStripeBits
 )
 
-// stripedCounters are a session's counters, in counterStripes sets.
 type stripedCounters [counterStripes]sessionCounters
 
-// of returns the set that the stream id counts in (id 0 for counts of no
-// stream).
+// of returns the set stream id counts in (0 for counts of no stream).
 func (c *stripedCounters) of(id uint32) *sessionCounters {
 	return &c[(id*0x9E3779B1)>>(32-counterStripeBits)] // Fibonacci hashing: the top bits
 }
@@ -212,9 +210,8 @@ func unregister(s *Session) {
 }
 
 // AggregateStats sums the counters of every session this process has had,
-// and the gauges of the live ones. Lists is left empty; Buffer and Queue sum
-// the distinct regions of the live sessions (a buffer region that sessions
-// share is counted once), with Sessions holding the number of regions.
+// and the gauges of the live ones; Lists is left empty, and a buffer region
+// that sessions share is counted once (see Stats.Buffer).
 func AggregateStats() Stats {
 	registry.Lock()
 	total := registry.ended
