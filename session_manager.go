@@ -223,7 +223,7 @@ func (m *SessionManager) dialWith(ctx context.Context, conf *Config) (*Session, 
 // The caller owns the stream until it passes it to PutBack or closes it.
 func (m *SessionManager) GetStream() (*Stream, error) { return m.getStream(true) }
 
-// getStream is GetStream; with pooled false it always opens a new stream.
+// getStream is GetStream, opening a new stream if !pooled.
 func (m *SessionManager) getStream(pooled bool) (*Stream, error) {
 	if m.isClosed() {
 		return nil, ErrSessionManagerClosed
@@ -265,8 +265,7 @@ func (m *SessionManager) GetStreamContext(ctx context.Context) (*Stream, error) 
 	return m.getStreamContext(ctx, true)
 }
 
-// getStreamContext is GetStreamContext; with pooled false it always opens
-// a new stream.
+// getStreamContext is GetStreamContext, opening a new stream if !pooled.
 func (m *SessionManager) getStreamContext(ctx context.Context, pooled bool) (*Stream, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
