@@ -145,7 +145,7 @@ func InitBuffer(mem []byte, plans []ListPlan) {
 // NewBuffer reads and checks the layout of a mapped buffer region
 // (docs/protocol.md §6.6): every list must lie inside the mapping and hold a
 // slice, and slice sizes must be distinct non-zero multiples of 4. The
-// values are copied; the manager never reads those header fields again.
+// values are copied (sliceList).
 func NewBuffer(r *Region, creator bool) (*Buffer, error) {
 	mem := r.mem
 	size := uint64(len(mem))

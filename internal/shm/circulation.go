@@ -99,7 +99,7 @@ type circulation struct {
 	hold   time.Time  // no parking before this
 
 	// Used by the looks alone, which run one at a time: a look that
-	// rests may still be finishing when the look wake schedules begins.
+	// rests may still be finishing when the look observe schedules begins.
 	lookMu  sync.Mutex
 	peaks   [][circulationWindow]int32
 	pos     int

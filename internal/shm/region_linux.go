@@ -29,11 +29,10 @@ type Region struct {
 	refs     atomic.Int32
 	// fd is a descriptor of the region kept open (see KeepFd), valid when
 	// hasFd is set: for statistics, and for giving memory back.
-	fd    int
-	hasFd bool
-	// onLastRelease runs under no lock before unmapping (cache removal).
-	onLastRelease func()
-	mapped        bool // mem is a mapping of this Region's, to unmap
+	fd            int
+	hasFd         bool
+	onLastRelease func() // see OnLastRelease
+	mapped        bool   // mem is a mapping of this Region's, to unmap
 }
 
 // RegionOf makes a Region of memory its caller mapped itself, or of Go
