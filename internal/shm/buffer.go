@@ -142,10 +142,9 @@ func InitBuffer(mem []byte, plans []ListPlan) {
 	binary.LittleEndian.PutUint32(mem[4:], cur-BufferHeaderSize)
 }
 
-// NewBuffer reads and checks the layout of a mapped buffer region
-// (docs/protocol.md §6.6): every list must lie inside the mapping and hold a
-// slice, and slice sizes must be distinct non-zero multiples of 4. The
-// values are copied (sliceList).
+// NewBuffer reads, checks and copies (sliceList) the layout of a mapped
+// buffer region (docs/protocol.md §6.6): every list must lie inside the
+// mapping and hold a slice, and slice sizes distinct non-zero multiples of 4.
 func NewBuffer(r *Region, creator bool) (*Buffer, error) {
 	mem := r.mem
 	size := uint64(len(mem))
