@@ -35,10 +35,8 @@ const minHotRestartInterval = time.Second
 func (m *SessionManager) onHotRestart(s *Session, epoch uint64) {
 	m.hr.mu.Lock()
 	defer m.hr.mu.Unlock()
-	if !m.hr.ready || m.hr.running || m.slotOf(s) == nil { // s is parked
-		return
-	}
-	if !m.hr.started.IsZero() && time.Since(m.hr.started) < minHotRestartInterval {
+	if !m.hr.ready || m.hr.running || m.slotOf(s) == nil || // nil: s is parked
+		time.Since(m.hr.started) < minHotRestartInterval { // a zero started is long past
 		return
 	}
 	m.mu.Lock()
