@@ -220,8 +220,7 @@ func (s *Session) clientBuffer() (queuePath string, err error) {
 	return prefix + "_queue_0", nil
 }
 
-// expect reads the next handshake frame, which must be an 8-byte frame of
-// type t.
+// expect reads the next handshake frame, which must be an 8-byte t frame.
 func (s *Session) expect(t wire.Type) (wire.Header, error) {
 	h, err := s.ec.readHeader()
 	if err != nil {

@@ -18,9 +18,8 @@ import (
 // reused by either process. Do not write into them.
 //
 // Bytes returned in place are not a snapshot: the peer keeps the region
-// mapped read-write and can change them after the caller checked them.
-// Where the peer is not trusted, validate and use a copy (Stream.Read
-// copies).
+// mapped read-write and can change them after the caller checked them; where
+// it is not trusted, validate and use a copy (Stream.Read copies).
 //
 // A BufferReader is not safe for concurrent use.
 type BufferReader interface {
@@ -100,7 +99,7 @@ func (r *streamReader) appendHeap(data []byte) {
 }
 
 // freeHeap accounts for released private segments among segs, and wakes a
-// receive loop waiting for room for fallback data (waitFallbackRoom).
+// receive loop waiting for room for fallback data (serveStalled).
 func (r *streamReader) freeHeap(segs []shm.Segment) {
 	n := 0
 	for _, seg := range segs {
@@ -175,8 +174,7 @@ func (r *streamReader) release() error {
 	return r.st.freeReceived(r.segs[:r.done])
 }
 
-// releaseAll frees every segment, read or not, forgetting them as release
-// does.
+// releaseAll frees and forgets every segment, read or not, as release does.
 func (r *streamReader) releaseAll() error {
 	r.arena = r.arena[:0]
 	defer func() {

@@ -97,9 +97,8 @@ func (st *Stream) sessionEnded(local bool) {
 
 // letGo drops the stream's references on the regions if its session has
 // ended and it holds nothing of them: no received data and no unsent
-// message. A writer busy meanwhile does it when done (unlockWriter), so
-// that a Write overlapping the session's end does not keep the region
-// mapped until Close.
+// message. A writer busy meanwhile does it when done (unlockWriter), lest a
+// Write overlapping the session's end keep the region mapped until Close.
 func (st *Stream) letGo() {
 	if st.life.Load()&lifeDropped != 0 || !st.isEnded() {
 		return
