@@ -283,7 +283,11 @@ func (s *Session) serverHandshake() error {
 
 // readPaths reads the payload of a path message.
 func (s *Session) readPaths(h wire.Header) (queuePath, bufPath string, err error) {
-	payload, err := s.ec.readPayload(h)
+	n, err := frameLength(h, 0)
+	if err != nil {
+		return "", "", err
+	}
+	payload, err := s.ec.readExact(n - wire.HeaderSize)
 	if err != nil {
 		return "", "", err
 	}

@@ -68,15 +68,6 @@ func frameLength(h wire.Header, limit uint32) (int, error) {
 	return int(want), nil
 }
 
-// readPayload reads the rest of a handshake frame whose header is h.
-func (c *eventConn) readPayload(h wire.Header) ([]byte, error) {
-	n, err := frameLength(h, 0)
-	if err != nil {
-		return nil, err
-	}
-	return c.readExact(n - wire.HeaderSize)
-}
-
 // readFrame returns the next frame, header checked and length validated
 // against limit. The returned slice is valid until the next call. A frame
 // whose first bytes have arrived must arrive whole within partial, or the
