@@ -105,7 +105,6 @@ func (w *streamWriter) grow(want int, contiguous bool) error {
 			class = buf.Class(want, !contiguous)
 			join()
 		}
-		// Back-pressure: wait for the peer to free slices.
 		var wake <-chan struct{}
 		if queued {
 			wake = st.spaceCh
