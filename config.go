@@ -100,15 +100,14 @@ type Config struct {
 	//
 	// A writer that holds part of the region waits only 50 ms, then goes on
 	// as fallback data: a message that ran out of room part way, or one on a
-	// stream whose reader holds slices it read in place and has not
-	// released (an echo that reserves its reply before releasing a large
-	// request would otherwise wait for itself). Writers that hold nothing
-	// wait first come, first served, and on the side that created the
-	// region they leave a few slices to writers that hold some. Waiting can
-	// still deadlock when every slice is held by other streams whose owners
-	// wait too (a client that keeps large replies on some streams while it
-	// sends on others): size the region for the data in flight, or set
-	// FallbackWhenFull.
+	// stream whose reader holds slices it read in place and has not released
+	// (an echo that reserves its reply before releasing a large request
+	// would otherwise wait for itself). Writers that hold nothing wait first
+	// come, first served, and on the side that created the region they leave
+	// a few slices to writers that hold some. Waiting can still deadlock
+	// when every slice is held by streams whose owners wait too (a client
+	// that keeps large replies on some streams while it sends on others):
+	// size the region for the data in flight, or set FallbackWhenFull.
 	WriteSpaceTimeout time.Duration
 
 	// FallbackWhenFull sends a message over the socket as fallback data when
@@ -156,10 +155,9 @@ type Config struct {
 	// every peer takes its frames whatever its setting.
 	MaxFallbackFrameSize uint32
 
-	// Bounds on what a peer can make this side hold. A peer that reaches
-	// one is slowed down or cut off, its session ending with an error that
-	// wraps ErrLimitExceeded and names the bound; other sessions are not
-	// affected.
+	// Bounds on what a peer can make this side hold. A peer that reaches one
+	// is slowed down or cut off, its session ending with an error that wraps
+	// ErrLimitExceeded and names the bound; other sessions go on.
 
 	// MaxStreams bounds the streams a client holds open at once in a
 	// session (default 65,536): OpenStream fails beyond it. A stream counts
@@ -191,11 +189,10 @@ type Config struct {
 	MaxFallbackBuffered          int
 	FallbackStallTimeout         time.Duration
 
-	// PartialFrameTimeout bounds how long a frame may take to arrive once
-	// its first bytes have (default 10 s): a peer that announces a frame
-	// and stops part way ends its session. The receive buffer grows with
-	// the bytes that arrive, not the length announced. Zero means the
-	// default.
+	// PartialFrameTimeout (default 10 s, also when zero) bounds how long a
+	// frame may take to arrive once its first bytes have: a peer that
+	// announces a frame and stops part way ends its session. The receive
+	// buffer grows with the bytes that arrive, not the length announced.
 	PartialFrameTimeout time.Duration
 
 	// MaxSessions bounds the sessions a Listener serves at once, handshakes
