@@ -86,8 +86,7 @@ var (
 	ErrSessionManagerClosed = errors.New("shmipc: session manager closed")
 
 	// ErrNoHealthySession is returned (wrapped, with the last dial error) by
-	// GetStream when every session of the manager has died and is still
-	// being re-dialed.
+	// GetStream when every session of the manager died and is re-dialed.
 	ErrNoHealthySession = errors.New("shmipc: no healthy session")
 )
 

@@ -35,8 +35,7 @@ func (m *handoverMutex) Lock() {
 	}
 }
 
-// Unlock releases the mutex; the caller then looks at the debts it may
-// have been left.
+// Unlock releases the mutex; the caller then looks at debts left to it.
 func (m *handoverMutex) Unlock() {
 	if countHolders {
 		m.holders.Add(-1)
