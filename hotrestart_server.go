@@ -222,15 +222,14 @@ func (l *Listener) WaitHotRestart(ctx context.Context) error {
 	}
 }
 
-// ListenTakeover listens on the Unix socket path address like
-// Listen("unix", address, conf), except that a socket already bound there
-// (the old server of a hot restart) is replaced atomically: the new socket
-// is bound under a temporary name in the same directory and renamed over
-// address (rename(2)), so a client finds the old or the new server, never
-// none, and no listener fd travels between the processes. Connections made
-// before still reach the old server. Abstract addresses ("@...") cannot be
-// taken over. Close removes the socket file only if it is still this
-// listener's.
+// ListenTakeover listens on the Unix socket path address like Listen("unix",
+// address, conf), except that a socket already bound there (the old server
+// of a hot restart) is replaced atomically: the new socket is bound under a
+// temporary name in the same directory and renamed over address, so a client
+// finds the old or the new server, never none, and no listener fd travels
+// between the processes. Connections made before still reach the old server.
+// Abstract addresses ("@...") cannot be taken over. Close removes the socket
+// file only if it is still this listener's.
 func ListenTakeover(address string, conf *Config) (*Listener, error) {
 	conf, err := verified(conf)
 	if err != nil {

@@ -209,12 +209,11 @@ func (l *Listener) serve(conn net.Conn) {
 	}
 }
 
-// adopt makes the listener the home of a session whose handshake is done
-// and whose receive loop has not started: its new streams go to the
-// listener's queue, and its end is noticed. It is registered before it can
-// deliver a stream, so that every session whose streams were accepted is
-// known (CloseAll, hot restart), and conn stops counting as a handshake at
-// the same moment.
+// adopt makes the listener the home of a session whose handshake is done and
+// whose receive loop has not started: its new streams go to the listener's
+// queue, and its end is noticed. It is registered before it can deliver a
+// stream, so that every session whose streams were accepted is known
+// (CloseAll, hot restart), and conn stops counting as a handshake then.
 func (l *Listener) adopt(s *Session, conn net.Conn) {
 	s.onAccept = l.streams.push
 	s.onTeardown = l.forget
@@ -242,8 +241,7 @@ func (l *Listener) forget(s *Session) {
 
 func (l *Listener) isClosed() bool { return isClosedChan(l.closed) }
 
-// Accept waits for the next stream opened by any client and returns it as a
-// net.Conn (a *Stream).
+// Accept waits for the next stream opened by any client, as a net.Conn.
 func (l *Listener) Accept() (net.Conn, error) {
 	st, err := l.AcceptStream()
 	if err != nil {
@@ -293,8 +291,7 @@ func (l *Listener) Close() error {
 // it accepted, at once, without waiting for their streams: reads and writes
 // on those streams then fail with an error wrapping ErrSessionClosed (here)
 // or ErrPeerClosed (in the client). It returns once the sessions' receive
-// loops have stopped. It may follow Close, to end the sessions Close left
-// running.
+// loops have stopped, and may follow Close to end the sessions it left open.
 func (l *Listener) CloseAll() error {
 	l.stopAccepting()
 	for _, s := range l.liveSessions() {
