@@ -64,10 +64,9 @@ func (b *netpollReader) Skip(n int) error {
 	return err
 }
 
-// Until returns the bytes up to and including the next delim, blocking
-// until delim arrives. If the stream ends or fails first, it consumes and
-// returns what was left together with the error (io.EOF when the peer closed
-// the stream).
+// Until returns the bytes up to and including the next delim, blocking until
+// it arrives. If the stream ends or fails first, it consumes and returns
+// what was left with the error (io.EOF when the peer closed it).
 func (b *netpollReader) Until(delim byte) (line []byte, err error) {
 	st := (*Stream)(b)
 	st.mu.Lock()

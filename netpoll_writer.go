@@ -274,8 +274,7 @@ func (w *netpollWriter) MallocLen() int { return (*bufferWriter)(w.st).Len() }
 
 var errNetpollStaleMove = errors.New("shmipc: WriteDirect of a message discarded or flushed elsewhere")
 
-// applyMoves performs the copies WriteDirect left and forgets them. The
-// stream's wmu is held.
+// applyMoves performs and forgets the copies WriteDirect left; wmu is held.
 func (w *netpollWriter) applyMoves() error {
 	sw := &w.st.writer
 	defer w.cutMoves(0)
