@@ -2,8 +2,7 @@
 
 package shmipc
 
-// raceReleaseIO and raceAcquireIO tell the race detector about the order
-// that sending and receiving imply (raceio_on.go); without it they do
-// nothing.
+// raceReleaseIO and raceAcquireIO tell the race detector what order sending
+// and receiving imply (raceio_on.go); without it they do nothing.
 func raceReleaseIO() {}
 func raceAcquireIO() {}

@@ -13,8 +13,7 @@ import (
 	"github.com/goshm/shmipc/internal/wire"
 )
 
-// recvLoop reads event frames until the connection fails, then tears the
-// session down.
+// recvLoop reads event frames until the connection fails, then tears down.
 func (s *Session) recvLoop() {
 	defer close(s.loopDone)
 	var err error
@@ -201,15 +200,14 @@ type pendingClose struct {
 	rounds uint8  // quiet waits so far (closeQuiet)
 }
 
-// closeAfterSocket applies a close element in the order the peer meant.
-// A peer sends a stream's last bytes as FallbackData, waits until the write
-// has completed, then publishes the close, which can therefore be seen
-// before those bytes are read; applied at once, it would lose them behind a
-// clean EOF. Over a Unix socket they are by then in this side's socket
-// buffer, so the close applies once the loop has acted on what was read so
-// far plus what the kernel holds now; over TCP, see tcp_order.go. While a
-// close waits, draining pauses behind it (drain): elements take effect in
-// queue order.
+// closeAfterSocket applies a close element in the order the peer meant. A
+// peer sends a stream's last bytes as FallbackData, waits for the write to
+// complete, then publishes the close, which can thus be seen before those
+// bytes are read; applied at once, it would lose them behind a clean EOF.
+// Over a Unix socket they are by then in this side's socket buffer, so the
+// close applies once the loop has acted on what was read so far plus what
+// the kernel holds now; over TCP, see tcp_order.go. While a close waits,
+// draining pauses behind it (drain): elements take effect in queue order.
 func (s *Session) closeAfterSocket(id uint32) error {
 	at, mode, err := s.closeTarget()
 	if err != nil {

@@ -131,10 +131,9 @@ func (s *Session) sendFallbackFrame(id uint32, data [][]byte, deadline time.Time
 	return nil
 }
 
-// sendStreamClose tells the peer a stream is closed: with a close element,
-// or a StreamClose frame when the queue is full or the stream sends
-// fallback data (so the close cannot overtake data on the socket). It runs
-// inside an access.
+// sendStreamClose tells the peer a stream is closed, inside an access: by a
+// close element, or a StreamClose frame if the queue is full or the stream
+// sends fallback data (lest the close overtake data on the socket).
 func (s *Session) sendStreamClose(id uint32, byFrame bool) {
 	if s.sendable() != nil {
 		return
