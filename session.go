@@ -51,9 +51,8 @@ type Session struct {
 	// this side has not: they do not count against Config.MaxStreams.
 	peerGone int
 	nextID   uint32 // the last id OpenStream gave out
-	// closedIDs are ids of streams this server closed while the client
-	// had not: data the client sent before it saw the close must not open
-	// a new stream.
+	// closedIDs holds streams this server closed before the client did: data
+	// the client sent before it saw the close must not open a new stream.
 	closedIDs recentIDs
 	accepted  streamQueue
 	onAccept  func(st *Stream, limit int) error // where new streams go (a streamQueue's push); set before start
@@ -301,8 +300,7 @@ func (s *Session) indexed(id uint32) *Stream {
 	return nil
 }
 
-// lookupLocked is lookup with s.mu held; it indexes a stream it finds if
-// the slot is free.
+// lookupLocked is lookup under s.mu, indexing what it finds in a free slot.
 func (s *Session) lookupLocked(id uint32) *Stream {
 	st := s.streams[id]
 	if slot := &s.index[id%streamIndexSize]; st != nil && slot.Load() == nil {

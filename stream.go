@@ -223,8 +223,7 @@ func (st *Stream) countWaiting() {
 	signalChan(st.s.readerWaits)
 }
 
-// uncountWaiting ends what countWaiting began, unless a delivery did.
-// st.mu is held.
+// uncountWaiting undoes countWaiting unless a delivery did; st.mu is held.
 func (st *Stream) uncountWaiting() {
 	if st.waiting {
 		st.waiting = false

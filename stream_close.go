@@ -66,9 +66,8 @@ func (st *Stream) finishClose() error {
 	return nil
 }
 
-// closeReader marks the stream closed and frees what it received. first
-// reports whether this was the first Close; tellPeer whether the peer still
-// expects a close.
+// closeReader marks the stream closed and frees what it received; first says
+// this was the first Close, tellPeer that the peer still expects a close.
 func (st *Stream) closeReader() (first, tellPeer bool, err error) {
 	st.mu.Lock()
 	defer st.mu.Unlock()

@@ -57,8 +57,7 @@ func (st *Stream) writeDeadlineErr() error {
 	return nil
 }
 
-// flushLocked sends the pending message; st.wmu is held and it runs inside
-// an access.
+// flushLocked sends the pending message, inside an access, with st.wmu held.
 func (st *Stream) flushLocked() error {
 	w := &st.writer
 	if w.size == 0 {
