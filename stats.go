@@ -66,14 +66,13 @@ type RegionStats struct {
 	// both processes of a session see the same pages, and it shows under
 	// Shmem in /proc/meminfo, counted once.
 	Committed uint64
-	// InUse is the data capacity of the slices handed out and not yet
-	// freed, by either process, and by any session of a shared region
-	// (buffer regions only). Only the region's creator, the client, knows
-	// which slices are parked: a server counts them in use, as
-	// ListStats.Free does. An open stream that has read a message may keep
-	// one slice of up to 128 KiB for its next one (at most an eighth of a
-	// class per process), so a region at rest shows up to one such slice per
-	// open stream in use.
+	// InUse is the data capacity of the slices handed out and not yet freed,
+	// by either process and any session of a shared region (buffer regions
+	// only). Only the region's creator, the client, knows which slices are
+	// parked: a server counts them in use, as ListStats.Free does. An open
+	// stream that has read a message may keep one slice of up to 128 KiB for
+	// its next one (at most an eighth of a class per process), so a region
+	// at rest shows up to one such slice per open stream in use.
 	InUse uint64
 	// Sessions is the number of this process's sessions using the region
 	// (or, for AggregateStats, the number of regions summed).
@@ -187,8 +186,7 @@ func (s *Session) Stats() Stats {
 	return st
 }
 
-// registry holds the live sessions, and the counts of ended ones, for
-// AggregateStats.
+// registry holds live sessions and ended ones' counts, for AggregateStats.
 var registry = struct {
 	sync.Mutex
 	live  map[*Session]struct{}

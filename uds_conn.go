@@ -37,9 +37,8 @@ type eventConn struct {
 
 	wmu          handoverMutex
 	writeTimeout time.Duration
-	// pollOwed: a Polling frame is owed, left to the holder of wmu
-	// (writePolling, unlockW); onAsyncErr gets the error of a write that
-	// no caller waits for.
+	// pollOwed: a Polling frame is owed, left to wmu's holder (writePolling,
+	// unlockW); onAsyncErr gets the error of a write no caller waits for.
 	pollOwed    atomic.Bool
 	pollVersion atomic.Uint32
 	onAsyncErr  func(error)

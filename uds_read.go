@@ -173,9 +173,8 @@ func (c *eventConn) makeRoom(n int) {
 	c.rbuf = nb
 }
 
-// shrink drops a receive buffer grown for a large frame once it is drained.
-// It keeps the buffer while more bytes wait on the socket: a run of large
-// frames reuses it.
+// shrink drops a receive buffer grown for a large frame once it is drained,
+// unless more bytes wait on the socket: a run of large frames reuses it.
 func (c *eventConn) shrink() {
 	if len(c.rbuf) > readBufSize && c.r == c.w {
 		if n, err := c.inq(); err == nil && n > 0 {

@@ -95,8 +95,7 @@ func (c *eventConn) payPolling() error {
 
 // tryWriteErr makes one non-blocking write(2) of b and returns how much of
 // it went out: 0 when the socket is full, or has no file descriptor (a
-// net.Conn of the caller's that is not a syscall.Conn); an error for any
-// other failure.
+// caller's net.Conn that is not a syscall.Conn); else an error.
 func (c *eventConn) tryWriteErr(b []byte) (int, error) {
 	if c.raw == nil {
 		return 0, nil
