@@ -35,8 +35,7 @@ type BufferWriter interface {
 	Len() int
 }
 
-// minHeapSegment is the smallest private segment a writer allocates once it
-// has to fall back.
+// minHeapSegment is the smallest private segment of a writer that fell back.
 const minHeapSegment = 64 << 10
 
 // streamWriter is the sending side of a stream: the message being built.
@@ -170,8 +169,7 @@ func (w *streamWriter) discard() error {
 	return w.st.s.freeSegments(w.segs)
 }
 
-// locate returns the segment holding message position pos (< size) and
-// the offset in it.
+// locate returns the segment and offset of message position pos (< size).
 func (w *streamWriter) locate(pos int) (int, int) {
 	for i := range w.segs {
 		if pos < w.segs[i].N {

@@ -7,11 +7,10 @@ import (
 	"github.com/goshm/shmipc/internal/shm"
 )
 
-// grow appends a segment with room for want bytes when contiguous is set,
-// or for as much of want as one slice gives otherwise: a slice from the
-// stream's kept slot or the free lists, after a wait for room in turn
-// (shm.SpaceQueues) if need be, or heap memory for fallback data. It runs
-// inside an access.
+// grow appends a segment with room for want bytes (unless contiguous, for as
+// much of want as one slice gives): a slice from the stream's kept slot or
+// the free lists, after a wait for room in turn (shm.SpaceQueues) if need
+// be, or heap memory for fallback data. It runs inside an access.
 func (w *streamWriter) grow(want int, contiguous bool) error {
 	st := w.st
 	buf := st.s.buf
