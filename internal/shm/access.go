@@ -21,8 +21,7 @@ import (
 // break the protocol, and for faults in a shared region.
 var ErrProtocol = errors.New("shmipc: protocol violation")
 
-// FaultError turns the recovered value of a memory fault into an error; any
-// other panic goes on.
+// FaultError makes a recovered memory fault an error; other panics go on.
 func FaultError(r any) error {
 	f, ok := r.(interface{ Addr() uintptr })
 	if !ok {
@@ -32,8 +31,7 @@ func FaultError(r any) error {
 }
 
 // Quietly runs f, which touches a shared region outside any connection's
-// guarded access, with a memory fault ending f silently. Any other panic
-// goes on.
+// guarded access, ending f silently on a memory fault; other panics go on.
 func Quietly(f func()) {
 	defer func() {
 		if r := recover(); r != nil {

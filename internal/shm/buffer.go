@@ -142,9 +142,9 @@ func InitBuffer(mem []byte, plans []ListPlan) {
 	binary.LittleEndian.PutUint32(mem[4:], cur-BufferHeaderSize)
 }
 
-// NewBuffer reads, checks and copies (sliceList) the layout of a mapped
-// buffer region (docs/protocol.md §6.6): every list must lie inside the
-// mapping and hold a slice, and slice sizes distinct non-zero multiples of 4.
+// NewBuffer reads, checks and copies (sliceList) a mapped buffer region's
+// layout (docs/protocol.md §6.6): each list must lie inside the mapping and
+// hold a slice, and slice sizes must be distinct non-zero multiples of 4.
 func NewBuffer(r *Region, creator bool) (*Buffer, error) {
 	mem := r.mem
 	size := uint64(len(mem))
@@ -306,11 +306,10 @@ func (m *Buffer) Space() *SpaceQueues { return &m.space }
 // SliceCap is the data capacity of a slice of list li.
 func (m *Buffer) SliceCap(li int) int { return int(m.lists[li].sliceCap) }
 
-// NeverFits reports whether a message of size bytes whose next piece is
-// want bytes can never come from the region: a contiguous piece larger than
-// any slice, a message over half of what the region can hand out, or one
-// larger than any slice and over half of what it can hand out in pieces
-// (splitCapacity).
+// NeverFits reports whether a message of size bytes whose next piece is want
+// bytes can never come from the region: a contiguous piece larger than any
+// slice, a message over half of what the region can hand out, or one larger
+// than any slice and over half its splitCapacity.
 func (m *Buffer) NeverFits(size uint64, want int, contiguous bool) bool {
 	if contiguous {
 		return want > int(m.usable) || size > m.capacity/2

@@ -25,8 +25,7 @@ func (m *Buffer) Pop(li int) (uint32, error) {
 	return m.popLeaving(li, 0)
 }
 
-// popLeaving is Pop, unless that would leave the list with fewer than keep
-// free slices.
+// popLeaving is Pop, unless that would leave fewer than keep free slices.
 func (m *Buffer) popLeaving(li int, keep int32) (uint32, error) {
 	off, left, err := m.popList(li, keep)
 	if off != 0 && m.circ != nil {
@@ -151,8 +150,7 @@ func (m *Buffer) Unhold(li int, off uint32) {
 	}
 }
 
-// heldBit locates the bit of held for the slice at off of list li, which
-// locate has checked.
+// heldBit locates held's bit for slice off of list li, which locate checked.
 func (m *Buffer) heldBit(li int, off uint32) (*atomic.Uint64, uint64) {
 	l := &m.lists[li]
 	i := l.first + (off-l.area)/l.stride

@@ -192,7 +192,7 @@ func (m *Buffer) spareFor(li int, peak int32) int32 {
 // push of this process, and refills the list if it is short.
 func (c *circulation) observe(m *Buffer, li int, left int32) error {
 	if !c.running.Load() && c.running.CompareAndSwap(false, true) {
-		time.AfterFunc(c.period, m.tick) // traffic resumed on a region at rest
+		time.AfterFunc(c.period, m.tick) // a region at rest: traffic resumed
 	}
 	c.noteInFlight(m, li, left)
 	if left >= c.lists[li].floor.Load() {

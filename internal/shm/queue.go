@@ -27,8 +27,7 @@ const (
 	StatusMask   = 0xFF
 )
 
-// QueueRegionSize is the size of a queue region whose halves hold cap
-// elements each.
+// QueueRegionSize is the size of a queue region with cap elements per half.
 func QueueRegionSize(cap uint32) int {
 	return 2 * (queueHeaderSize + queueElemSize*int(cap))
 }

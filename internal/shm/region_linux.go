@@ -78,8 +78,7 @@ func (r *Region) Release() {
 	}
 }
 
-// KeepFd keeps a duplicate of fd, the region's descriptor, open until the
-// region is unmapped.
+// KeepFd keeps a duplicate of the region's fd open until it is unmapped.
 func (r *Region) KeepFd(fd int) error {
 	kept, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
@@ -108,8 +107,7 @@ func (r *Region) RemovesFile() bool { return r.file != "" }
 // Backs reports whether st, from StatRegular, is the region's file.
 func (r *Region) Backs(st *unix.Stat_t) bool { return r.dev == st.Dev && r.ino == st.Ino }
 
-// OnLastRelease makes the last release run f, under no lock, before the
-// region is unmapped.
+// OnLastRelease has the last release run f, under no lock, then unmap.
 func (r *Region) OnLastRelease(f func()) { r.onLastRelease = f }
 
 // Committed returns how many bytes of the region are backed by memory now,

@@ -6,8 +6,8 @@ import (
 	"sync/atomic"
 )
 
-// spaceQueue makes the writers of this process that hold no slice and find no
-// room wait for it in turn. Retrying at intervals would hand the room to
+// spaceQueue makes the writers of this process that hold no slice and find
+// no room wait for it in turn. Retrying at intervals would hand the room to
 // whoever looks first after a slice is freed, which favours the streams just
 // served and starves the others. So there is one queue per class of slice
 // asked for (Class): only its head looks for room, at short intervals
@@ -15,9 +15,8 @@ import (
 // writer that finds others queued joins the end. A writer that leaves the
 // queue (it got its room, or gave up) passes the turn on if it was the head.
 //
-// Writers that hold slices do not queue: the room they take lets an
-// exchange finish and free slices, and the list reserve keeps room for
-// them (Alloc).
+// Writers that hold slices do not queue: the room they take lets an exchange
+// finish and free slices, and the list reserve (Alloc) keeps room for them.
 type spaceQueue struct {
 	mu      sync.Mutex
 	waiters []chan struct{} // in arrival order; the first is the head
