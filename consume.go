@@ -115,8 +115,8 @@ func (s *Session) takeHanded() error {
 
 // consume drains, keeps looking while that pays, and stops by the protocol
 // above; the loop holds the token, inside an access. It returns with the
-// working flag still set (s.cons.consuming) when frames on the socket must be
-// read first: a close waits for them (closeAfterSocket), or they arrived
+// working flag still set (s.cons.consuming) when frames on the socket must
+// be read first: a close waits for them (closeAfterSocket), or they arrived
 // while the loop spun; the loop consumes again after the next frame.
 func (s *Session) consume() error {
 	if !s.cons.consuming {
@@ -197,9 +197,9 @@ const (
 )
 
 // drain pops and dispatches the elements published so far, at most limit of
-// them; the caller holds the token. It reports stopped when it stopped before
-// an element, as mode says, or before one of the stream whose frame waits for
-// room (serveStalled).
+// them; the caller holds the token. It reports stopped when it stopped
+// before an element, as mode says, or before one of the stream whose frame
+// waits for room (serveStalled).
 func (s *Session) drain(mode, limit int) (n int, stopped bool, err error) {
 	if h := consumeHook.Load(); h != nil {
 		(*h)(s, false)

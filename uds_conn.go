@@ -151,7 +151,7 @@ func (c *eventConn) writeOnce(fd uintptr) bool {
 	}
 }
 
-// writeEvent sends a frame without payload (for the handshake: it allocates).
+// writeEvent sends a frame without payload (handshake only: it allocates).
 func (c *eventConn) writeEvent(version uint8, t wire.Type) error {
 	return c.write(wire.AppendEvent(nil, version, t))
 }
