@@ -385,9 +385,8 @@ const maxMemfdPrefix = 4096
 // pathUniquePart stands for what a client appends to the prefix: "_<pid>_<random>".
 const pathUniquePart = "_4294967295_ffffffffffffffff"
 
-// planLists computes the lists of a new region exactly as docs/protocol.md §6.5
-// does: sorted by size, each taking its percentage of the space left after
-// the headers.
+// planLists lays out a new region's lists exactly as docs/protocol.md §6.5
+// does: by size, each taking its percentage of the space after the headers.
 func planLists(size uint32, pairs []SizePercentPair) ([]shm.ListPlan, error) {
 	if len(pairs) == 0 {
 		return nil, fmt.Errorf("BufferSliceSizes is empty")
