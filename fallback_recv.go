@@ -95,11 +95,10 @@ func (s *Session) fallbackBound(st *Stream, n int) (string, int64) {
 	return "", 0
 }
 
-// serveStalled runs the receive loop while a frame waits for room: it
-// consumes the queue, with pauses, and delivers the frame once it fits, or
-// fails its stream once FallbackStallTimeout has passed. Elements of the
-// waiting stream wait too (drain), to keep its data in order. It runs
-// inside an access.
+// serveStalled runs the receive loop, inside an access, while a frame waits
+// for room: it consumes the queue, with pauses, and delivers the frame once
+// it fits, or fails its stream after FallbackStallTimeout. Elements of the
+// waiting stream wait too (drain), keeping its data in order.
 func (s *Session) serveStalled() error {
 	f := s.stall
 	if !s.cons.consuming {

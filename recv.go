@@ -98,10 +98,9 @@ func (s *Session) handleFrameInOrder(h wire.Header, payload []byte) error {
 	return nil
 }
 
-// handleFrame acts on one running-phase frame (docs/protocol.md §3.2).
-// StreamClose and FallbackData frames follow everything the peer published
-// before sending them, whose wake-up may not have arrived yet: the queue is
-// drained first.
+// handleFrame acts on one running-phase frame (docs/protocol.md §3.2). A
+// StreamClose or FallbackData frame follows what the peer published before
+// it, whose wake-up may still be on its way: the queue is drained first.
 func (s *Session) handleFrame(h wire.Header, payload []byte) error {
 	switch h.Type() {
 	case wire.TypePolling:

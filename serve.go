@@ -71,8 +71,7 @@ func (l *Listener) ServeHandler(h StreamHandler) error {
 //   - Slices it got from BufferReader are valid until it returns; then
 //     OnData releases what was read (ReleasePreviousRead).
 //
-// A read deadline on st bounds how long it may stay idle: OnData then stops
-// with ErrTimeout.
+// A read deadline on st bounds its idling: OnData then stops with ErrTimeout.
 func OnData(st *Stream, fn func(st *Stream) error) <-chan error {
 	done := make(chan error, 1)
 	go func() {
