@@ -68,8 +68,7 @@ func (m *SessionManager) runHotRestart(epoch, randID uint64, deadline time.Time)
 	ctx, cancel := context.WithDeadline(m.ctx, deadline)
 	defer cancel()
 
-	// Region names become <prefix>_epoch_<epoch>_<randID>_<pid>_<random>_buffer
-	// (and _queue_0).
+	// The regions' prefix becomes <prefix>_epoch_<epoch>_<randID>.
 	conf := *m.conf.Config
 	conf.ShareMemoryPathPrefix = fmt.Sprintf("%s_epoch_%d_%d", conf.ShareMemoryPathPrefix, epoch, randID)
 	if conf.Verify() != nil { // too long for file mode: keep the plain names

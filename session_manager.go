@@ -327,8 +327,7 @@ func (m *SessionManager) PutBack(st *Stream) {
 	st.Close()
 }
 
-// poolable reports whether st can carry another request: it is clean as
-// PutBack defines it.
+// poolable reports whether st is clean (see PutBack) for another request.
 func poolable(st *Stream) bool {
 	return !st.writeClosed.Load() && !st.fallback.Load() && st.s.sendable() == nil &&
 		st.reuse.Load() == 0 &&
