@@ -40,9 +40,8 @@ type BufferReader interface {
 	// Len is the number of received bytes not yet read. It never blocks.
 	Len() int
 
-	// ReleasePreviousRead returns every slice of shared memory that has been
-	// read completely to the buffer region. Slices returned by earlier reads
-	// become invalid.
+	// ReleasePreviousRead gives every slice of shared memory read completely
+	// back to the buffer region, invalidating slices earlier reads returned.
 	ReleasePreviousRead()
 }
 
@@ -118,8 +117,7 @@ func (r *streamReader) freeHeap(segs []shm.Segment) {
 // exposed reports whether data has been handed out that may still be in use.
 func (r *streamReader) exposed() bool { return r.done > 0 || r.pos > 0 }
 
-// contiguous returns the next n unread bytes without copying if they lie in
-// one segment.
+// contiguous returns the next n unread bytes uncopied if in one segment.
 func (r *streamReader) contiguous(n int) ([]byte, bool) {
 	d := r.segs[r.done].Data[r.pos:]
 	if len(d) >= n {

@@ -327,10 +327,9 @@ func (b *bufferWriter) Len() int {
 // copyChunk bounds the pieces copyCached copies at once.
 const copyChunk = 256 << 10
 
-// copyCached is copy, in pieces smaller than a MiB. From a MiB on, the
-// runtime's copy on amd64 writes around the caches (non-temporal stores),
-// while what is copied here is read right away: by the peer, or by the
-// reader's caller.
+// copyCached is copy in pieces under a MiB. From a MiB on, the runtime's
+// copy on amd64 writes around the caches (non-temporal stores), while what
+// is copied here is read right away, by the peer or the reader's caller.
 func copyCached[T string | []byte](dst []byte, src T) int {
 	n := min(len(dst), len(src))
 	for off := 0; off < n; off += copyChunk {
