@@ -86,9 +86,8 @@ type circulation struct {
 	lists []circList
 
 	// running says whether a look is due: cleared when a look finds the
-	// region at rest, set again, with a look scheduled, by the next pop or
-	// push of this process (observe). Written only then: the hot path
-	// reads it alone.
+	// region at rest, set, with a look scheduled, by this process's next pop
+	// or push (observe). Written only then: the hot path reads it alone.
 	running atomic.Bool
 	// The Periods the region was created with.
 	period, giveBack, maxGap time.Duration
@@ -136,8 +135,7 @@ func (m *Buffer) startCirculation(p Periods) {
 	time.AfterFunc(c.gap, m.tick)
 }
 
-// tick runs a look and schedules the next one, unless the region is
-// unmapped or at rest.
+// tick runs a look, and schedules the next unless unmapped or at rest.
 func (m *Buffer) tick() {
 	if !m.region.Acquire() {
 		return // unmapped
@@ -180,8 +178,7 @@ func (c *circulation) rest(m *Buffer) bool {
 	return true
 }
 
-// spareFor is how many free slices list li keeps when peak slices of it
-// are in flight.
+// spareFor is how many free slices list li keeps with peak of them in flight.
 func (m *Buffer) spareFor(li int, peak int32) int32 {
 	l := &m.lists[li]
 	spare := max(minSpare, int32((spareBytes+l.sliceCap-1)/l.sliceCap), (peak+3)/4)

@@ -170,8 +170,7 @@ func (q *Queue) Skip() {
 	shmStoreInt64(q.head, h)
 }
 
-// Depth is the number of elements published and not yet taken, as far as
-// this side can tell.
+// Depth counts the elements published and not yet taken, as this side sees.
 func (q *Queue) Depth() int64 {
 	return max(0, shmLoadInt64(q.tail)-shmLoadInt64(q.head))
 }

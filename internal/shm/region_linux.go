@@ -287,8 +287,7 @@ func CloseFds(fds ...int) {
 
 var errNoSpace = errors.New("no space for the region")
 
-// CheckFreeSpace fails early when the file system holding dir cannot take
-// size more bytes.
+// CheckFreeSpace fails early when dir's file system lacks size free bytes.
 func CheckFreeSpace(dir string, size uint64) error {
 	var st unix.Statfs_t
 	if err := unix.Statfs(dir, &st); err != nil {
