@@ -152,10 +152,8 @@ var reclaimSweeps = []time.Duration{10 * time.Millisecond, 100 * time.Millisecon
 // peer may still publish for a moment, so a shared region's queue is swept
 // again after each of reclaimSweeps.
 func (s *Session) reclaimUnconsumed() {
-	if s.recvQ == nil || s.buf == nil {
-		return
-	}
-	if s.access(s.freeUnconsumed) != nil || s.buf.Region().RemovesFile() || s.queueRegion.RemovesFile() || s.buf.Sessions() < 2 {
+	if s.recvQ == nil || s.buf == nil || s.access(s.freeUnconsumed) != nil ||
+		s.buf.Region().RemovesFile() || s.queueRegion.RemovesFile() || s.buf.Sessions() < 2 {
 		return
 	}
 	if !s.queueRegion.Acquire() {
