@@ -57,8 +57,7 @@ func (b *netpollReader) Next(n int) ([]byte, error) { return (*Stream)(b).next(n
 // Peek is Next without consuming the bytes.
 func (b *netpollReader) Peek(n int) ([]byte, error) { return (*Stream)(b).next(n, false) }
 
-// Skip consumes the next n bytes, blocking until they have arrived. On
-// error nothing is consumed.
+// Skip consumes the next n bytes, blocking until they arrive; on error, none.
 func (b *netpollReader) Skip(n int) error {
 	_, err := (*Stream)(b).skip(n, false)
 	return err

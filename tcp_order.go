@@ -139,8 +139,7 @@ func (c *eventConn) tcpTarget(upper uint64) (at uint64, exact bool, err error) {
 	return min(upper, total-handshake-tcpCountSlack), exact, nil
 }
 
-// tcpConsumed returns how many bytes this side has read from the socket
-// since it was connected.
+// tcpConsumed returns how many bytes this side has read from the socket.
 func (c *eventConn) tcpConsumed() (uint64, error) {
 	var n uint64
 	var cerr error
