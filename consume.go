@@ -29,6 +29,7 @@ type consumer struct {
 	multi     bool             // the loop's consume has handed data to several streams
 	timer     *time.Timer      // bounds awaitReader
 	runnable  []metrics.Sample // for spinWatch.othersWait, made once
+	cpuShared bool             // the holder's last OS yield ran another thread
 }
 
 // pollCheckEvery is how many looks at the queue a spinner makes between

@@ -49,7 +49,7 @@ func (st *Stream) poll(deadline time.Time) bool {
 func (s *Session) pollHeld(st *Stream, deadline time.Time) (handOver bool, err error) {
 	s.recvQ.SetWorking(true)
 	now := time.Now()
-	w := spinWatch{begin: now, last: now, lastYield: now, lastLook: now, alone: procs.get(now) == 1}
+	w := spinWatch{begin: now, last: now, lastYield: now, lastLook: now, alone: procs.get(now) == 1, reader: true}
 	for {
 		// At most a queue's worth at a time: a peer that keeps publishing
 		// for other streams must not keep the reader from its own.

@@ -18,6 +18,9 @@ type spinWatch struct {
 	// spinner holds: it lets the others run between every two rounds of
 	// looks, since they include the readers it hands data to.
 	alone bool
+	// reader: the spinner is a polling reader, which waits for one
+	// stream's data (the loop serves them all: it yields later).
+	reader bool
 }
 
 // procs caches GOMAXPROCS for spinners: runtime.GOMAXPROCS takes the
@@ -57,9 +60,11 @@ func (w *spinWatch) check(s *Session) int {
 		runtime.Gosched() // the readers' turn; the time it takes is not a preemption
 		now = time.Now()
 		w.last = now
-	} else if now = time.Now(); now.Sub(w.begin) >= yieldOSAfter {
+	} else if now = time.Now(); (w.reader && s.cons.cpuShared) || now.Sub(w.begin) >= yieldOSAfter {
 		osYield() // to any thread waiting for the CPU, perhaps the peer
-		now = time.Now()
+		after := time.Now()
+		s.cons.cpuShared = after.Sub(now) > yieldRanOthers
+		now = after
 	}
 	if now.Sub(w.last) > preemptedGap {
 		// Descheduled: spinning only takes a core from someone.
@@ -111,6 +116,15 @@ const lookRunnableEvery = 4 * time.Microsecond
 // for the very core the spinner holds; yielding sooner costs a system call
 // per round while many streams keep the loop busy.
 const yieldOSAfter = 5 * time.Microsecond
+
+// yieldRanOthers is how long a yield of the OS thread takes only if
+// another thread ran meanwhile (a bare sched_yield takes 1-2 µs). Then the
+// spinner shares its CPU, often with the peer's spinner, which the
+// scheduler may leave there for tens of milliseconds while the other CPU
+// idles: each side then spins out yieldOSAfter before the other may run,
+// and a round trip takes 20 µs instead of 5. So until a yield comes back
+// at once, the spinner yields from the start of each wait.
+const yieldRanOthers = 4 * time.Microsecond
 
 // preemptedGap is a pause between two rounds of a spinner that only being
 // descheduled explains: a round takes well under a microsecond, and the
