@@ -113,12 +113,17 @@ type ourServer struct {
 // startOurServer serves the echo contract at a new address of tr.
 func startOurServer(t *testing.T, tr transport, n names) (*ourServer, string) {
 	t.Helper()
-	addr := tr.addr(t, n)
-	network, address := splitAddr(addr)
+	network, address := "unix", n.sock
+	if tr.tcp {
+		// Bound here, not picked free and bound again: another cell
+		// running in parallel may take a port between the two.
+		network, address = "tcp", "127.0.0.1:0"
+	}
 	nl, err := net.Listen(network, address)
 	if err != nil {
 		t.Fatal(err)
 	}
+	addr := network + ":" + nl.Addr().String()
 	srv := &ourServer{endAdded: make(chan struct{})}
 	srv.ln = shmipc.NewListener(countingListener{nl, &srv.conns}, shmipc.DefaultConfig())
 	done := make(chan struct{})
