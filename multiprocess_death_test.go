@@ -219,7 +219,7 @@ func TestPeerDeathKillLoop(t *testing.T) {
 				}
 				seen <- time.Now()
 			}()
-			lat := pdKillQuiet(t, p.c, calls...)
+			lat := pdKillQuiet(t, p.c, pdSessionGone, calls...)
 			close(stop)
 			var last time.Time
 			for _, call := range calls {
@@ -255,32 +255,4 @@ func TestPeerDeathKillLoop(t *testing.T) {
 			survived, kills, time.Since(start).Round(time.Millisecond), lats[len(lats)/2].Round(10*time.Microsecond),
 			lats[len(lats)*9/10].Round(10*time.Microsecond), lats[len(lats)-1].Round(10*time.Microsecond))
 	}
-}
-
-// pdKillQuiet is pdKill without the per-call blocking check (the workload's
-// calls are busy, not blocked) and without logging.
-func pdKillQuiet(t *testing.T, c *proctest.Child, calls ...*pdCall) time.Duration {
-	t.Helper()
-	killed := time.Now()
-	if err := c.Kill(); err != nil {
-		t.Fatal(err)
-	}
-	var worst time.Duration
-	for _, call := range calls {
-		select {
-		case <-call.done:
-		case <-time.After(pdBound + 8*time.Second):
-			t.Fatalf("%s still running %v after the peer was killed", call.name, pdBound+8*time.Second)
-		}
-		lat := max(call.at.Sub(killed), 0)
-		worst = max(worst, lat)
-		if lat > pdBound {
-			t.Errorf("%s failed %v after the peer was killed, want <= %v", call.name, lat, pdBound)
-		}
-		if !pdSessionGone(call.err) {
-			t.Errorf("%s: %v, want an error wrapping ErrSessionClosed", call.name, call.err)
-		}
-	}
-	<-c.Done()
-	return worst
 }
